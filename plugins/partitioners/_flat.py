@@ -1,0 +1,176 @@
+"""Helpers the partitioners share: flat layouts, grouping, gradient gathering.
+
+[Note: flat layout] A group's parameters are laid end to end in one flat
+buffer, padded to a multiple of the number of shards; rank ``r`` owns the
+contiguous slice ``[r * S, (r + 1) * S)``. A parameter may straddle two ranks'
+slices, which is harmless because Adam is elementwise and the gradient norm is
+a sum of squares. This layout makes every collective a single call on one
+contiguous tensor (``all_gather_into_tensor`` writes the gathered parameters
+straight into the buffer the parameters are views of, ``reduce_scatter_tensor``
+reads the flat gradient as is), and it gives the optimizer one flat fp32 shard
+per group, which is what a fused or native Adam wants. Per-parameter sharding
+(FSDP2) would keep 0-dim parameters and dim-0 slicing natural but needs a copy
+in and out around each collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@attrs.frozen
+class FlatLayout:
+    """Where each parameter of a group sits in the group's flat buffer."""
+
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    numel: int
+    shards: int
+    rank: int
+
+    @classmethod
+    def of(cls, params: Sequence[torch.Tensor], shards: int, rank: int) -> FlatLayout:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        return cls(
+            shapes=tuple(p.shape for p in params),
+            offsets=tuple(offsets),
+            numels=tuple(p.numel() for p in params),
+            numel=total,
+            shards=shards,
+            rank=rank,
+        )
+
+    @property
+    def shard_size(self) -> int:
+        return max(1, math.ceil(self.numel / self.shards))
+
+    @property
+    def padded(self) -> int:
+        return self.shard_size * self.shards
+
+    @property
+    def own(self) -> slice:
+        start = self.rank * self.shard_size
+        return slice(start, start + self.shard_size)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view into ``flat`` (a tensor of ``padded`` elements)."""
+        return [
+            flat[o : o + n].view(shape)
+            for o, n, shape in zip(self.offsets, self.numels, self.shapes)
+        ]
+
+
+def flatten_into(flat: torch.Tensor, layout: FlatLayout, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``tensors`` into their places in ``flat`` and zero the padding."""
+    torch._foreach_copy_(layout.views(flat), [t.detach() for t in tensors])
+    flat[layout.numel :].zero_()
+
+
+def gather_grads(
+    params: Sequence[nn.Parameter], layout: FlatLayout, out: torch.Tensor, accumulate: bool
+) -> None:
+    """Move each parameter's ``.grad`` into ``out`` (added when ``accumulate``) and drop it.
+
+    A parameter without a gradient in this backward contributes zeros.
+    """
+    views, grads, missing = [], [], []
+    for p, view in zip(params, layout.views(out)):
+        if p.grad is None:
+            missing.append(view)
+        else:
+            views.append(view)
+            grads.append(p.grad if p.grad.dtype == out.dtype else p.grad.to(out.dtype))
+            p.grad = None
+    if accumulate:
+        if views:
+            torch._foreach_add_(views, grads)
+    else:
+        if views:
+            torch._foreach_copy_(views, grads)
+        for view in missing:
+            view.zero_()
+        out[layout.numel :].zero_()
+
+
+def unique_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Named parameters with tied ones listed once, under their first name."""
+    return list(module.named_parameters(remove_duplicate=True))
+
+
+def split_buckets(
+    named: Sequence[tuple[str, nn.Parameter]], bucket_numel: int
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Consecutive runs of parameters of at most ``bucket_numel`` elements (one may exceed it alone).
+
+    Parameters are taken in reverse registration order, which approximates the
+    order their gradients become ready in backward, so early buckets can be
+    reduced while backward goes on.
+    """
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    current: list[tuple[str, nn.Parameter]] = []
+    size = 0
+    for name, p in reversed(list(named)):
+        if current and size + p.numel() > bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, p))
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def split_trainable(
+    named: Iterable[tuple[str, nn.Parameter]],
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    trainable, frozen = [], []
+    for name, p in named:
+        (trainable if p.requires_grad else frozen).append((name, p))
+    return trainable, frozen
+
+
+def module_units(module: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Each module that directly owns parameters, with them; a tied parameter goes to its first owner."""
+    seen: set[int] = set()
+    units = []
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        own = []
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            own.append((f"{mod_name}.{pname}" if mod_name else pname, p))
+        if own:
+            units.append((mod_name, mod, own))
+    return units
+
+
+def is_gloo() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+def all_gather_flat(full: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+    """All-gather ``shard`` from every rank into ``full``; ``shard`` may be a view of ``full``."""
+    if is_gloo() and shard.data_ptr() >= full.data_ptr() and shard.data_ptr() < full.data_ptr() + full.numel() * full.element_size():
+        shard = shard.clone()  # gloo does not support the in-place form
+    return dist.all_gather_into_tensor(full, shard, async_op=async_op)
+
+
+def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+    """Sum ``full`` over ranks and leave this rank's slice in ``shard_out``."""
+    return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, async_op=async_op)
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

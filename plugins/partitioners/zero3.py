@@ -1,0 +1,252 @@
+"""Partitioner ``zero3``: parameters, gradients, masters and optimizer state partitioned.
+
+Algorithm. Every module that directly owns parameters is one unit; its
+parameters (trainable and frozen in separate groups) are flattened and each
+rank keeps one contiguous 1/N slice in the compute dtype (see [Note: flat
+layout] in `_flat`). Between uses a parameter's ``.data`` is an empty tensor.
+
+* fetch(FORWARD/BACKWARD): all-gather the unit's slices into a fresh flat
+  buffer and point each parameter's ``.data`` at its view (autograd saved the
+  parameter object, not its old storage, so a re-gathered parameter serves the
+  backward). A prefetch starts the same all-gather asynchronously (on NCCL it
+  runs on the communication stream); the fetch then only waits.
+* release(FORWARD/BACKWARD): point ``.data`` back at the empty tensor and drop
+  the flat buffer.
+* release(GRADIENTS): as ZeRO-2, the unit's gradients are reduce-scattered
+  asynchronously into this rank's fp32 gradient shard.
+* step: the optimizer updates the fp32 master shard; in bf16/fp16 runs the
+  result is rounded into the compute-dtype slice through ``copy_out``; in fp32
+  the master *is* the slice.
+
+Units smaller than ``persistence_threshold`` elements stay whole on every rank
+(gathering them costs more in latency than their memory is worth); their
+gradients and optimizer state are still partitioned and their whole copy is
+refreshed by an all-gather after each step.
+
+Partitioned construction: a model built on the meta device is materialised
+one unit at a time (``to_empty`` then ``init_fn``/``reset_parameters`` under
+a per-unit seed shared by all ranks), sliced, and the whole unit freed, so no
+rank ever holds more than one whole unit beyond its shards.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zkernel import hookimpl
+from zkernel.groups import ParamGroup, Phase
+
+from ._flat import FlatLayout, all_gather_flat, flatten_into, module_units
+from .zero2 import launch_grad_reduction
+
+
+@attrs.frozen(kw_only=True)
+class Zero3Options:
+    """``partitioner_options`` of zero3."""
+
+    # Units with fewer elements than this stay whole on every rank.
+    persistence_threshold: int = attrs.field(default=100_000, validator=attrs.validators.ge(0))
+    # Seed from which each unit of a meta-device model is initialised (same on all ranks).
+    init_seed: int = 0
+
+
+@attrs.define(eq=False)
+class Zero3State:
+    """Per-group buffers of ZeRO-3 (``group.layout``)."""
+
+    flat: FlatLayout
+    shard: torch.Tensor  # compute dtype, this rank's slice
+    persistent: bool
+    full: torch.Tensor | None = None
+    gathering: object = None  # async all-gather in flight, or None
+    grad_shard: torch.Tensor | None = None
+    work: list = attrs.field(factory=list)
+    pending: list = attrs.field(factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel
+
+    def finish(self) -> None:
+        for work in self.work:
+            work.wait()
+        for callback in self.pending:
+            callback()
+        self.work.clear()
+        self.pending.clear()
+
+
+def _materialize(module: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate and initialise a meta-device module's own parameters, identically on every rank."""
+    module.to_empty(device=device, recurse=False)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        reset = getattr(module, "reset_parameters", None)
+        if reset is None:
+            raise ValueError(
+                f"zero3 cannot initialise meta-device module {type(module).__name__}: it has no "
+                "reset_parameters(); build it on a real device or give it reset_parameters()"
+            )
+        reset()
+
+
+class Zero3:
+    """Sharded parameters gathered per module around its forward and backward."""
+
+    def __init__(self, context) -> None:
+        self.context = context
+        self.options = context.options or Zero3Options()
+        self.in_flight: list = []
+        self._empty: dict[tuple, torch.Tensor] = {}
+
+    # -- partition ----------------------------------------------------------------
+
+    def _placeholder(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, like.device)
+        if key not in self._empty:
+            self._empty[key] = torch.empty(0, dtype=like.dtype, device=like.device)
+        return self._empty[key]
+
+    @hookimpl
+    def zkernel_partition_params(self, module, context):
+        groups: list[ParamGroup] = []
+        for unit_index, (unit_name, unit, named) in enumerate(module_units(module)):
+            if any(p.is_meta for _, p in named):
+                _materialize(unit, context.device, self.options.init_seed + unit_index)
+            for trainable in (True, False):
+                part = [(n, p) for n, p in named if p.requires_grad == trainable]
+                if part:
+                    groups.append(self._make_group(len(groups), unit_name, unit, part, trainable))
+        return groups
+
+    def _make_group(self, index, unit_name, unit, named, trainable) -> ParamGroup:
+        ctx = self.context
+        device, dtype = ctx.device, ctx.compute_dtype
+        params = tuple(p for _, p in named)
+        flat = FlatLayout.of(params, ctx.world_size, ctx.rank)
+        full = torch.empty(flat.padded, dtype=dtype, device=device)
+        flatten_into(full, flat, [p.data.to(device) for p in params])
+        master = None
+        if trainable and dtype != torch.float32:
+            full32 = torch.empty(flat.padded, dtype=torch.float32, device=device)
+            flatten_into(full32, flat, [p.data.to(device, torch.float32) for p in params])
+            if ctx.dist.distributed:
+                dist.broadcast(full32, src=0)
+            master = full32[flat.own].clone()
+            del full32
+        if ctx.dist.distributed:
+            dist.broadcast(full, src=0)
+        persistent = flat.numel < self.options.persistence_threshold
+        state = Zero3State(flat=flat, shard=full[flat.own].clone(), persistent=persistent)
+        group = ParamGroup(
+            index=index,
+            name=unit_name or "<root>",
+            params=params,
+            param_names=tuple(n for n, _ in named),
+            requires_grad=trainable,
+            module=None if persistent else unit,
+            grad_is_shard=True,
+            layout=state,
+        )
+        if persistent:
+            state.full = full
+            self._point_at(group, full)
+        else:
+            del full
+            self._point_at_placeholder(group)
+        if trainable:
+            group.master = state.shard if master is None else master
+            group.copy_out = None if master is None else state.shard
+            state.grad_shard = torch.zeros(flat.shard_size, dtype=torch.float32, device=device)
+            group.grad = state.grad_shard
+        return group
+
+    def _point_at(self, group: ParamGroup, full: torch.Tensor) -> None:
+        for p, view in zip(group.params, group.layout.flat.views(full)):
+            p.data = view
+        group.gathered = True
+
+    def _point_at_placeholder(self, group: ParamGroup) -> None:
+        for p in group.params:
+            p.data = self._placeholder(group.layout.shard)
+        group.gathered = False
+
+    # -- fetch / release ------------------------------------------------------------
+
+    def _start_gather(self, group: ParamGroup) -> None:
+        state: Zero3State = group.layout
+        full = torch.empty(state.flat.padded, dtype=state.shard.dtype, device=state.shard.device)
+        if self.context.world_size == 1:
+            full.copy_(state.shard)
+            state.gathering = (full, None)
+        else:
+            state.gathering = (full, all_gather_flat(full, state.shard, async_op=True))
+
+    @hookimpl
+    def zkernel_prefetch_params(self, group, phase):
+        state = group.layout
+        if not group.gathered and state.gathering is None:
+            with torch.profiler.record_function("zkernel::prefetch"):
+                self._start_gather(group)
+
+    @hookimpl
+    def zkernel_fetch_params(self, group, phase, boundary):
+        state: Zero3State = group.layout
+        if phase is Phase.STEP:
+            state.finish()
+            self.in_flight.clear()
+            return
+        if group.gathered:
+            return
+        if state.gathering is None:
+            self._start_gather(group)
+        full, work = state.gathering
+        if work is not None:
+            work.wait()
+        state.gathering = None
+        state.full = full
+        self._point_at(group, full)
+
+    @hookimpl
+    def zkernel_release_params(self, group, phase, boundary):
+        state: Zero3State = group.layout
+        if phase in (Phase.FORWARD, Phase.BACKWARD):
+            if not state.persistent and group.gathered:
+                self._point_at_placeholder(group)
+                state.full = None
+        elif phase is Phase.GRADIENTS:
+            launch_grad_reduction(state, group.params, self.context.world_size, self.in_flight)
+        elif phase is Phase.STEP:
+            if state.persistent:
+                if self.context.world_size > 1:
+                    all_gather_flat(state.full, state.shard)
+                else:
+                    state.full.copy_(state.shard)
+            state.grad_shard.zero_()
+
+    @hookimpl
+    def zkernel_memory_tensors(self, group):
+        state: Zero3State = group.layout
+        report = {
+            "params": [t for t in (state.shard, state.full) if t is not None],
+            "grads": [state.grad_shard] if state.grad_shard is not None else [],
+            "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
+        }
+        if group.copy_out is not None:
+            report["master_weights"] = [group.master]
+        return report
+
+
+@hookimpl
+def zkernel_register_partitioners(registry) -> None:
+    registry.add(
+        "zero3",
+        Zero3,
+        description="ZeRO-3: parameters, gradients, masters and optimizer state partitioned; gathered per module",
+        options_cls=Zero3Options,
+    )
+
+

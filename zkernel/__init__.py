@@ -1,0 +1,25 @@
+"""zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
+
+Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`.
+Nothing is loaded at import time; `initialize` builds the plugin managers.
+"""
+
+from zkernel.config import Config, ConfigError
+from zkernel.hookspecs import hookimpl, hookspec
+
+__version__ = "0.1.0"
+
+__all__ = ["Config", "ConfigError", "Engine", "consolidate", "hookimpl", "hookspec", "initialize"]
+
+
+def __getattr__(name):
+    # Keep `import zkernel` light: torch-heavy modules load on first use.
+    if name in ("initialize", "consolidate"):
+        from zkernel import setup as _setup
+
+        return getattr(_setup, name)
+    if name == "Engine":
+        from zkernel.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'zkernel' has no attribute {name!r}")

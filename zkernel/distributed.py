@@ -1,0 +1,68 @@
+"""Thin wrappers over `torch.distributed`: set-up from torchrun's environment, world-size-1 fallback."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import attrs
+import structlog
+import torch
+import torch.distributed as dist
+
+log = structlog.get_logger("zkernel")
+
+
+@attrs.frozen
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None when no process group is used (world size 1)
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def _compute_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group torchrun describes, or run alone.
+
+    An existing process group is reused. Without ``WORLD_SIZE`` (or with 1) and
+    no process group, the process is world size 1 and no group is created.
+    NCCL is used when CUDA is present, gloo otherwise.
+    """
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return DistInfo(rank, world, local_rank, _compute_device(local_rank), dist.get_backend())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _compute_device(local_rank)
+    if world == 1:
+        return DistInfo(0, 1, local_rank, device, None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    info = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    log.debug("zkernel.dist.init", rank=info.rank, world_size=info.world_size, backend=backend)
+    return info
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """In-place sum over ranks (no-op alone)."""
+    if info.distributed:
+        dist.all_reduce(tensor)
+    return tensor

@@ -1,0 +1,216 @@
+"""Building plugin managers and resolving the components config names.
+
+Plugins come, in this order, from: the entry-point group ``zkernel`` (the
+builtins register there exactly like a third party), objects passed in code
+(``zkernel.initialize(..., plugins=[...])``), and dotted module paths in the
+config's ``plugins``. ``ZKERNEL_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points
+of other distributions; names in ``blocked_plugins`` are never registered.
+When zkernel runs from a source tree without its distribution metadata, the
+builtins are imported by module name instead (`BUILTIN_PLUGINS`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import pluggy
+import structlog
+
+from zkernel import hookspecs
+from zkernel.config import Config, ConfigError, build_options
+from zkernel.registry import Component, ComponentRegistry, Family
+
+log = structlog.get_logger("zkernel")
+
+ENTRY_POINT_GROUP = "zkernel"
+DISTRIBUTION = "zkernel"
+AUTOLOAD_ENV = "ZKERNEL_DISABLE_PLUGIN_AUTOLOAD"
+TRACE_ENV = "ZKERNEL_TRACE_HOOKS"
+
+# Entry-point name -> module, used only when the distribution's metadata is absent.
+BUILTIN_PLUGINS = {
+    "partitioner_none": "zkernel_plugins.partitioners.none",
+    "partitioner_zero1": "zkernel_plugins.partitioners.zero1",
+    "partitioner_zero2": "zkernel_plugins.partitioners.zero2",
+    "partitioner_zero3": "zkernel_plugins.partitioners.zero3",
+    "tier_device": "zkernel_plugins.offload_tiers.device",
+    "optimizer_adamw": "zkernel_plugins.optimizers.adamw",
+    "optimizer_cpu_adam": "zkernel_plugins.optimizers.cpu_adam",
+}
+
+_REGISTRATION_HOOKS = {
+    Family.PARTITIONER: "zkernel_register_partitioners",
+    Family.OFFLOAD_TIER: "zkernel_register_offload_tiers",
+    Family.OPTIMIZER: "zkernel_register_optimizers",
+}
+
+
+@attrs.frozen
+class PluginSource:
+    """Where an installed plugin came from, for ``zkernel plugins``."""
+
+    name: str
+    origin: str  # "entry point", "builtin module", "code", "config"
+    distribution: str | None = None
+    version: str | None = None
+
+
+class InstalledPlugins:
+    """The installed plugin manager plus the provenance of each plugin."""
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self.pm = pm
+        self.sources: dict[str, PluginSource] = {}
+
+    def register(self, plugin: Any, source: PluginSource) -> None:
+        if self.pm.is_blocked(source.name) or self.pm.has_plugin(source.name):
+            return
+        self.pm.register(plugin, name=source.name)
+        self.sources[source.name] = source
+
+
+def new_plugin_manager(trace: bool = False) -> pluggy.PluginManager:
+    """An empty manager with zkernel's specs, tracing to structlog when asked."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    if trace or os.environ.get(TRACE_ENV, "") not in ("", "0"):
+        writer_log = structlog.get_logger("zkernel.trace")
+        pm.trace.root.setwriter(lambda text: writer_log.debug("zkernel.hook.trace", msg=text.rstrip()))
+        pm.enable_tracing()
+    return pm
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _load_entry_point(ep: importlib.metadata.EntryPoint, dist_name: str | None) -> Any:
+    try:
+        return ep.load()
+    except Exception as exc:
+        raise ImportError(
+            f"plugin {ep.name!r} (entry point {ep.value!r} of distribution {dist_name!r}) "
+            f"failed to import: {exc}; uninstall it or add {ep.name!r} to blocked_plugins"
+        ) from exc
+
+
+def _import_dotted(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"plugin {path!r} from config key `plugins` cannot be imported: {exc}") from exc
+    return getattr(module, attr) if attr else module
+
+
+def get_plugin_manager(
+    plugins: Sequence[Any] = (),
+    *,
+    config: Config | None = None,
+    autoload: bool | None = None,
+) -> InstalledPlugins:
+    """Build the installed plugin manager: entry points, code plugins, config plugins.
+
+    Nothing is imported at zkernel import time; this factory does all loading
+    and ends with ``check_pending()`` so a misspelled hook fails here.
+    """
+    config = config or Config()
+    pm = new_plugin_manager(trace=config.trace_hooks)
+    installed = InstalledPlugins(pm)
+    for name in config.blocked_plugins:
+        pm.set_blocked(name)
+    if autoload is None:
+        autoload = os.environ.get(AUTOLOAD_ENV, "") in ("", "0")
+
+    found_builtins = set()
+    for ep in _entry_points():
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else None
+        is_builtin = dist_name == DISTRIBUTION
+        if is_builtin:
+            found_builtins.add(ep.name)
+        if not is_builtin and not autoload:
+            continue
+        if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+            continue
+        installed.register(
+            _load_entry_point(ep, dist_name),
+            PluginSource(ep.name, "entry point", dist_name, dist.version if dist else None),
+        )
+    for name, module in BUILTIN_PLUGINS.items():
+        if name not in found_builtins and not pm.is_blocked(name):
+            installed.register(importlib.import_module(module), PluginSource(name, "builtin module"))
+
+    for plugin in plugins:
+        name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{id(plugin):x}"
+        installed.register(plugin, PluginSource(name, "code"))
+    for path in config.plugins:
+        installed.register(_import_dotted(path), PluginSource(path, "config"))
+    pm.check_pending()
+    return installed
+
+
+def collect_components(installed: InstalledPlugins) -> ComponentRegistry:
+    """Ask every installed plugin for its components, each with a registry bound to its name."""
+    registry = ComponentRegistry()
+    for family, hook_name in _REGISTRATION_HOOKS.items():
+        caller = getattr(installed.pm.hook, hook_name)
+        for impl in caller.get_hookimpls():
+            impl.function(registry=registry.bind(family, impl.plugin_name))
+    return registry
+
+
+def _require(registry: ComponentRegistry, family: Family, key: str, name: str) -> Component:
+    component = registry.get(family, name)
+    if component is None:
+        installed = ", ".join(registry.names(family)) or "(none)"
+        raise ConfigError(f"{key} {name!r} is not installed; installed: {installed}")
+    return component
+
+
+@attrs.frozen
+class Selection:
+    """The components one config selects, with their validated options."""
+
+    partitioner: Component
+    partitioner_options: Any
+    optimizer: Component
+    optimizer_options: Any
+    optimizer_tier: Component
+    params_tier: Component
+    tier_options: Any
+
+
+def resolve_components(registry: ComponentRegistry, config: Config) -> Selection:
+    """Resolve every component name in ``config``, or raise `ConfigError` listing what is installed."""
+    partitioner = _require(registry, Family.PARTITIONER, "partitioner", config.partitioner)
+    optimizer = _require(registry, Family.OPTIMIZER, "optimizer.name", config.optimizer.name)
+    opt_tier = _require(registry, Family.OFFLOAD_TIER, "offload.optimizer", config.offload.optimizer)
+    par_tier = _require(registry, Family.OFFLOAD_TIER, "offload.params", config.offload.params)
+    tier_cls = opt_tier.options_cls if config.offload.optimizer != "none" else par_tier.options_cls
+    return Selection(
+        partitioner=partitioner,
+        partitioner_options=build_options(
+            "partitioner_options", partitioner.options_cls, config.partitioner_options
+        ),
+        optimizer=optimizer,
+        optimizer_options=build_options("optimizer", optimizer.options_cls, config.optimizer.options),
+        optimizer_tier=opt_tier,
+        params_tier=par_tier,
+        tier_options=build_options("offload", tier_cls, config.offload.options),
+    )
+
+
+def list_components(installed: InstalledPlugins) -> Iterable[tuple[Component, PluginSource]]:
+    """Every component with the source of the plugin that offers it, by family then name."""
+    registry = collect_components(installed)
+    for family in Family:
+        for component in registry.components(family):
+            yield component, installed.sources.get(
+                component.plugin_name, PluginSource(component.plugin_name, "unknown")
+            )

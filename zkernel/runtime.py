@@ -1,0 +1,35 @@
+"""What a component is built with: the validated config and where this process sits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from zkernel.config import Config
+from zkernel.distributed import DistInfo
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeContext:
+    """Passed to every component factory and to `zkernel_partition_params`."""
+
+    config: Config
+    dist: DistInfo
+    # Dtype of parameters and activations during forward/backward.
+    compute_dtype: torch.dtype
+    # The selected component's own validated options (None when it takes none).
+    options: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device

@@ -1,0 +1,230 @@
+"""The scheduler: turns module and autograd events into lifecycle hook calls.
+
+It knows *when* (a module is about to run, its gradients are ready, backward
+ended) and fires ``zkernel_fetch_params`` / ``zkernel_prefetch_params`` /
+``zkernel_release_params`` on the runtime plugin manager; what those do is the
+plugins' business. It holds no partitioning or offload logic.
+
+[Note: module-bound groups] A group with ``module`` set has its parameters
+made whole around that module's forward and backward:
+
+* forward pre-hook -> fetch(FORWARD), plus prefetch of the next groups in the
+  traced order within ``prefetch_bytes``; forward post-hook -> release(FORWARD).
+* the first gradient reaching the module's outputs (a multi-grad hook
+  registered in the post-hook) -> fetch(BACKWARD), plus prefetch of the groups
+  that ran before it.
+* once every trainable parameter of the group got its gradient
+  (post-accumulate-grad hooks, which fire once per backward even for a module
+  called twice) -> release(BACKWARD), then release(GRADIENTS).
+* `finish_backward` releases what is left (frozen groups, unused parameters).
+
+[Note: guard] A parameter used outside its own module's forward (a tied
+embedding reused as the output head, a weight read in a parent's forward) is
+caught by a `TorchFunctionMode` active during the engine's forward: the first
+op touching a released parameter fetches its group, which is then kept whole
+until the end of backward, in this and every later step.
+
+The execution order of module-bound groups in the first forward is the trace
+the prefetcher follows from then on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import structlog
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from zkernel.groups import ParamGroup, Phase
+
+log = structlog.get_logger("zkernel")
+
+
+class _ReleasedParamGuard(TorchFunctionMode):
+    """Fetches the group of any released parameter an op is about to read."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = self.scheduler.group_of_param
+        for arg in args:
+            if type(arg) is nn.Parameter:
+                group = owner.get(id(arg))
+                if group is not None and not group.gathered:
+                    self.scheduler.fetch_external(group)
+            elif isinstance(arg, (list, tuple)):
+                for leaf in tree_flatten(arg)[0]:
+                    if type(leaf) is nn.Parameter:
+                        group = owner.get(id(leaf))
+                        if group is not None and not group.gathered:
+                            self.scheduler.fetch_external(group)
+        return func(*args, **kwargs)
+
+
+class Scheduler:
+    """Installs module and gradient hooks over ``groups`` and fires lifecycle hooks."""
+
+    def __init__(self, hook, groups: Sequence[ParamGroup], prefetch_bytes: int) -> None:
+        self.hook = hook
+        self.groups = list(groups)
+        self.prefetch_bytes = prefetch_bytes
+        self.group_of_param = {id(p): g for g in self.groups for p in g.params}
+        self.bound = [g for g in self.groups if g.module is not None]
+        self.groups_of_module: dict[int, list[ParamGroup]] = {}
+        for g in self.bound:
+            self.groups_of_module.setdefault(id(g.module), []).append(g)
+        self.external: set[int] = set()  # group indices kept whole through a step
+        self.trace: list[ParamGroup] = []
+        self.trace_done = False
+        self._recording: list[ParamGroup] = []
+        self._position: dict[int, int] = {}
+        self._ready_count = {g.index: 0 for g in self.groups}
+        self._reduced: set[int] = set()
+        self._boundary = True
+        self._handles = []
+        self._install()
+
+    # -- installation ---------------------------------------------------------
+
+    def _install(self) -> None:
+        modules = {id(g.module): g.module for g in self.bound}
+        for module in modules.values():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+        for group in self.groups:
+            if not group.requires_grad:
+                continue
+            for p in group.params:
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group))
+                )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def guard_needed(self) -> bool:
+        return bool(self.bound)
+
+    def forward_guard(self) -> TorchFunctionMode | None:
+        return _ReleasedParamGuard(self) if self.bound else None
+
+    # -- forward ----------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, _args) -> None:
+        for group in self.groups_of_module[id(module)]:
+            if not self.trace_done:
+                self._recording.append(group)
+            self._fetch(group, Phase.FORWARD)
+            self._prefetch_after(group, Phase.FORWARD)
+
+    def _post_forward(self, module: nn.Module, _args, output):
+        groups = self.groups_of_module[id(module)]
+        for group in groups:
+            if group.index not in self.external:
+                self.hook.zkernel_release_params(group=group, phase=Phase.FORWARD, boundary=self._boundary)
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _grads, groups=groups: self._pre_backward(groups), mode="any"
+                )
+        return output
+
+    def fetch_external(self, group: ParamGroup) -> None:
+        """A released parameter is read outside its module: fetch and keep it whole (see [Note: guard])."""
+        if group.index not in self.external:
+            log.debug("zkernel.scheduler.external_param", group=group.name)
+        self.external.add(group.index)
+        self._fetch(group, Phase.FORWARD)
+
+    def _fetch(self, group: ParamGroup, phase: Phase) -> None:
+        with torch.profiler.record_function("zkernel::fetch"):
+            self.hook.zkernel_fetch_params(group=group, phase=phase, boundary=self._boundary)
+
+    def _prefetch_after(self, group: ParamGroup, phase: Phase) -> None:
+        if not self.trace_done or self.prefetch_bytes <= 0:
+            return
+        pos = self._position.get(group.index)
+        if pos is None:
+            return
+        step = 1 if phase is Phase.FORWARD else -1
+        budget = self.prefetch_bytes
+        i = pos + step
+        while 0 <= i < len(self.trace) and budget > 0:
+            nxt = self.trace[i]
+            if not nxt.gathered:
+                self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
+            budget -= nxt.numel * nxt.params[0].element_size()
+            i += step
+
+    # -- backward ---------------------------------------------------------------
+
+    def _pre_backward(self, groups: Sequence[ParamGroup]) -> None:
+        for group in groups:
+            if not group.gathered:
+                self._fetch(group, Phase.BACKWARD)
+            self._prefetch_after(group, Phase.BACKWARD)
+
+    def _make_grad_ready_hook(self, group: ParamGroup):
+        total = len(group.params)
+
+        def on_grad_ready(_param: torch.Tensor) -> None:
+            self._ready_count[group.index] += 1
+            if self._ready_count[group.index] == total:
+                self._group_grads_ready(group)
+
+        return on_grad_ready
+
+    def _group_grads_ready(self, group: ParamGroup) -> None:
+        if group.module is not None and group.index not in self.external:
+            self.hook.zkernel_release_params(group=group, phase=Phase.BACKWARD, boundary=self._boundary)
+        with torch.profiler.record_function("zkernel::reduce"):
+            self.hook.zkernel_release_params(group=group, phase=Phase.GRADIENTS, boundary=self._boundary)
+        self._reduced.add(group.index)
+
+    def begin_backward(self, boundary: bool) -> None:
+        self._boundary = boundary
+
+    def finish_backward(self) -> None:
+        """Called by the engine after ``loss.backward()``: release and reduce what is left, in group order."""
+        for group in self.groups:
+            if group.requires_grad and group.index not in self._reduced:
+                self._group_grads_ready(group)
+        self._release_gathered()
+        self._reduced.clear()
+        for index in self._ready_count:
+            self._ready_count[index] = 0
+        self._end_trace()
+
+    def begin_forward(self, boundary: bool) -> None:
+        self._boundary = boundary
+
+    def finish_forward(self) -> None:
+        """Called by the engine after a forward without autograd: no backward will release."""
+        if not torch.is_grad_enabled():
+            self._release_gathered()
+            self._end_trace()
+
+    def _release_gathered(self) -> None:
+        for group in self.bound:
+            if group.gathered:
+                self.hook.zkernel_release_params(group=group, phase=Phase.BACKWARD, boundary=self._boundary)
+
+    def _end_trace(self) -> None:
+        if self.trace_done or not self._recording:
+            return
+        self.trace = self._recording
+        self._position = {}
+        for i, group in enumerate(self.trace):
+            self._position.setdefault(group.index, i)
+        self.trace_done = True
+        log.debug("zkernel.scheduler.trace", groups=len(self.trace))
