@@ -1,0 +1,137 @@
+// Thin pybind11 binding over the native kernels; see cpu_adam.h, aio.h and
+// bandwidth.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
+// lengths, so nothing here links against libtorch. Every call that touches
+// memory or files releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "aio.h"
+#include "bandwidth.h"
+#include "cpu_adam.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+template <typename T>
+T* ptr(std::uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "zkernel native core: CPU Adam, async file I/O, bandwidth probes";
+    m.def("abi_version", []() { return 2; });
+
+    // -- thread pool -------------------------------------------------------
+    m.def("pool_threads", &zk::pool_threads);
+    m.def("set_pool_threads", &zk::set_pool_threads, py::arg("threads"), release_gil());
+
+    // -- CPU Adam ----------------------------------------------------------
+    py::enum_<zk::GradDtype>(m, "GradDtype")
+        .value("F32", zk::GradDtype::F32)
+        .value("BF16", zk::GradDtype::BF16);
+    py::enum_<zk::OutDtype>(m, "OutDtype")
+        .value("NONE", zk::OutDtype::NONE)
+        .value("BF16", zk::OutDtype::BF16)
+        .value("F16", zk::OutDtype::F16);
+
+    m.def(
+        "adam_step",
+        [](std::uintptr_t param, std::uintptr_t grad, zk::GradDtype grad_dtype, std::uintptr_t exp_avg,
+           std::uintptr_t exp_avg_sq, std::uintptr_t out, zk::OutDtype out_dtype, std::int64_t n,
+           double lr, double beta1, double beta2, double eps, double weight_decay, double grad_scale,
+           std::int64_t step, bool adamw, int threads) {
+            zk::AdamHyper h;
+            h.lr = lr;
+            h.beta1 = beta1;
+            h.beta2 = beta2;
+            h.eps = eps;
+            h.weight_decay = weight_decay;
+            h.grad_scale = grad_scale;
+            h.step = step;
+            h.adamw = adamw;
+            zk::adam_step(ptr<float>(param), ptr<void>(grad), grad_dtype, ptr<float>(exp_avg),
+                          ptr<float>(exp_avg_sq), ptr<void>(out), out_dtype, n, h, threads);
+        },
+        py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("out"), py::arg("out_dtype"), py::arg("n"), py::kw_only(),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("grad_scale"), py::arg("step"), py::arg("adamw"), py::arg("threads") = 0, release_gil());
+    m.def(
+        "convert_f32",
+        [](std::uintptr_t src, std::uintptr_t dst, zk::OutDtype dst_dtype, std::int64_t n, int threads) {
+            zk::convert_f32(ptr<const float>(src), ptr<void>(dst), dst_dtype, n, threads);
+        },
+        py::arg("src"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"), py::arg("threads") = 0,
+        release_gil());
+    m.def("simd_path", &zk::simd_path);
+    m.def("best_simd_path", &zk::best_simd_path);
+    m.def("set_simd_path", &zk::set_simd_path, py::arg("name"));
+
+    // -- bandwidth probes --------------------------------------------------
+    m.def(
+        "probe_copy",
+        [](std::uintptr_t src, std::uintptr_t dst, std::int64_t n, int threads) {
+            zk::probe_copy(ptr<const float>(src), ptr<float>(dst), n, threads);
+        },
+        py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("threads") = 0, release_gil());
+    m.def(
+        "probe_adam_pattern",
+        [](std::uintptr_t p, std::uintptr_t g, std::uintptr_t mm, std::uintptr_t v, std::int64_t n,
+           int threads) {
+            zk::probe_adam_pattern(ptr<float>(p), ptr<const float>(g), ptr<float>(mm), ptr<float>(v), n,
+                                   threads);
+        },
+        py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("n"), py::arg("threads") = 0,
+        release_gil());
+
+    // -- async file I/O ----------------------------------------------------
+    py::enum_<zk::AioOp>(m, "AioOp").value("READ", zk::AioOp::READ).value("WRITE", zk::AioOp::WRITE);
+
+    py::class_<zk::AioResult>(m, "AioResult")
+        .def_readonly("id", &zk::AioResult::id)
+        .def_readonly("op", &zk::AioResult::op)
+        .def_readonly("path", &zk::AioResult::path)
+        .def_readonly("offset", &zk::AioResult::offset)
+        .def_readonly("nbytes", &zk::AioResult::nbytes)
+        .def_readonly("error", &zk::AioResult::error)
+        .def_readonly("eof", &zk::AioResult::eof)
+        .def_readonly("error_offset", &zk::AioResult::error_offset)
+        .def_readonly("direct", &zk::AioResult::direct);
+
+    py::class_<zk::AioEngine>(m, "AioEngine")
+        .def(py::init([](std::int64_t block_size, int threads, int queue_depth, bool direct,
+                         std::int64_t alignment) {
+                 zk::AioConfig c;
+                 c.block_size = block_size;
+                 c.threads = threads;
+                 c.queue_depth = queue_depth;
+                 c.direct = direct;
+                 c.alignment = alignment;
+                 return new zk::AioEngine(c);
+             }),
+             py::kw_only(), py::arg("block_size"), py::arg("threads"), py::arg("queue_depth"),
+             py::arg("direct"), py::arg("alignment"))
+        .def(
+            "submit",
+            [](zk::AioEngine& e, zk::AioOp op, std::uintptr_t buffer, std::int64_t nbytes,
+               const std::string& path, std::int64_t offset) {
+                return e.submit(op, ptr<void>(buffer), nbytes, path, offset);
+            },
+            py::arg("op"), py::arg("buffer"), py::arg("nbytes"), py::arg("path"), py::arg("offset"),
+            release_gil())
+        .def("wait", &zk::AioEngine::wait, py::arg("id"), release_gil())
+        .def("wait_any", &zk::AioEngine::wait_any, release_gil())
+        .def("wait_all", &zk::AioEngine::wait_all, release_gil())
+        .def("done", &zk::AioEngine::done, py::arg("id"))
+        .def("pending", &zk::AioEngine::pending)
+        .def_property_readonly("block_size", [](const zk::AioEngine& e) { return e.config().block_size; })
+        .def_property_readonly("threads", [](const zk::AioEngine& e) { return e.config().threads; })
+        .def_property_readonly("queue_depth", [](const zk::AioEngine& e) { return e.config().queue_depth; })
+        .def_property_readonly("direct", [](const zk::AioEngine& e) { return e.config().direct; })
+        .def_property_readonly("alignment", [](const zk::AioEngine& e) { return e.config().alignment; });
+
+    m.def("preallocate_file", &zk::preallocate_file, py::arg("path"), py::arg("nbytes"), release_gil());
+}

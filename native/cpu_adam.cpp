@@ -1,0 +1,404 @@
+// CPU Adam / AdamW kernel; the algorithm is described in cpu_adam.h.
+#include "cpu_adam.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "thread_pool.h"
+
+namespace zk {
+namespace {
+
+// Elements per task: 32K fp32 = 128 KiB per stream, a few streams fit in L2.
+constexpr int64_t kChunk = 32768;
+
+// Hyperparameters rounded to fp32 exactly as torch rounds the Python scalars.
+struct Coeffs {
+    float grad_scale;
+    float weight_decay;    // L2 term (Adam)
+    float decay;           // 1 - lr * wd (AdamW)
+    bool l2;
+    bool decoupled;
+    float lerp_coeff;      // w or w - 1 (torch's lerp, w = 1 - beta1)
+    bool lerp_from_m;      // |w| < 0.5: base is m, else base is g
+    float beta2;
+    float one_minus_beta2;
+    float bc2_sqrt;
+    float eps;
+    float step_size;
+};
+
+Coeffs make_coeffs(const AdamHyper& h) {
+    Coeffs c{};
+    c.grad_scale = static_cast<float>(h.grad_scale);
+    c.l2 = !h.adamw && h.weight_decay != 0.0;
+    c.decoupled = h.adamw && h.weight_decay != 0.0;
+    c.weight_decay = static_cast<float>(h.weight_decay);
+    c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+    float w = static_cast<float>(1.0 - h.beta1);
+    c.lerp_from_m = std::fabs(w) < 0.5f;
+    c.lerp_coeff = c.lerp_from_m ? w : w - 1.0f;
+    c.beta2 = static_cast<float>(h.beta2);
+    c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+    const double step = static_cast<double>(h.step);
+    const double bc1 = 1.0 - std::pow(h.beta1, step);
+    const double bc2 = 1.0 - std::pow(h.beta2, step);
+    c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+    c.eps = static_cast<float>(h.eps);
+    c.step_size = static_cast<float>(h.lr / bc1);
+    return c;
+}
+
+struct Buffers {
+    float* param;
+    const void* grad;
+    float* exp_avg;
+    float* exp_avg_sq;
+    void* out;
+};
+
+// ---------------------------------------------------------------------------
+// Scalar conversions (bit-exact references for the SIMD paths)
+// ---------------------------------------------------------------------------
+
+inline uint32_t f32_bits(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return u;
+}
+
+inline float bits_f32(uint32_t u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t f32_to_bf16(float x) {
+    if (std::isnan(x)) return 0x7FC0;
+    uint32_t u = f32_bits(x);
+    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// IEEE fp32 -> fp16, round to nearest even (the algorithm of the FP16 library
+// that c10::Half uses).
+inline uint16_t f32_to_f16(float f) {
+    const float scale_to_inf = bits_f32(0x77800000u);
+    const float scale_to_zero = bits_f32(0x08800000u);
+    float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = f32_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    const uint32_t mantissa_bits = bits & 0x00000FFFu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+template <bool kBf16Grad>
+inline float load_grad(const void* grad, int64_t i) {
+    if constexpr (kBf16Grad) return bf16_to_f32(static_cast<const uint16_t*>(grad)[i]);
+    else return static_cast<const float*>(grad)[i];
+}
+
+template <int kOut>
+inline void store_out(void* out, int64_t i, float p) {
+    if constexpr (kOut == static_cast<int>(OutDtype::BF16)) static_cast<uint16_t*>(out)[i] = f32_to_bf16(p);
+    if constexpr (kOut == static_cast<int>(OutDtype::F16)) static_cast<uint16_t*>(out)[i] = f32_to_f16(p);
+}
+
+template <bool kBf16Grad, int kOut>
+inline void adam_scalar_range(const Buffers& b, const Coeffs& c, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+        float p = b.param[i];
+        float g = load_grad<kBf16Grad>(b.grad, i) * c.grad_scale;
+        if (c.l2) g = std::fma(p, c.weight_decay, g);
+        if (c.decoupled) p = p * c.decay;
+        float m = b.exp_avg[i];
+        m = std::fma(c.lerp_coeff, g - m, c.lerp_from_m ? m : g);
+        float v = b.exp_avg_sq[i] * c.beta2;
+        v = std::fma(c.one_minus_beta2 * g, g, v);
+        const float d = std::sqrt(v) / c.bc2_sqrt + c.eps;
+        p = p - (c.step_size * m) / d;
+        b.param[i] = p;
+        b.exp_avg[i] = m;
+        b.exp_avg_sq[i] = v;
+        store_out<kOut>(b.out, i, p);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// AVX-512 (F, BW, VL): 16 lanes, masked tail
+// ---------------------------------------------------------------------------
+
+#define ZK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+template <bool kBf16Grad>
+ZK_AVX512 inline __m512 avx512_load_grad(const void* grad, int64_t i, __mmask16 mask) {
+    if constexpr (kBf16Grad) {
+        __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(grad) + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+        return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(grad) + i);
+    }
+}
+
+ZK_AVX512 inline __m256i avx512_to_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+template <int kOut>
+ZK_AVX512 inline void avx512_store_out(void* out, int64_t i, __m512 p, __mmask16 mask) {
+    if constexpr (kOut == static_cast<int>(OutDtype::NONE)) return;
+    __m256i h;
+    if constexpr (kOut == static_cast<int>(OutDtype::BF16)) h = avx512_to_bf16(p);
+    else h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + i, mask, h);
+}
+
+template <bool kBf16Grad, int kOut>
+ZK_AVX512 void adam_avx512_range(const Buffers& b, const Coeffs& c, int64_t begin, int64_t end) {
+    const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
+    const __m512 wd = _mm512_set1_ps(c.weight_decay);
+    const __m512 decay = _mm512_set1_ps(c.decay);
+    const __m512 lerp_coeff = _mm512_set1_ps(c.lerp_coeff);
+    const __m512 beta2 = _mm512_set1_ps(c.beta2);
+    const __m512 one_minus_beta2 = _mm512_set1_ps(c.one_minus_beta2);
+    const __m512 bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
+    const __m512 eps = _mm512_set1_ps(c.eps);
+    const __m512 step_size = _mm512_set1_ps(c.step_size);
+    for (int64_t i = begin; i < end; i += 16) {
+        const int64_t left = end - i;
+        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << left) - 1u);
+        __m512 p = _mm512_maskz_loadu_ps(mask, b.param + i);
+        __m512 g = _mm512_mul_ps(avx512_load_grad<kBf16Grad>(b.grad, i, mask), grad_scale);
+        if (c.l2) g = _mm512_fmadd_ps(p, wd, g);
+        if (c.decoupled) p = _mm512_mul_ps(p, decay);
+        __m512 m = _mm512_maskz_loadu_ps(mask, b.exp_avg + i);
+        m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), c.lerp_from_m ? m : g);
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, b.exp_avg_sq + i), beta2);
+        v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, v);
+        const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+        p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), d));
+        _mm512_mask_storeu_ps(b.param + i, mask, p);
+        _mm512_mask_storeu_ps(b.exp_avg + i, mask, m);
+        _mm512_mask_storeu_ps(b.exp_avg_sq + i, mask, v);
+        avx512_store_out<kOut>(b.out, i, p, mask);
+    }
+}
+
+template <int kOut>
+ZK_AVX512 void convert_avx512_range(const float* src, void* dst, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += 16) {
+        const int64_t left = end - i;
+        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << left) - 1u);
+        avx512_store_out<kOut>(dst, i, _mm512_maskz_loadu_ps(mask, src + i), mask);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// AVX2 (+FMA, F16C): 8 lanes, scalar tail
+// ---------------------------------------------------------------------------
+
+#define ZK_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <bool kBf16Grad>
+ZK_AVX2 inline __m256 avx2_load_grad(const void* grad, int64_t i) {
+    if constexpr (kBf16Grad) {
+        __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+        return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
+    }
+}
+
+ZK_AVX2 inline __m128i avx2_to_bf16(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <int kOut>
+ZK_AVX2 inline void avx2_store_out(void* out, int64_t i, __m256 p) {
+    if constexpr (kOut == static_cast<int>(OutDtype::NONE)) return;
+    __m128i h;
+    if constexpr (kOut == static_cast<int>(OutDtype::BF16)) h = avx2_to_bf16(p);
+    else h = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), h);
+}
+
+template <bool kBf16Grad, int kOut>
+ZK_AVX2 void adam_avx2_range(const Buffers& b, const Coeffs& c, int64_t begin, int64_t end) {
+    const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
+    const __m256 wd = _mm256_set1_ps(c.weight_decay);
+    const __m256 decay = _mm256_set1_ps(c.decay);
+    const __m256 lerp_coeff = _mm256_set1_ps(c.lerp_coeff);
+    const __m256 beta2 = _mm256_set1_ps(c.beta2);
+    const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
+    const __m256 bc2_sqrt = _mm256_set1_ps(c.bc2_sqrt);
+    const __m256 eps = _mm256_set1_ps(c.eps);
+    const __m256 step_size = _mm256_set1_ps(c.step_size);
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 p = _mm256_loadu_ps(b.param + i);
+        __m256 g = _mm256_mul_ps(avx2_load_grad<kBf16Grad>(b.grad, i), grad_scale);
+        if (c.l2) g = _mm256_fmadd_ps(p, wd, g);
+        if (c.decoupled) p = _mm256_mul_ps(p, decay);
+        __m256 m = _mm256_loadu_ps(b.exp_avg + i);
+        m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m), c.lerp_from_m ? m : g);
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), beta2);
+        v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, v);
+        const __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+        p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m), d));
+        _mm256_storeu_ps(b.param + i, p);
+        _mm256_storeu_ps(b.exp_avg + i, m);
+        _mm256_storeu_ps(b.exp_avg_sq + i, v);
+        avx2_store_out<kOut>(b.out, i, p);
+    }
+    adam_scalar_range<kBf16Grad, kOut>(b, c, i, end);
+}
+
+template <int kOut>
+ZK_AVX2 void convert_avx2_range(const float* src, void* dst, int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) avx2_store_out<kOut>(dst, i, _mm256_loadu_ps(src + i));
+    for (; i < end; ++i) store_out<kOut>(dst, i, src[i]);
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch
+// ---------------------------------------------------------------------------
+
+enum class Path : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+Path detect_best() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+        return Path::AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return Path::AVX2;
+    return Path::SCALAR;
+}
+
+const Path g_best = detect_best();
+std::atomic<int> g_path{static_cast<int>(g_best)};
+
+using AdamRange = void (*)(const Buffers&, const Coeffs&, int64_t, int64_t);
+
+template <bool kBf16Grad, int kOut>
+AdamRange pick_adam(Path path) {
+    switch (path) {
+        case Path::AVX512: return adam_avx512_range<kBf16Grad, kOut>;
+        case Path::AVX2: return adam_avx2_range<kBf16Grad, kOut>;
+        default: return adam_scalar_range<kBf16Grad, kOut>;
+    }
+}
+
+template <bool kBf16Grad>
+AdamRange pick_adam(Path path, OutDtype out) {
+    switch (out) {
+        case OutDtype::BF16: return pick_adam<kBf16Grad, static_cast<int>(OutDtype::BF16)>(path);
+        case OutDtype::F16: return pick_adam<kBf16Grad, static_cast<int>(OutDtype::F16)>(path);
+        default: return pick_adam<kBf16Grad, static_cast<int>(OutDtype::NONE)>(path);
+    }
+}
+
+template <int kOut>
+void convert_scalar_range(const float* src, void* dst, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) store_out<kOut>(dst, i, src[i]);
+}
+
+using ConvertRange = void (*)(const float*, void*, int64_t, int64_t);
+
+template <int kOut>
+ConvertRange pick_convert(Path path) {
+    switch (path) {
+        case Path::AVX512: return convert_avx512_range<kOut>;
+        case Path::AVX2: return convert_avx2_range<kOut>;
+        default: return convert_scalar_range<kOut>;
+    }
+}
+
+const char* path_name(Path p) {
+    switch (p) {
+        case Path::AVX512: return "avx512";
+        case Path::AVX2: return "avx2";
+        default: return "scalar";
+    }
+}
+
+void run_chunked(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& range) {
+    const int64_t tasks = (n + kChunk - 1) / kChunk;
+    parallel_for(tasks, threads, [&](int64_t t) {
+        const int64_t begin = t * kChunk;
+        range(begin, std::min(n, begin + kChunk));
+    });
+}
+
+}  // namespace
+
+void adam_step(float* param, const void* grad, GradDtype grad_dtype, float* exp_avg,
+               float* exp_avg_sq, void* out, OutDtype out_dtype, int64_t n,
+               const AdamHyper& hyper, int threads) {
+    if (n <= 0) return;
+    if (hyper.step < 1) throw std::invalid_argument("adam_step: step must be >= 1");
+    if (out_dtype != OutDtype::NONE && out == nullptr)
+        throw std::invalid_argument("adam_step: copy-out dtype given without a buffer");
+    const Coeffs coeffs = make_coeffs(hyper);
+    const Buffers buffers{param, grad, exp_avg, exp_avg_sq, out};
+    const Path path = static_cast<Path>(g_path.load());
+    const AdamRange range = grad_dtype == GradDtype::BF16 ? pick_adam<true>(path, out_dtype)
+                                                          : pick_adam<false>(path, out_dtype);
+    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(buffers, coeffs, begin, end); });
+}
+
+void convert_f32(const float* src, void* dst, OutDtype dst_dtype, int64_t n, int threads) {
+    if (n <= 0 || dst_dtype == OutDtype::NONE) return;
+    const Path path = static_cast<Path>(g_path.load());
+    const ConvertRange range = dst_dtype == OutDtype::BF16
+                                   ? pick_convert<static_cast<int>(OutDtype::BF16)>(path)
+                                   : pick_convert<static_cast<int>(OutDtype::F16)>(path);
+    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(src, dst, begin, end); });
+}
+
+std::string simd_path() { return path_name(static_cast<Path>(g_path.load())); }
+
+std::string best_simd_path() { return path_name(g_best); }
+
+void set_simd_path(const std::string& name) {
+    Path want;
+    if (name == "auto") want = g_best;
+    else if (name == "avx512") want = Path::AVX512;
+    else if (name == "avx2") want = Path::AVX2;
+    else if (name == "scalar") want = Path::SCALAR;
+    else throw std::invalid_argument("unknown SIMD path '" + name + "'; valid: auto, avx512, avx2, scalar");
+    if (static_cast<int>(want) > static_cast<int>(g_best))
+        throw std::invalid_argument("this CPU does not support the '" + name + "' path (best: " +
+                                    path_name(g_best) + ")");
+    g_path.store(static_cast<int>(want));
+}
+
+}  // namespace zk

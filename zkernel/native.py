@@ -1,0 +1,199 @@
+"""The one door to the native extension `zkernel._native`, with tensor-level checks.
+
+The extension (built from ``native/`` by ``pip install -e .``) takes raw
+addresses and lengths so it never links against libtorch; this module turns
+tensors into those arguments after checking device, dtype, contiguity and
+sizes, so a wrong call raises here instead of corrupting memory there.
+
+Importing this module never fails: the extension is loaded on first use, and a
+missing build raises `NativeExtensionError` naming the build step. That keeps
+plugin discovery working on an unbuilt checkout (only selecting ``cpu_adam`` or
+the NVMe tier fails, with that message).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+
+__all__ = [
+    "NativeExtensionError",
+    "adam_step",
+    "best_simd_path",
+    "convert_f32",
+    "load",
+    "probe_adam_pattern",
+    "probe_copy",
+    "set_simd_path",
+    "set_threads",
+    "simd_path",
+    "threads",
+]
+
+BUILD_HINT = (
+    "build it from the zkernel checkout with `pip install -e .` "
+    "(or `pip install --no-deps --no-build-isolation -e .` where torch and pybind11 are installed); "
+    "it needs a C++17 compiler"
+)
+
+
+class NativeExtensionError(ImportError):
+    """The compiled extension `zkernel._native` is missing or does not load."""
+
+
+_module: types.ModuleType | None = None
+
+
+def load() -> types.ModuleType:
+    """Return the extension module, importing it on first use."""
+    global _module
+    if _module is None:
+        try:
+            _native = importlib.import_module("zkernel._native")
+        except ImportError as err:
+            raise NativeExtensionError(
+                f"zkernel's native extension zkernel._native is not available ({err}); {BUILD_HINT}"
+            ) from err
+        _module = _native
+    return _module
+
+
+def available() -> bool:
+    """Whether the extension can be loaded."""
+    try:
+        load()
+    except NativeExtensionError:
+        return False
+    return True
+
+
+_OUT_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _check_cpu_contiguous(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on CPU, got device {t.device}")
+    if t.dtype not in dtypes:
+        valid = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {valid}, got {str(t.dtype).removeprefix('torch.')}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    adamw: bool = True,
+    copy_out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> None:
+    """One Adam (``adamw=False``: L2) or AdamW update of ``param`` in place, in one pass.
+
+    ``param``, ``exp_avg``, ``exp_avg_sq``: contiguous fp32 CPU tensors of one
+    numel; ``grad``: fp32 or bf16, same numel, multiplied by ``grad_scale``
+    before use (not modified). ``step`` is the 1-based count including this
+    update. ``copy_out``: a bf16/fp16 CPU tensor that receives the updated
+    params rounded to nearest even. Matches `torch.optim.AdamW`/`Adam`.
+    """
+    native = load()
+    n = param.numel()
+    _check_cpu_contiguous("param", param, (torch.float32,), n)
+    _check_cpu_contiguous("grad", grad, (torch.float32, torch.bfloat16), n)
+    _check_cpu_contiguous("exp_avg", exp_avg, (torch.float32,), n)
+    _check_cpu_contiguous("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    out_ptr, out_dtype = 0, native.OutDtype.NONE
+    if copy_out is not None:
+        _check_cpu_contiguous("copy_out", copy_out, tuple(_OUT_DTYPES), n)
+        out_ptr, out_dtype = copy_out.data_ptr(), getattr(native.OutDtype, _OUT_DTYPES[copy_out.dtype])
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count including this update), got {step}")
+    native.adam_step(
+        param.data_ptr(),
+        grad.data_ptr(),
+        native.GradDtype.BF16 if grad.dtype == torch.bfloat16 else native.GradDtype.F32,
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        out_ptr,
+        out_dtype,
+        n,
+        lr=float(lr),
+        beta1=float(betas[0]),
+        beta2=float(betas[1]),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        grad_scale=float(grad_scale),
+        step=int(step),
+        adamw=bool(adamw),
+        threads=int(threads or 0),
+    )
+
+
+def convert_f32(src: torch.Tensor, dst: torch.Tensor, *, threads: int | None = None) -> None:
+    """``dst.copy_(src)`` for fp32 ``src`` into bf16/fp16 ``dst`` (round to nearest even), multi-threaded."""
+    native = load()
+    _check_cpu_contiguous("src", src, (torch.float32,), src.numel())
+    _check_cpu_contiguous("dst", dst, tuple(_OUT_DTYPES), src.numel())
+    native.convert_f32(
+        src.data_ptr(), dst.data_ptr(), getattr(native.OutDtype, _OUT_DTYPES[dst.dtype]), src.numel(), int(threads or 0)
+    )
+
+
+def probe_copy(src: torch.Tensor, dst: torch.Tensor, *, threads: int | None = None) -> None:
+    """Copy fp32 ``src`` to ``dst`` on the native thread pool (a bandwidth probe)."""
+    native = load()
+    _check_cpu_contiguous("src", src, (torch.float32,), src.numel())
+    _check_cpu_contiguous("dst", dst, (torch.float32,), src.numel())
+    native.probe_copy(src.data_ptr(), dst.data_ptr(), src.numel(), int(threads or 0))
+
+
+def probe_adam_pattern(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, threads: int | None = None
+) -> None:
+    """``p += g; m += g; v += g``: the fp32 Adam step's memory traffic with no arithmetic."""
+    native = load()
+    for name, t in (("p", p), ("g", g), ("m", m), ("v", v)):
+        _check_cpu_contiguous(name, t, (torch.float32,), p.numel())
+    native.probe_adam_pattern(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), int(threads or 0))
+
+
+def simd_path() -> str:
+    """The SIMD path `adam_step` uses now: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    return load().simd_path()
+
+
+def best_simd_path() -> str:
+    """The best SIMD path this CPU supports."""
+    return load().best_simd_path()
+
+
+def set_simd_path(name: str) -> None:
+    """Force ``"avx512"``, ``"avx2"`` or ``"scalar"`` (for tests); ``"auto"`` restores the best."""
+    try:
+        load().set_simd_path(name)
+    except Exception as err:  # pybind maps std::invalid_argument to ValueError
+        raise ValueError(str(err)) from err
+
+
+def threads() -> int:
+    """Threads the native kernels use by default (env ``ZKERNEL_NATIVE_THREADS``, else usable cores)."""
+    return load().pool_threads()
+
+
+def set_threads(n: int) -> None:
+    """Resize the native thread pool (the calling thread counts as one)."""
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    load().set_pool_threads(int(n))
