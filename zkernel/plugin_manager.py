@@ -4,7 +4,8 @@ Plugins come, in this order, from: the entry-point group ``zkernel`` (the
 builtins register there exactly like a third party), objects passed in code
 (``zkernel.initialize(..., plugins=[...])``), and dotted module paths in the
 config's ``plugins``. ``ZKERNEL_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points
-of other distributions; names in ``blocked_plugins`` are never registered.
+of other distributions; names in the config's ``blocked_plugins`` or in
+``ZKERNEL_BLOCKED_PLUGINS`` (comma-separated) are never registered.
 When zkernel runs from a source tree without its distribution metadata, the
 builtins are imported by module name instead (`BUILTIN_PLUGINS`).
 """
@@ -31,6 +32,7 @@ ENTRY_POINT_GROUP = "zkernel"
 DISTRIBUTION = "zkernel"
 AUTOLOAD_ENV = "ZKERNEL_DISABLE_PLUGIN_AUTOLOAD"
 TRACE_ENV = "ZKERNEL_TRACE_HOOKS"
+BLOCKED_ENV = "ZKERNEL_BLOCKED_PLUGINS"
 
 # Entry-point name -> module, used only when the distribution's metadata is absent.
 BUILTIN_PLUGINS = {
@@ -122,8 +124,9 @@ def get_plugin_manager(
     config = config or Config()
     pm = new_plugin_manager(trace=config.trace_hooks)
     installed = InstalledPlugins(pm)
-    for name in config.blocked_plugins:
-        pm.set_blocked(name)
+    env_blocked = [n for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip()]
+    for name in (*config.blocked_plugins, *env_blocked):
+        pm.set_blocked(name.strip())
     if autoload is None:
         autoload = os.environ.get(AUTOLOAD_ENV, "") in ("", "0")
 

@@ -30,6 +30,7 @@ the prefetcher follows from then on.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import structlog
@@ -52,6 +53,8 @@ class _ReleasedParamGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.scheduler.in_hook:  # the plugins' own tensor work
+            return func(*args, **kwargs)
         owner = self.scheduler.group_of_param
         for arg in args:
             if type(arg) is nn.Parameter:
@@ -88,6 +91,7 @@ class Scheduler:
         self._reduced: set[int] = set()
         self._boundary = True
         self._handles = []
+        self.in_hook = False
         self._install()
 
     # -- installation ---------------------------------------------------------
@@ -130,7 +134,7 @@ class Scheduler:
         groups = self.groups_of_module[id(module)]
         for group in groups:
             if group.index not in self.external:
-                self.hook.zkernel_release_params(group=group, phase=Phase.FORWARD, boundary=self._boundary)
+                self._release(group, Phase.FORWARD)
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
@@ -147,8 +151,20 @@ class Scheduler:
         self._fetch(group, Phase.FORWARD)
 
     def _fetch(self, group: ParamGroup, phase: Phase) -> None:
-        with torch.profiler.record_function("zkernel::fetch"):
+        with torch.profiler.record_function("zkernel::fetch"), self._plugin_call():
             self.hook.zkernel_fetch_params(group=group, phase=phase, boundary=self._boundary)
+
+    def _release(self, group: ParamGroup, phase: Phase) -> None:
+        with self._plugin_call():
+            self.hook.zkernel_release_params(group=group, phase=phase, boundary=self._boundary)
+
+    @contextlib.contextmanager
+    def _plugin_call(self):
+        outer, self.in_hook = self.in_hook, True
+        try:
+            yield
+        finally:
+            self.in_hook = outer
 
     def _prefetch_after(self, group: ParamGroup, phase: Phase) -> None:
         if not self.trace_done or self.prefetch_bytes <= 0:
@@ -162,7 +178,8 @@ class Scheduler:
         while 0 <= i < len(self.trace) and budget > 0:
             nxt = self.trace[i]
             if not nxt.gathered:
-                self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
+                with self._plugin_call():
+                    self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
             budget -= nxt.numel * nxt.params[0].element_size()
             i += step
 
@@ -186,9 +203,9 @@ class Scheduler:
 
     def _group_grads_ready(self, group: ParamGroup) -> None:
         if group.module is not None and group.index not in self.external:
-            self.hook.zkernel_release_params(group=group, phase=Phase.BACKWARD, boundary=self._boundary)
+            self._release(group, Phase.BACKWARD)
         with torch.profiler.record_function("zkernel::reduce"):
-            self.hook.zkernel_release_params(group=group, phase=Phase.GRADIENTS, boundary=self._boundary)
+            self._release(group, Phase.GRADIENTS)
         self._reduced.add(group.index)
 
     def begin_backward(self, boundary: bool) -> None:
@@ -217,7 +234,7 @@ class Scheduler:
     def _release_gathered(self) -> None:
         for group in self.bound:
             if group.gathered:
-                self.hook.zkernel_release_params(group=group, phase=Phase.BACKWARD, boundary=self._boundary)
+                self._release(group, Phase.BACKWARD)
 
     def _end_trace(self) -> None:
         if self.trace_done or not self._recording:

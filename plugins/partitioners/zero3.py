@@ -185,6 +185,15 @@ class Zero3:
         else:
             state.gathering = (full, all_gather_flat(full, state.shard, async_op=True))
 
+    @staticmethod
+    def _drop_prefetch(state: Zero3State) -> None:
+        """Discard a gather the prefetcher started but nobody consumed: it would be stale after the step."""
+        if state.gathering is not None:
+            _, work = state.gathering
+            if work is not None:
+                work.wait()
+            state.gathering = None
+
     @hookimpl
     def zkernel_prefetch_params(self, group, phase):
         state = group.layout
@@ -198,6 +207,7 @@ class Zero3:
         if phase is Phase.STEP:
             state.finish()
             self.in_flight.clear()
+            self._drop_prefetch(state)
             return
         if group.gathered:
             return

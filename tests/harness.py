@@ -1,0 +1,72 @@
+"""Run a function on N real gloo processes and collect each rank's result (or its traceback)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, out: str, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = ("ok", fn(*args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out).write_bytes(pickle.dumps(result))
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
+    """``fn(*args)`` on ``world`` spawned processes forming a gloo group; results by rank.
+
+    A rank that raises fails the call with its traceback; a hang is killed
+    after ``timeout`` seconds and reported, never left behind.
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
+        procs = [ctx.Process(target=_child, args=(r, world, port, outs[r], fn, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = []
+        for r, path in enumerate(outs):
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} of {world} produced no result (hung: {hung}, exit {procs[r].exitcode})")
+            status, value = pickle.loads(Path(path).read_bytes())
+            if status == "error":
+                raise RuntimeError(f"rank {r} of {world} failed:\n{value}")
+            results.append(value)
+        return results

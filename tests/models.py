@@ -1,0 +1,67 @@
+"""Models and data shared by the tests: the hard cases a user hits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 29
+
+
+class TrickyNet(nn.Module):
+    """Tied embedding/head, a block called twice, a frozen parameter, a buffer, a 0-dim gain, odd sizes."""
+
+    def __init__(self, dim: int = 13, hidden: int = 37) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.block = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.frozen_proj = nn.Linear(dim, dim)
+        self.frozen_proj.weight.requires_grad_(False)
+        self.gain = nn.Parameter(torch.tensor(0.75))
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, dim))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.block(h)
+        h = h + self.block(h)  # the same module twice
+        h = self.frozen_proj(self.norm(h)) * self.gain + self.shift
+        logits = F.linear(h, self.embed.weight)  # tied head, outside the embedding's forward
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def batches(seed: int, steps: int, accum: int, world: int, micro: int, seq: int = 6):
+    """Global batches: [step][micro][rank] -> (tokens, targets)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(accum):
+            tokens = torch.randint(0, VOCAB, (world * micro, seq), generator=g)
+            targets = (tokens * 7 + 3) % VOCAB
+            step.append([(tokens[r * micro : (r + 1) * micro], targets[r * micro : (r + 1) * micro]) for r in range(world)])
+        out.append(step)
+    return out
+
+
+def reference_losses(model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8):
+    """Single-process torch AdamW on the global batches: the oracle."""
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
+    )
+    losses = []
+    for step in data:
+        total = 0.0
+        for micro in step:
+            tokens = torch.cat([t for t, _ in micro])
+            targets = torch.cat([y for _, y in micro])
+            loss = model(tokens, targets) / len(step)
+            loss.backward()
+            total += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses

@@ -1,0 +1,123 @@
+"""Per-rank training runs used by the distributed tests (executed inside spawned processes)."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+import torch.distributed as dist
+
+import zkernel
+from tests.models import TrickyNet, batches
+
+
+def _world_rank():
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=()) -> dict:
+    """Train TrickyNet through zkernel on this rank's share; return global mean losses per step."""
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config, plugins=plugins)
+    world, rank = _world_rank()
+    losses = []
+    for step in batches(seed + 1, steps, accum, world, micro):
+        total = torch.zeros(())
+        for micro_batch in step:
+            tokens, targets = micro_batch[rank]
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / accum
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return {"losses": losses, "memory": engine.memory_report(), "skipped": engine.skipped_steps}
+
+
+def train_many(configs: list[dict], steps: int, accum: int, micro: int, seed: int) -> list[dict]:
+    return [train(c, steps, accum, micro, seed) for c in configs]
+
+
+class Wide(torch.nn.Module):
+    """Stack of square Linear layers with reset_parameters on each (for meta construction)."""
+
+    def __init__(self, width: int, depth: int, device=None) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, device=device) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def memory_by_stage(stage: str, width: int, depth: int) -> dict:
+    """Memory report of one step of Wide under ``stage``, plus the element count."""
+    torch.manual_seed(0)
+    model = Wide(width, depth)
+    numel = sum(p.numel() for p in model.parameters())
+    cfg = {"partitioner": stage, "optimizer": {"lr": 1e-3}}
+    if stage == "zero3":
+        cfg["partitioner_options"] = {"persistence_threshold": 0}
+    else:
+        cfg["partitioner_options"] = {"bucket_size": width * width + width}
+    engine = zkernel.initialize(model, cfg)
+    loss = engine(torch.randn(4, width))
+    engine.backward(loss)
+    engine.step()
+    return {"numel": numel, "memory": engine.memory_report()}
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def partitioned_construction(width: int, depth: int, steps: int) -> dict:
+    """Build Wide on the meta device, let zero3 materialise it shard by shard, train; report peak RSS growth."""
+    torch.ones(1).add_(1)  # warm allocator and kernels before the baseline
+    before = _rss_bytes()
+    with torch.device("meta"):
+        model = Wide(width, depth)
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    engine = zkernel.initialize(
+        model, {"partitioner": "zero3", "optimizer": {"lr": 1e-3}, "partitioner_options": {"persistence_threshold": 0}}
+    )
+    after_init = _rss_bytes()
+    g = torch.Generator().manual_seed(5 + _world_rank()[1])
+    losses = []
+    for _ in range(steps):
+        loss = engine(torch.randn(2, width, generator=g))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {
+        "full_bytes": full_bytes,
+        "init_growth": after_init - before,
+        "train_growth": _rss_bytes() - before,
+        "losses": losses,
+        "memory": engine.memory_report(),
+    }
+
+
+def fp16_overflow(inject_rank: int, inject_step: int, steps: int) -> dict:
+    """fp16 run where one rank's loss becomes inf at one step: every rank must skip it."""
+    torch.manual_seed(0)
+    engine = zkernel.initialize(
+        TrickyNet(), {"partitioner": "zero2", "precision": "fp16", "optimizer": {"lr": 1e-3}, "initial_loss_scale": 1024.0}
+    )
+    world, rank = _world_rank()
+    scales, checksums = [], []
+    for i, step in enumerate(batches(11, steps, 1, world, 2)):
+        tokens, targets = step[0][rank]
+        loss = engine(tokens, targets)
+        if i == inject_step and rank == inject_rank:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        scales.append(engine.loss_scaler.scale)
+        checksums.append(float(sum(g.master.double().sum() for g in engine.trainable_groups)))
+    return {"scales": scales, "checksums": checksums, "skipped": engine.skipped_steps}
