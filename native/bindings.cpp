@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 
 #include "aio.h"
 #include "bandwidth.h"
@@ -19,6 +21,42 @@ template <typename T>
 T* ptr(std::uintptr_t address) {
     return reinterpret_cast<T*>(address);
 }
+
+// Heap memory aligned for O_DIRECT, exported through the buffer protocol so
+// torch.frombuffer / numpy can view it without a copy (the view keeps this
+// object alive). `on_free`, if set, is called just before the memory is freed
+// (zkernel.aio uses it to cudaHostUnregister a page-locked buffer).
+class AlignedBuffer {
+  public:
+    AlignedBuffer(std::int64_t nbytes, std::int64_t alignment) : nbytes_(nbytes) {
+        if (nbytes < 0) throw std::invalid_argument("AlignedBuffer: negative size");
+        if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || alignment % sizeof(void*) != 0)
+            throw std::invalid_argument("AlignedBuffer: alignment must be a power of two >= pointer size");
+        const std::size_t rounded = static_cast<std::size_t>((nbytes + alignment - 1) / alignment * alignment);
+        if (posix_memalign(&data_, static_cast<std::size_t>(alignment), rounded == 0 ? alignment : rounded) != 0)
+            throw std::bad_alloc();
+    }
+    ~AlignedBuffer() {
+        if (on_free && !on_free.is_none()) {
+            try {
+                on_free();
+            } catch (py::error_already_set& e) {
+                e.discard_as_unraisable("zkernel._native.AlignedBuffer.on_free");
+            }
+        }
+        std::free(data_);
+    }
+    AlignedBuffer(const AlignedBuffer&) = delete;
+    AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+    void* data() const { return data_; }
+    std::int64_t nbytes() const { return nbytes_; }
+    py::object on_free;
+
+  private:
+    void* data_ = nullptr;
+    std::int64_t nbytes_;
+};
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zkernel native core: CPU Adam, async file I/O, bandwidth probes";
@@ -132,6 +170,16 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("queue_depth", [](const zk::AioEngine& e) { return e.config().queue_depth; })
         .def_property_readonly("direct", [](const zk::AioEngine& e) { return e.config().direct; })
         .def_property_readonly("alignment", [](const zk::AioEngine& e) { return e.config().alignment; });
+
+    py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
+        .def(py::init<std::int64_t, std::int64_t>(), py::arg("nbytes"), py::arg("alignment"))
+        .def_property_readonly("address", [](const AlignedBuffer& b) { return reinterpret_cast<std::uintptr_t>(b.data()); })
+        .def_property_readonly("nbytes", &AlignedBuffer::nbytes)
+        .def_readwrite("on_free", &AlignedBuffer::on_free)
+        .def_buffer([](AlignedBuffer& b) {
+            return py::buffer_info(b.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                                   {static_cast<py::ssize_t>(b.nbytes())}, {static_cast<py::ssize_t>(1)});
+        });
 
     m.def("preallocate_file", &zk::preallocate_file, py::arg("path"), py::arg("nbytes"), release_gil());
 }
