@@ -146,7 +146,9 @@ inline void adam_scalar_range(const Buffers& b, const Coeffs& c, int64_t begin, 
 template <bool kBf16Grad>
 ZK_AVX512 inline __m512 avx512_load_grad(const void* grad, int64_t i, __mmask16 mask) {
     if constexpr (kBf16Grad) {
-        __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(grad) + i);
+        __m256i h = mask == 0xFFFF
+                        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i))
+                        : _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(grad) + i);
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     } else {
         return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(grad) + i);
@@ -163,45 +165,57 @@ ZK_AVX512 inline __m256i avx512_to_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-template <int kOut>
+template <int kOut, bool kFull>
 ZK_AVX512 inline void avx512_store_out(void* out, int64_t i, __m512 p, __mmask16 mask) {
     if constexpr (kOut == static_cast<int>(OutDtype::NONE)) return;
     __m256i h;
     if constexpr (kOut == static_cast<int>(OutDtype::BF16)) h = avx512_to_bf16(p);
     else h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + i, mask, h);
+    uint16_t* dst = static_cast<uint16_t*>(out) + i;
+    if constexpr (kFull) {
+        // The copy-out is write-only: a streaming store skips reading its lines first.
+        if ((reinterpret_cast<uintptr_t>(dst) & 31) == 0) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), h);
+        else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+    } else {
+        _mm256_mask_storeu_epi16(dst, mask, h);
+    }
+}
+
+template <bool kBf16Grad, int kOut, bool kFull>
+ZK_AVX512 inline void adam_avx512_block(const Buffers& b, const Coeffs& c, int64_t i, __mmask16 mask) {
+    // kFull: plain loads/stores (masked stores are slow on some cores); else masked (the tail).
+    const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
+    __m512 p = kFull ? _mm512_loadu_ps(b.param + i) : _mm512_maskz_loadu_ps(mask, b.param + i);
+    __m512 g = _mm512_mul_ps(avx512_load_grad<kBf16Grad>(b.grad, i, mask), grad_scale);
+    if (c.l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(c.weight_decay), g);
+    if (c.decoupled) p = _mm512_mul_ps(p, _mm512_set1_ps(c.decay));
+    __m512 m = kFull ? _mm512_loadu_ps(b.exp_avg + i) : _mm512_maskz_loadu_ps(mask, b.exp_avg + i);
+    m = _mm512_fmadd_ps(_mm512_set1_ps(c.lerp_coeff), _mm512_sub_ps(g, m), c.lerp_from_m ? m : g);
+    __m512 v = kFull ? _mm512_loadu_ps(b.exp_avg_sq + i) : _mm512_maskz_loadu_ps(mask, b.exp_avg_sq + i);
+    v = _mm512_mul_ps(v, _mm512_set1_ps(c.beta2));
+    v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta2), g), g, v);
+    const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c.bc2_sqrt)),
+                                   _mm512_set1_ps(c.eps));
+    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c.step_size), m), d));
+    if constexpr (kFull) {
+        _mm512_storeu_ps(b.param + i, p);
+        _mm512_storeu_ps(b.exp_avg + i, m);
+        _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    } else {
+        _mm512_mask_storeu_ps(b.param + i, mask, p);
+        _mm512_mask_storeu_ps(b.exp_avg + i, mask, m);
+        _mm512_mask_storeu_ps(b.exp_avg_sq + i, mask, v);
+    }
+    avx512_store_out<kOut, kFull>(b.out, i, p, mask);
 }
 
 template <bool kBf16Grad, int kOut>
 ZK_AVX512 void adam_avx512_range(const Buffers& b, const Coeffs& c, int64_t begin, int64_t end) {
-    const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
-    const __m512 wd = _mm512_set1_ps(c.weight_decay);
-    const __m512 decay = _mm512_set1_ps(c.decay);
-    const __m512 lerp_coeff = _mm512_set1_ps(c.lerp_coeff);
-    const __m512 beta2 = _mm512_set1_ps(c.beta2);
-    const __m512 one_minus_beta2 = _mm512_set1_ps(c.one_minus_beta2);
-    const __m512 bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
-    const __m512 eps = _mm512_set1_ps(c.eps);
-    const __m512 step_size = _mm512_set1_ps(c.step_size);
-    for (int64_t i = begin; i < end; i += 16) {
-        const int64_t left = end - i;
-        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << left) - 1u);
-        __m512 p = _mm512_maskz_loadu_ps(mask, b.param + i);
-        __m512 g = _mm512_mul_ps(avx512_load_grad<kBf16Grad>(b.grad, i, mask), grad_scale);
-        if (c.l2) g = _mm512_fmadd_ps(p, wd, g);
-        if (c.decoupled) p = _mm512_mul_ps(p, decay);
-        __m512 m = _mm512_maskz_loadu_ps(mask, b.exp_avg + i);
-        m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), c.lerp_from_m ? m : g);
-        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, b.exp_avg_sq + i), beta2);
-        v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, v);
-        const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
-        p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), d));
-        _mm512_mask_storeu_ps(b.param + i, mask, p);
-        _mm512_mask_storeu_ps(b.exp_avg + i, mask, m);
-        _mm512_mask_storeu_ps(b.exp_avg_sq + i, mask, v);
-        avx512_store_out<kOut>(b.out, i, p, mask);
-    }
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) adam_avx512_block<kBf16Grad, kOut, true>(b, c, i, 0xFFFF);
+    if (i < end)
+        adam_avx512_block<kBf16Grad, kOut, false>(b, c, i, static_cast<__mmask16>((1u << (end - i)) - 1u));
+    if constexpr (kOut != static_cast<int>(OutDtype::NONE)) _mm_sfence();
 }
 
 template <int kOut>
@@ -210,8 +224,10 @@ ZK_AVX512 void convert_avx512_range(const float* src, void* dst, int64_t begin, 
         const int64_t left = end - i;
         const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << left) - 1u);
-        avx512_store_out<kOut>(dst, i, _mm512_maskz_loadu_ps(mask, src + i), mask);
+        if (left >= 16) avx512_store_out<kOut, true>(dst, i, _mm512_loadu_ps(src + i), mask);
+        else avx512_store_out<kOut, false>(dst, i, _mm512_maskz_loadu_ps(mask, src + i), mask);
     }
+    _mm_sfence();
 }
 
 // ---------------------------------------------------------------------------
@@ -246,7 +262,9 @@ ZK_AVX2 inline void avx2_store_out(void* out, int64_t i, __m256 p) {
     __m128i h;
     if constexpr (kOut == static_cast<int>(OutDtype::BF16)) h = avx2_to_bf16(p);
     else h = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), h);
+    __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
+    if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) _mm_stream_si128(dst, h);  // write-only stream
+    else _mm_storeu_si128(dst, h);
 }
 
 template <bool kBf16Grad, int kOut>
@@ -278,6 +296,7 @@ ZK_AVX2 void adam_avx2_range(const Buffers& b, const Coeffs& c, int64_t begin, i
         avx2_store_out<kOut>(b.out, i, p);
     }
     adam_scalar_range<kBf16Grad, kOut>(b, c, i, end);
+    if constexpr (kOut != static_cast<int>(OutDtype::NONE)) _mm_sfence();
 }
 
 template <int kOut>
@@ -285,6 +304,7 @@ ZK_AVX2 void convert_avx2_range(const float* src, void* dst, int64_t begin, int6
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) avx2_store_out<kOut>(dst, i, _mm256_loadu_ps(src + i));
     for (; i < end; ++i) store_out<kOut>(dst, i, src[i]);
+    _mm_sfence();
 }
 
 // ---------------------------------------------------------------------------
