@@ -1,0 +1,258 @@
+"""The ``zkernel`` command: ``plugins``, ``demo``, ``config``.
+
+The CLI is a front-end, so unlike the library it prints to stdout and
+configures structlog (`configure_logging`): console text for people or JSON
+lines (``--log-json``), INFO and above unless ``-v``, to stderr, with the
+rank bound through `structlog.contextvars` in multi-process runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+# Set by torchrun in every process it starts.
+_TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+
+
+def configure_logging(*, json_output: bool = False, verbose: bool = False, rank: int | None = None) -> None:
+    """Configure structlog for a front-end process (the library itself never does this)."""
+    level = logging.DEBUG if verbose else logging.INFO
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+    ]
+    if json_output:
+        processors += [
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(),
+        ]
+    else:
+        processors += [
+            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+        ]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    if rank is not None:
+        structlog.contextvars.bind_contextvars(rank=rank)
+
+
+# -- zkernel plugins --------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from zkernel.config import Config
+    from zkernel.plugin_manager import get_plugin_manager, list_components
+
+    config = Config(plugins=tuple(args.plugin), blocked_plugins=tuple(args.block))
+    installed = get_plugin_manager(config=config)
+    rows = []
+    for component, source in list_components(installed):
+        dist = source.distribution or "-"
+        if source.distribution and source.version:
+            dist = f"{source.distribution} {source.version}"
+        rows.append(
+            (component.family.value, component.name, source.name, source.origin, dist, component.description)
+        )
+    print(_table(("FAMILY", "NAME", "PLUGIN", "ORIGIN", "DISTRIBUTION", "DESCRIPTION"), rows))
+    return 0
+
+
+# -- zkernel demo -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    """The demo options, as command-line arguments for `zkernel.demo.train`."""
+    out = [
+        "--seconds", str(args.seconds),
+        "--partitioner", args.partitioner,
+        "--seed", str(args.seed),
+        "--lr", str(args.lr),
+        "--micro-batch", str(args.micro_batch),
+        "--d-model", str(args.d_model),
+        "--layers", str(args.layers),
+        "--heads", str(args.heads),
+        "--seq-len", str(args.seq_len),
+    ]  # fmt: skip
+    if args.sample_chars is not None:
+        out += ["--sample-chars", str(args.sample_chars)]
+    if args.short:
+        out.append("--short")
+    if args.meta_init:
+        out.append("--meta-init")
+    if args.log_json:
+        out.append("--log-json")
+    if args.verbose:
+        out.append("--verbose")
+    return out
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from zkernel.demo import train
+
+    forwarded = _forwarded(args)
+    if os.environ.get(_TORCHRUN_ENV) is not None:
+        # Already one rank of a torchrun job: train here.
+        return train.main(forwarded)
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    nproc = args.nproc or (torch.cuda.device_count() if gpu else 2)
+    env = dict(os.environ)
+    if not gpu:
+        # One thread per rank: the ranks share the cores.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()),
+        "-m", "zkernel.demo.train",
+        *forwarded,
+    ]  # fmt: skip
+    structlog.get_logger("zkernel.cli").info(
+        "zkernel.demo.launch", nproc=nproc, device="cuda" if gpu else "cpu"
+    )
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- zkernel config ---------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, os.PathLike):
+        return _toml_value(os.fspath(value))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def config_to_toml(config: Any) -> str:
+    """A `zkernel.Config` as TOML that `zkernel.config.load_config` reads back."""
+    import attrs
+
+    top, tables = [], []
+    for field in attrs.fields(type(config)):
+        value = getattr(config, field.name)
+        if attrs.has(type(value)):
+            lines = [f"[{field.name}]"]
+            for sub in attrs.fields(type(value)):
+                sub_value = getattr(value, sub.name)
+                if sub.name == "options":
+                    lines += [f"{k} = {_toml_value(v)}" for k, v in sub_value.items()]
+                elif sub_value is None:
+                    lines.append(f"# {sub.name} is unset")
+                else:
+                    lines.append(f"{sub.name} = {_toml_value(sub_value)}")
+            tables.append("\n".join(lines))
+        elif value is None:
+            top.append(f"# {field.name} is unset")
+        else:
+            top.append(f"{field.name} = {_toml_value(dict(value) if isinstance(value, dict) else value)}")
+    return "\n".join(top) + "\n\n" + "\n\n".join(tables) + "\n"
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from zkernel.config import load_config
+
+    print(config_to_toml(load_config(args.path)), end="")
+    return 0
+
+
+# -- entry point ------------------------------------------------------------------
+
+
+def _add_logging_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--log-json", action="store_true", default=default, help="log JSON lines to stderr")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=default, help="also show zkernel.* debug events"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zkernel import __version__
+    from zkernel.demo.train import add_training_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="zkernel", description="ZeRO partitioning and offload for PyTorch, as a plugin microkernel."
+    )
+    parser.add_argument("--version", action="version", version=f"zkernel {__version__}")
+    _add_logging_options(parser, default=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plugins = sub.add_parser("plugins", help="list every installed component by family, with its plugin and distribution")
+    plugins.add_argument("--plugin", action="append", default=[], metavar="MODULE", help="also load this plugin module (dotted path)")
+    plugins.add_argument("--block", action="append", default=[], metavar="NAME", help="do not load the plugin of this name")
+    _add_logging_options(plugins, default=argparse.SUPPRESS)
+    plugins.set_defaults(func=cmd_plugins)
+
+    demo = sub.add_parser("demo", help="train a small GPT for a minute (2 CPU processes, or all GPUs)")
+    add_training_arguments(demo)
+    demo.add_argument("--nproc", type=int, default=None, help="processes (default: all GPUs, else 2)")
+    _add_logging_options(demo, default=argparse.SUPPRESS)
+    demo.set_defaults(func=cmd_demo)
+
+    config = sub.add_parser("config", help="print the default config (or the config in PATH, validated) as TOML")
+    config.add_argument("path", nargs="?", default=None, help="a .json or .toml config to validate and print")
+    _add_logging_options(config, default=argparse.SUPPRESS)
+    config.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(json_output=args.log_json, verbose=args.verbose)
+    from zkernel.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, ImportError) as exc:
+        print(f"zkernel {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

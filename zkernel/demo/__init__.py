@@ -1,0 +1,7 @@
+"""The ``zkernel demo``: a small GPT trained with zkernel on an embedded corpus.
+
+* `zkernel.demo.gpt` -- a plain-torch GPT that can be built on the meta device.
+* `zkernel.demo.corpus` -- the embedded English text and its char-level tokenizer.
+* `zkernel.demo.train` -- what each rank runs (``python -m zkernel.demo.train``);
+  ``zkernel demo`` launches it through ``torch.distributed.run``.
+"""
