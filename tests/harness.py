@@ -52,8 +52,17 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
         procs = [ctx.Process(target=_child, args=(r, world, port, outs[r], fn, args)) for r in range(world)]
-        for p in procs:
-            p.start()
+        # Fixed mmap threshold: freed large blocks go back to the OS, so RSS tracks live memory.
+        saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if saved is None:
+                del os.environ["MALLOC_MMAP_THRESHOLD_"]
+            else:
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
         for p in procs:
             p.join(timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]

@@ -26,11 +26,18 @@ log = structlog.get_logger("zkernel")
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _move_buffers(module: nn.Module, device: torch.device) -> None:
+def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Buffers go to the compute device; floating ones take the compute dtype (as ``module.half()`` would)."""
     for mod in module.modules():
         for name, buf in mod._buffers.items():
-            if buf is not None and buf.device != device:
-                mod._buffers[name] = buf.to(device)
+            if buf is None:
+                continue
+            if buf.is_meta:
+                raise ValueError(
+                    f"buffer {name!r} of {type(mod).__name__} is on the meta device; build buffers on a "
+                    "real device (only parameters may be left on meta for zero3 to materialise)"
+                )
+            mod._buffers[name] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
 
 
 def _check_groups(module: nn.Module, groups: list[ParamGroup], partitioner: str) -> None:
@@ -93,7 +100,7 @@ def initialize(
         runtime.register(component, name=name)
     runtime.check_pending()
 
-    _move_buffers(model, dist_info.device)
+    _move_buffers(model, dist_info.device, compute_dtype)
     groups = runtime.hook.zkernel_partition_params(module=model, context=context(selection.partitioner_options))
     if groups is None:
         raise RuntimeError(f"partitioner {cfg.partitioner!r} returned no parameter groups")

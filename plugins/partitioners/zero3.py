@@ -116,6 +116,10 @@ class Zero3:
         for unit_index, (unit_name, unit, named) in enumerate(module_units(module)):
             if any(p.is_meta for _, p in named):
                 _materialize(unit, context.device, self.options.init_seed + unit_index)
+                # to_empty replaces meta parameters with new Parameter objects.
+                prefix = f"{unit_name}." if unit_name else ""
+                fresh = dict(unit.named_parameters(recurse=False))
+                named = [(n, fresh[n[len(prefix):]]) for n, _ in named]
             for trainable in (True, False):
                 part = [(n, p) for n, p in named if p.requires_grad == trainable]
                 if part:

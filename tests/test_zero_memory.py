@@ -1,0 +1,84 @@
+"""ZeRO memory accounting, partitioned construction, fp16 overflow, bf16 training, on real gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.harness import run_ranks
+from tests.scenarios import fp16_overflow, memory_by_stage, partitioned_construction, train
+
+WIDTH, DEPTH = 96, 4
+FP32 = 4
+
+
+def _total(report: dict, category: str) -> int:
+    return sum(report[category].values())
+
+
+def _memory_all_stages():
+    return {stage: memory_by_stage(stage, WIDTH, DEPTH) for stage in ("none", "zero1", "zero2", "zero3")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_per_rank_bytes_follow_zero_accounting(world):
+    results = run_ranks(world, _memory_all_stages)
+    for rank, by_stage in enumerate(results):
+        n = by_stage["none"]["numel"]
+        # Per-unit padding is below one element per rank per unit (DEPTH units).
+        pad = DEPTH * world * FP32 * 3
+        full, shard = n * FP32, math.ceil(n / world) * FP32
+
+        def check(stage, category, expected, slack=pad):
+            got = _total(by_stage[stage]["memory"], category)
+            assert expected <= got <= expected + slack, f"rank {rank} {stage} {category}: {got} vs {expected}"
+
+        check("none", "optimizer_state", 2 * full)
+        check("none", "params", full)
+        check("none", "grads", full)
+        check("zero1", "optimizer_state", 2 * shard)
+        check("zero1", "params", full)
+        check("zero1", "grads", full + shard)
+        check("zero2", "optimizer_state", 2 * shard)
+        check("zero2", "params", full)
+        check("zero2", "grads", shard)
+        check("zero3", "optimizer_state", 2 * shard)
+        check("zero3", "params", shard)
+        check("zero3", "grads", shard)
+        for stage in by_stage:
+            assert _total(by_stage[stage]["memory"], "master_weights") == 0, "fp32 masters alias the parameters"
+
+
+def test_partitioned_construction_never_builds_the_whole_model():
+    # 16 x 1024^2 fp32 = 64 MiB of parameters. Each of 4 ranks holds a quarter of the parameters
+    # and a quarter of the fp32 gradients (half the model's bytes) plus one unit being built.
+    results = run_ranks(4, partitioned_construction, 1024, 16, 3)
+    for rank, r in enumerate(results):
+        budget = 0.75 * r["full_bytes"]
+        assert r["init_growth"] < budget, f"rank {rank} grew {r['init_growth']} B during init (full model {r['full_bytes']} B)"
+        assert _total(r["memory"], "params") <= r["full_bytes"] / 4 + 64 * 1024
+        assert all(math.isfinite(x) for x in r["losses"])
+        assert r["losses"][-1] < r["losses"][0]
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
+    results = run_ranks(2, fp16_overflow, 1, 2, 4)
+    for r in results:
+        assert r["skipped"] == 1
+        assert r["scales"] == [1024.0, 1024.0, 512.0, 512.0]
+        assert r["checksums"][2] == r["checksums"][1], "the overflowing step must not change the masters"
+        assert r["checksums"][3] != r["checksums"][2]
+
+
+@pytest.mark.parametrize("stage", ["none", "zero2", "zero3"])
+def test_bf16_tracks_fp32(stage):
+    cfg = {"partitioner": stage, "optimizer": {"lr": 2e-2}, "gradient_clipping": 1.0}
+    if stage == "zero3":
+        cfg["partitioner_options"] = {"persistence_threshold": 0}
+    fp32 = train(cfg, 8, 1, 4, 7)["losses"]
+    bf16 = train({**cfg, "precision": "bf16"}, 8, 1, 4, 7)
+    assert bf16["memory"]["master_weights"], "bf16 keeps separate fp32 masters"
+    for a, b in zip(bf16["losses"], fp32):
+        assert abs(a - b) < 0.05 * abs(b), (bf16["losses"], fp32)
+    assert bf16["losses"][-1] < bf16["losses"][0]
