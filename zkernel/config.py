@@ -165,6 +165,11 @@ class Config:
 _SECTIONS = {"optimizer": OptimizerConfig, "offload": OffloadConfig}
 
 
+def section_keys(section: str) -> tuple[str, ...]:
+    """The keys a section takes itself, before any component's options."""
+    return tuple(_field_names(_SECTIONS[section]))
+
+
 def _field_names(cls: type) -> list[str]:
     return [a.name for a in attrs.fields(cls) if a.name != "options"]
 
@@ -234,14 +239,20 @@ def load_config(source: Config | Mapping[str, Any] | str | os.PathLike | None) -
     )
 
 
-def build_options(owner: str, options_cls: type | None, options: Mapping[str, Any]) -> Any:
-    """Validate a component's own options against its attrs class (None if it takes none)."""
+def build_options(
+    owner: str, options_cls: type | None, options: Mapping[str, Any], common: tuple[str, ...] = ()
+) -> Any:
+    """Validate a component's own options against its attrs class (None if it takes none).
+
+    ``common`` are the section's own keys, listed in the error beside the component's.
+    """
     if options_cls is None:
         if options:
             key = sorted(options)[0]
-            raise ConfigError(f"unknown config key {owner}.{key}; {owner} takes no extra options")
+            valid = ", ".join(common) or "(none)"
+            raise ConfigError(f"unknown config key {owner}.{key}; valid: {valid} (the selected component takes no extra options)")
         return None
-    valid = [a.name for a in attrs.fields(options_cls)]
+    valid = [*common, *(a.name for a in attrs.fields(options_cls))]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ConfigError(

@@ -23,7 +23,7 @@ import pluggy
 import structlog
 
 from zkernel import hookspecs
-from zkernel.config import Config, ConfigError, build_options
+from zkernel.config import Config, ConfigError, build_options, section_keys
 from zkernel.registry import Component, ComponentRegistry, Family
 
 log = structlog.get_logger("zkernel")
@@ -202,10 +202,12 @@ def resolve_components(registry: ComponentRegistry, config: Config) -> Selection
             "partitioner_options", partitioner.options_cls, config.partitioner_options
         ),
         optimizer=optimizer,
-        optimizer_options=build_options("optimizer", optimizer.options_cls, config.optimizer.options),
+        optimizer_options=build_options(
+            "optimizer", optimizer.options_cls, config.optimizer.options, section_keys("optimizer")
+        ),
         optimizer_tier=opt_tier,
         params_tier=par_tier,
-        tier_options=build_options("offload", tier_cls, config.offload.options),
+        tier_options=build_options("offload", tier_cls, config.offload.options, section_keys("offload")),
     )
 
 
