@@ -1,0 +1,175 @@
+"""Training throughput of zkernel zero1/2/3 beside plain torch, DDP and FSDP2, from one run.
+
+    python bench/zero_throughput.py --model 1.3b --micro-batch 16 --nproc 1
+    python bench/zero_throughput.py --model 1.3b --micro-batch 16 --nproc 2 --modes ddp,fsdp2,zero1,zero2,zero3
+
+The driver runs each mode in its own process group (torchrun for --nproc > 1)
+one after another on the same GPUs, then prints tokens/s, TFLOP/s per GPU,
+peak GPU memory and each mode's ratio to FSDP2. Model and recipe are the
+anchors' (shared/ANCHORS.md): GPT with tied embeddings, seq 1024, random
+tokens, AdamW(lr 1e-4, betas 0.9/0.95, wd 0.1), bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SEQ = 1024
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(HERE))
+    from gpt_model import GPT, PRESETS, VOCAB, flops_per_token
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    torch.manual_seed(0)
+    preset = PRESETS[args.model]
+    mode = args.mode
+
+    if mode in ("plain", "ddp", "fsdp2"):
+        if world > 1 or mode == "fsdp2":
+            dist.init_process_group("nccl", device_id=device)
+        with device:
+            model = GPT(**preset, seq=SEQ)
+        if mode == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+        if mode == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.blocks:
+                fully_shard(block, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+        autocast = mode != "fsdp2"
+
+        def train_step(idx, tgt):
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                loss = model(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        flop_model = model.module if mode == "ddp" else model
+    else:
+        import zkernel
+
+        if mode == "zero3":
+            with torch.device("meta"):
+                model = GPT(**preset, seq=SEQ)
+        else:
+            with device:
+                model = GPT(**preset, seq=SEQ)
+        config = {
+            "partitioner": mode,
+            "precision": "bf16",
+            "optimizer": {"name": "adamw", "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
+        }
+        engine = zkernel.initialize(model, config)
+
+        def train_step(idx, tgt):
+            loss = engine(idx, tgt)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        flop_model = model
+    fpt = flops_per_token(flop_model, SEQ) if mode != "zero3" else None
+    if fpt is None:  # zero3 parameters are shards now: count from a meta copy
+        with torch.device("meta"):
+            fpt = flops_per_token(GPT(**preset, seq=SEQ), SEQ)
+
+    torch.cuda.reset_peak_memory_stats()
+    g = torch.Generator(device=device).manual_seed(1 + local)
+    times = []
+    for i in range(args.warmup + args.steps):
+        idx = torch.randint(0, VOCAB, (args.micro_batch, SEQ), device=device, generator=g)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train_step(idx, torch.roll(idx, -1, 1))
+        loss.item()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    tokens = args.micro_batch * SEQ * world / step
+    result = {
+        "mode": mode,
+        "world": world,
+        "step_s": step,
+        "tokens_per_s": tokens,
+        "tflops_per_gpu": fpt * args.micro_batch * SEQ / step / 1e12,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "loss": float(loss),
+    }
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_mode(args, mode: str) -> dict | None:
+    cmd = [sys.executable]
+    if args.nproc > 1 or mode == "fsdp2":
+        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29533"]
+    cmd += [__file__, "--worker", "--mode", mode, "--model", args.model, "--micro-batch", str(args.micro_batch),
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+    oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
+    print(f"[{mode}] {'OOM' if oom else 'failed'} (exit {proc.returncode}): " + " | ".join(tail)[-600:], flush=True)
+    return {"mode": mode, "error": "OOM" if oom else f"exit {proc.returncode}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="1.3b")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--modes", default=None, help="comma list of plain, ddp, fsdp2, zero1, zero2, zero3")
+    parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    modes = args.modes.split(",") if args.modes else (
+        ["plain", "fsdp2", "zero1", "zero2", "zero3"] if args.nproc == 1 else ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
+    )
+    results = [r for r in (_run_mode(args, m) for m in modes) if r]
+    anchor = next((r for r in results if r["mode"] == "fsdp2" and "error" not in r), None)
+    print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16")
+    print(f"{'mode':8} {'tokens/s':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['mode']:8} {r['error']:>10}")
+            continue
+        ratio = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.3f}" if anchor else "-"
+        mem = f"{r['peak_gib'] / anchor['peak_gib']:.3f}" if anchor else "-"
+        print(f"{r['mode']:8} {r['tokens_per_s']:>10.0f} {r['tflops_per_gpu']:>12.1f} {r['peak_gib']:>9.1f} {r['step_s']:>7.3f} {ratio:>15} {mem:>13}")
+
+
+if __name__ == "__main__":
+    main()

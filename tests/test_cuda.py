@@ -1,0 +1,77 @@
+"""The partitioners on CUDA (NCCL for several GPUs) against torch AdamW on the same GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from tests.models import TrickyNet, batches
+from tests.scenarios import train_many
+
+pytestmark = pytest.mark.cuda
+
+STEPS, ACCUM, MICRO, SEED, LR, WD, CLIP = 8, 2, 3, 99, 2e-2, 0.1, 0.5
+STAGES = ("none", "zero1", "zero2", "zero3")
+
+
+def _config(stage, precision="fp32"):
+    cfg = {
+        "partitioner": stage,
+        "precision": precision,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": CLIP,
+        "optimizer": {"lr": LR, "weight_decay": WD},
+    }
+    if stage == "zero3":
+        cfg["partitioner_options"] = {"persistence_threshold": 0}
+    return cfg
+
+
+def _reference(world):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(SEED)
+    model = TrickyNet().cuda()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    losses = []
+    for step in batches(SEED + 1, STEPS, ACCUM, world, MICRO):
+        total = 0.0
+        for micro in step:
+            tokens = torch.cat([t for t, _ in micro]).cuda()
+            targets = torch.cat([y for _, y in micro]).cuda()
+            loss = model(tokens, targets) / ACCUM
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _check(results, expected, label, rel):
+    for stage, result in zip(STAGES, results):
+        for i, (a, b) in enumerate(zip(result["losses"], expected)):
+            assert abs(a - b) <= rel * abs(b), f"{label} {stage} step {i}: {a} vs {b}"
+
+
+def test_cuda_single_gpu_matches_torch():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = train_many([_config(s) for s in STAGES], STEPS, ACCUM, MICRO, SEED)
+    _check(results, _reference(1), "cuda world 1", 2e-5)
+    for r in results:
+        assert all(dev.startswith("cuda") for dev in r["memory"]["params"])
+
+
+def test_cuda_bf16_trains():
+    results = train_many([_config(s, "bf16") for s in STAGES], STEPS, ACCUM, MICRO, SEED)
+    for stage, r in zip(STAGES, results):
+        assert r["losses"][-1] < r["losses"][0], (stage, r["losses"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_match_torch():
+    results = run_ranks(2, train_many, [_config(s) for s in STAGES], STEPS, ACCUM, MICRO, SEED)
+    expected = _reference(2)
+    for rank_results in results:
+        _check(rank_results, expected, "nccl world 2", 2e-5)
