@@ -87,7 +87,7 @@ def test_demo_short_trains_on_two_processes_and_the_loss_goes_down():
     result = run_cli("demo", "--short", "--nproc", "2", timeout=120)
     out = result.stdout
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{result.stderr[-4000:]}"
-    assert "2 rank(s)" in out, out
+    assert "2 rank(s)" in out and "built on the meta device" in out, out
     match = re.search(r"loss: first (\d+\.\d+) -> last (\d+\.\d+) \((\d+) optimizer steps\)", out)
     assert match, out
     first, last, steps = float(match[1]), float(match[2]), int(match[3])

@@ -108,8 +108,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--sample-chars", str(args.sample_chars)]
     if args.short:
         out.append("--short")
-    if args.meta_init:
-        out.append("--meta-init")
+    if args.meta_init is not None:
+        out.append("--meta-init" if args.meta_init else "--no-meta-init")
     if args.log_json:
         out.append("--log-json")
     if args.verbose:

@@ -6,7 +6,7 @@ CPU processes, with ``torch.distributed.run``), or directly::
     python -m torch.distributed.run --nproc_per_node 2 -m zkernel.demo.train --seconds 30
     python -m zkernel.demo.train --seconds 10          # one process, world size 1
 
-With ``--meta-init`` (zero3) the model is built on the meta device, so each
+With zero3 the model is built on the meta device (``--no-meta-init`` to not), so each
 rank materialises one module at a time and keeps only its shard. Every rank
 draws its own random windows of the embedded corpus. After each optimizer step
 one all-reduce carries the loss (for the progress bar) and rank 0's decision to
@@ -69,8 +69,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-chars", type=int, default=None, help="characters to generate at the end")
     parser.add_argument(
         "--meta-init",
-        action="store_true",
-        help="zero3 only: build the model on the meta device and let zero3 materialise it shard by shard",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build the model on the meta device and let zero3 materialise it shard by shard "
+        "(default: on with zero3, which is the only partitioner that can)",
     )
 
 
@@ -158,7 +160,8 @@ def train(args: argparse.Namespace) -> dict:
         n_heads=args.heads,
     )
     torch.manual_seed(args.seed)
-    if args.meta_init:
+    meta_init = args.partitioner == "zero3" if args.meta_init is None else args.meta_init
+    if meta_init:
         if args.partitioner != "zero3":
             raise SystemExit("--meta-init needs --partitioner zero3")
         # Partitioned construction: no memory is used until zero3 materialises
@@ -181,7 +184,8 @@ def train(args: argparse.Namespace) -> dict:
             f"zkernel demo: GPT of {n_params:,} parameters (d={gpt_cfg.d_model}, {gpt_cfg.n_layers} layers, "
             f"{gpt_cfg.n_heads} heads, seq {gpt_cfg.seq_len}), partitioner {args.partitioner}, "
             f"{world} rank(s) on {engine.device.type} ({engine.dist.backend or 'no process group'}), "
-            f"{config['precision']}, {tokens_per_step:,} tokens per optimizer step, {seconds:g} s",
+            f"{config['precision']}, {tokens_per_step:,} tokens per optimizer step, {seconds:g} s"
+            + (", built on the meta device" if meta_init else ""),
             flush=True,
         )
 
