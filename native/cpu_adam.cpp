@@ -151,7 +151,8 @@ ZK_AVX512 inline __m512 avx512_load_grad(const void* grad, int64_t i, __mmask16 
                         : _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(grad) + i);
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     } else {
-        return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(grad) + i);
+        const float* src = static_cast<const float*>(grad) + i;
+        return mask == 0xFFFF ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(mask, src);
     }
 }
 
