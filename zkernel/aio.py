@@ -59,6 +59,7 @@ def aligned_empty(
     True without CUDA is an error). The memory is unpinned and freed when the
     last view of it goes away.
     """
+    required = bool(pin)
     if pin is None:
         pin = torch.cuda.is_available()
     elif pin and not torch.cuda.is_available():
@@ -67,15 +68,29 @@ def aligned_empty(
     nbytes = int(numel) * itemsize
     buf = native.load().AlignedBuffer(nbytes, alignment)
     if pin and nbytes > 0:
-        cudart = torch.cuda.cudart()
-        address = buf.address
-        rc = cudart.cudaHostRegister(address, nbytes, 0)
-        if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
-        buf.on_free = lambda: cudart.cudaHostUnregister(address)
+        try:
+            _page_lock(buf, nbytes)
+        except RuntimeError as exc:
+            if required:
+                raise
+            log.warning("zkernel.aio.pin_failed", nbytes=nbytes, error=str(exc))
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+
+
+def _page_lock(buf, nbytes: int) -> None:
+    """cudaHostRegister ``buf`` and arrange cudaHostUnregister just before it is freed."""
+    cudart = torch.cuda.cudart()
+    register = getattr(cudart, "cudaHostRegister", None)
+    unregister = getattr(cudart, "cudaHostUnregister", None)
+    if register is None or unregister is None:
+        raise RuntimeError("this torch build does not expose cudaHostRegister")
+    address = buf.address
+    rc = register(address, nbytes, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
+    buf.on_free = lambda: unregister(address)
 
 
 def preallocate(path: str | os.PathLike, nbytes: int) -> None:
