@@ -24,7 +24,7 @@ def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=(
     world, rank = _world_rank()
     losses = []
     for step in batches(seed + 1, steps, accum, world, micro):
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for micro_batch in step:
             tokens, targets = micro_batch[rank]
             loss = engine(tokens, targets)

@@ -5,13 +5,22 @@ parameters (trainable and frozen in separate groups) are flattened and each
 rank keeps one contiguous 1/N slice in the compute dtype (see [Note: flat
 layout] in `_flat`). Between uses a parameter's ``.data`` is an empty tensor.
 
-* fetch(FORWARD/BACKWARD): all-gather the unit's slices into a fresh flat
-  buffer and point each parameter's ``.data`` at its view (autograd saved the
-  parameter object, not its old storage, so a re-gathered parameter serves the
-  backward). A prefetch starts the same all-gather asynchronously (on NCCL it
-  runs on the communication stream); the fetch then only waits.
-* release(FORWARD/BACKWARD): point ``.data`` back at the empty tensor and drop
-  the flat buffer.
+* fetch(FORWARD/BACKWARD): give the unit's flat buffer its storage back,
+  all-gather the slices into it and point each parameter's ``.data`` at its
+  view. A prefetch starts the same all-gather asynchronously (on NCCL it runs
+  on the communication stream); the fetch then only waits.
+* release(FORWARD/BACKWARD): point ``.data`` back at the empty tensor and
+  resize the flat buffer's storage to zero bytes.
+
+[Note: storage-level release] Autograd keeps what an op saved for backward:
+the parameter object itself (whose ``.data`` we swap), but often also a view
+of it (``linear`` saves ``weight.t()``). Dropping our reference would leave
+such views holding the whole gathered weight until backward, so ZeRO-3 would
+save nothing. Instead the flat buffer object lives as long as the group and
+only its storage is freed (``resize_(0)``) and re-allocated and re-filled
+before backward; saved views see the re-gathered values. Writes into the
+buffer keep its version counter, since the values they restore are the ones
+autograd saved.
 * release(GRADIENTS): as ZeRO-2, the unit's gradients are reduce-scattered
   asynchronously into this rank's fp32 gradient shard.
 * step: the optimizer updates the fp32 master shard; in bf16/fp16 runs the
@@ -60,8 +69,8 @@ class Zero3State:
     flat: FlatLayout
     shard: torch.Tensor  # compute dtype, this rank's slice
     persistent: bool
-    full: torch.Tensor | None = None
-    gathering: object = None  # async all-gather in flight, or None
+    full: torch.Tensor  # flat buffer the parameters are views of; storage freed while released
+    gathering: object = None  # all-gather in flight (a Work, or True when done synchronously), or None
     grad_shard: torch.Tensor | None = None
     work: list = attrs.field(factory=list)
     pending: list = attrs.field(factory=list)
@@ -144,7 +153,7 @@ class Zero3:
         if ctx.dist.distributed:
             dist.broadcast(full, src=0)
         persistent = flat.numel < self.options.persistence_threshold
-        state = Zero3State(flat=flat, shard=full[flat.own].clone(), persistent=persistent)
+        state = Zero3State(flat=flat, shard=full[flat.own].clone(), persistent=persistent, full=full)
         group = ParamGroup(
             index=index,
             name=unit_name or "<root>",
@@ -155,18 +164,19 @@ class Zero3:
             grad_is_shard=True,
             layout=state,
         )
-        if persistent:
-            state.full = full
-            self._point_at(group, full)
-        else:
-            del full
-            self._point_at_placeholder(group)
+        self._point_at(group, full)
+        if not persistent:
+            self._free_full(group)
         if trainable:
             group.master = state.shard if master is None else master
             group.copy_out = None if master is None else state.shard
             state.grad_shard = torch.zeros(flat.shard_size, dtype=torch.float32, device=device)
             group.grad = state.grad_shard
         return group
+
+    def _free_full(self, group: ParamGroup) -> None:
+        self._point_at_placeholder(group)
+        group.layout.full.untyped_storage().resize_(0)
 
     def _point_at(self, group: ParamGroup, full: torch.Tensor) -> None:
         for p, view in zip(group.params, group.layout.flat.views(full)):
@@ -182,21 +192,23 @@ class Zero3:
 
     def _start_gather(self, group: ParamGroup) -> None:
         state: Zero3State = group.layout
-        full = torch.empty(state.flat.padded, dtype=state.shard.dtype, device=state.shard.device)
-        if self.context.world_size == 1:
-            full.copy_(state.shard)
-            state.gathering = (full, None)
-        else:
-            state.gathering = (full, all_gather_flat(full, state.shard, async_op=True))
+        full = state.full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(full):
+            if self.context.world_size == 1:
+                full.copy_(state.shard)
+                state.gathering = True
+            else:
+                state.gathering = all_gather_flat(full, state.shard, async_op=True)
 
     @staticmethod
     def _drop_prefetch(state: Zero3State) -> None:
         """Discard a gather the prefetcher started but nobody consumed: it would be stale after the step."""
         if state.gathering is not None:
-            _, work = state.gathering
-            if work is not None:
-                work.wait()
+            if state.gathering is not True:
+                state.gathering.wait()
             state.gathering = None
+            state.full.untyped_storage().resize_(0)
 
     @hookimpl
     def zkernel_prefetch_params(self, group, phase):
@@ -217,20 +229,17 @@ class Zero3:
             return
         if state.gathering is None:
             self._start_gather(group)
-        full, work = state.gathering
-        if work is not None:
-            work.wait()
+        if state.gathering is not True:
+            state.gathering.wait()
         state.gathering = None
-        state.full = full
-        self._point_at(group, full)
+        self._point_at(group, state.full)
 
     @hookimpl
     def zkernel_release_params(self, group, phase, boundary):
         state: Zero3State = group.layout
         if phase in (Phase.FORWARD, Phase.BACKWARD):
             if not state.persistent and group.gathered:
-                self._point_at_placeholder(group)
-                state.full = None
+                self._free_full(group)
         elif phase is Phase.GRADIENTS:
             launch_grad_reduction(state, group.params, self.context.world_size, self.in_flight)
         elif phase is Phase.STEP:
@@ -245,7 +254,7 @@ class Zero3:
     def zkernel_memory_tensors(self, group):
         state: Zero3State = group.layout
         report = {
-            "params": [t for t in (state.shard, state.full) if t is not None],
+            "params": [state.shard, state.full],
             "grads": [state.grad_shard] if state.grad_shard is not None else [],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
         }
