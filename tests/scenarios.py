@@ -35,7 +35,8 @@ def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=(
             dist.all_reduce(total)
             total /= world
         losses.append(total.item())
-    return {"losses": losses, "memory": engine.memory_report(), "skipped": engine.skipped_steps}
+    external = sorted(g.name for g in engine.groups if g.index in engine.scheduler.external)
+    return {"losses": losses, "memory": engine.memory_report(), "skipped": engine.skipped_steps, "external": external}
 
 
 def train_many(configs: list[dict], steps: int, accum: int, micro: int, seed: int) -> list[dict]:

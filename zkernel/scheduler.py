@@ -78,6 +78,8 @@ class Scheduler:
         self.groups = list(groups)
         self.prefetch_bytes = prefetch_bytes
         self.group_of_param = {id(p): g for g in self.groups for p in g.params}
+        # Sizes are taken now: under the guard, touching a released parameter would fetch it.
+        self._group_bytes = {g.index: g.numel * g.params[0].element_size() for g in self.groups}
         self.bound = [g for g in self.groups if g.module is not None]
         self.groups_of_module: dict[int, list[ParamGroup]] = {}
         for g in self.bound:
@@ -175,13 +177,13 @@ class Scheduler:
         step = 1 if phase is Phase.FORWARD else -1
         budget = self.prefetch_bytes
         i = pos + step
-        while 0 <= i < len(self.trace) and budget > 0:
-            nxt = self.trace[i]
-            if not nxt.gathered:
-                with self._plugin_call():
+        with self._plugin_call():
+            while 0 <= i < len(self.trace) and budget > 0:
+                nxt = self.trace[i]
+                if not nxt.gathered:
                     self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
-            budget -= nxt.numel * nxt.params[0].element_size()
-            i += step
+                budget -= self._group_bytes[nxt.index]
+                i += step
 
     # -- backward ---------------------------------------------------------------
 
