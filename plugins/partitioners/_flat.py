@@ -156,6 +156,11 @@ def module_units(module: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str
     return units
 
 
+# torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def is_gloo() -> bool:
     return dist.is_initialized() and dist.get_backend() == "gloo"
 
@@ -164,12 +169,12 @@ def all_gather_flat(full: torch.Tensor, shard: torch.Tensor, async_op: bool = Fa
     """All-gather ``shard`` from every rank into ``full``; ``shard`` may be a view of ``full``."""
     if is_gloo() and shard.data_ptr() >= full.data_ptr() and shard.data_ptr() < full.data_ptr() + full.numel() * full.element_size():
         shard = shard.clone()  # gloo does not support the in-place form
-    return dist.all_gather_into_tensor(full, shard, async_op=async_op)
+    return _all_gather(full, shard, async_op=async_op)
 
 
 def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
     """Sum ``full`` over ranks and leave this rank's slice in ``shard_out``."""
-    return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, async_op=async_op)
+    return _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM, async_op=async_op)
 
 
 def nbytes(t: torch.Tensor | None) -> int:
