@@ -69,8 +69,9 @@ def memory_by_stage(stage: str, width: int, depth: int) -> dict:
     engine = zkernel.initialize(model, cfg)
     loss = engine(torch.randn(4, width))
     engine.backward(loss)
+    after_backward = engine.memory_report()
     engine.step()
-    return {"numel": numel, "memory": engine.memory_report()}
+    return {"numel": numel, "backward": after_backward, "memory": engine.memory_report()}
 
 
 def _rss_bytes() -> int:

@@ -6,7 +6,8 @@ bucket arrives in backward, the bucket's gradients are copied into a transient
 fp32 flat buffer, pre-divided by N and reduce-scattered asynchronously; the
 buffer is freed and the received slice added into the rank's fp32 gradient
 shard when the next bucket is launched (or at the step), so reduction overlaps
-backward with at most two buckets in flight. Reduction happens on every
+backward with at most two buckets in flight. The gradient shard exists from
+the first reduction of an accumulation window to the end of its step. Reduction happens on every
 micro-batch, since whole gradients are not kept between micro-batches. The
 optimizer updates the owned slice, and the slices are all-gathered back into
 the whole parameters. With one rank nothing is communicated.
@@ -23,21 +24,51 @@ from ._flat import all_gather_flat, gather_grads, reduce_scatter_flat
 from ._whole import BucketOptions, build_whole_groups, memory_of
 
 
-def launch_grad_reduction(state, params, world: int, in_flight: list) -> None:
-    """Reduce-scatter ``params``' gradients into ``state.grad_shard`` (shared with ZeRO-3)."""
-    grad_full = torch.empty(state.flat.padded, dtype=state.grad_shard.dtype, device=state.grad_shard.device)
-    gather_grads(params, state.flat, grad_full, accumulate=False)
+def launch_grad_reduction(group, world: int, in_flight: list) -> None:
+    """Reduce-scatter ``group``'s gradients into its fp32 shard (shared with ZeRO-3).
+
+    The shard is allocated by the first reduction of an accumulation window
+    and freed after the step (as ``zero_grad(set_to_none=True)`` would), so it
+    does not exist during the forward of the next window's first micro-batch.
+    """
+    state = group.layout
+    device = group.master.device
+    grad_full = torch.empty(state.flat.padded, dtype=torch.float32, device=device)
+    gather_grads(group.params, state.flat, grad_full, accumulate=False)
     if world == 1:
-        state.grad_shard.add_(grad_full)
+        if state.grad_shard is None:
+            state.grad_shard = grad_full
+        else:
+            state.grad_shard.add_(grad_full)
+        group.grad = state.grad_shard
         return
     grad_full.mul_(1.0 / world)
-    received = torch.empty_like(state.grad_shard)
+    first = state.grad_shard is None
+    received = torch.empty(state.flat.shard_size, dtype=torch.float32, device=device)
     state.work.append(reduce_scatter_flat(received, grad_full, async_op=True))
-    # grad_full must stay alive until the collective is done.
-    state.pending.append(lambda: (state.grad_shard.add_(received), grad_full))
+    if first:
+        state.grad_shard = received
+        group.grad = received
+        state.pending.append(lambda: grad_full)  # keep the input alive until the collective is done
+    else:
+        state.pending.append(lambda: (state.grad_shard.add_(received), grad_full))
     while in_flight:
         in_flight.pop().finish()
     in_flight.append(state)
+
+
+def take_grad_shard(group) -> None:
+    """Before the step: a group that got no gradient in the window steps on zeros."""
+    state = group.layout
+    if state.grad_shard is None:
+        state.grad_shard = torch.zeros(state.flat.shard_size, dtype=torch.float32, device=group.master.device)
+    group.grad = state.grad_shard
+
+
+def drop_grad_shard(group) -> None:
+    """After the step: free the gradient shard."""
+    group.layout.grad_shard = None
+    group.grad = None
 
 
 class Zero2:
@@ -51,29 +82,25 @@ class Zero2:
     @hookimpl
     def zkernel_partition_params(self, module, context):
         world = context.world_size
-        groups = build_whole_groups(module, context, shards=world, bucket_numel=self.options.bucket_size)
-        for group in groups:
-            state = group.layout
-            state.grad_shard = group.master.new_zeros(state.flat.shard_size)
-            group.grad = state.grad_shard
-        return groups
+        return build_whole_groups(module, context, shards=world, bucket_numel=self.options.bucket_size)
 
     @hookimpl
     def zkernel_release_params(self, group, phase, boundary):
         state = group.layout
         world = self.context.world_size
         if phase is Phase.GRADIENTS:
-            launch_grad_reduction(state, group.params, world, self.in_flight)
+            launch_grad_reduction(group, world, self.in_flight)
         elif phase is Phase.STEP:
             if world > 1:
                 all_gather_flat(state.full, state.full[state.flat.own])
-            state.grad_shard.zero_()
+            drop_grad_shard(group)
 
     @hookimpl
     def zkernel_fetch_params(self, group, phase, boundary):
         if phase is Phase.STEP:
             group.layout.finish()
             self.in_flight.clear()
+            take_grad_shard(group)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

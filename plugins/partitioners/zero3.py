@@ -23,9 +23,12 @@ buffer keep its version counter, since the values they restore are the ones
 autograd saved.
 * release(GRADIENTS): as ZeRO-2, the unit's gradients are reduce-scattered
   asynchronously into this rank's fp32 gradient shard.
-* step: the optimizer updates the fp32 master shard; in bf16/fp16 runs the
-  result is rounded into the compute-dtype slice through ``copy_out``; in fp32
-  the master *is* the slice.
+* step: the optimizer updates the fp32 master shard. In fp32 runs the master
+  *is* the slice that is gathered; in bf16/fp16 runs no compute-dtype copy of
+  the slice is kept: each gather casts the master on the way in (2 bytes per
+  parameter and rank saved, for one shard-sized cast per gather). The
+  gradient shard lives from the first reduction of an accumulation window to
+  the end of its step.
 
 Units smaller than ``persistence_threshold`` elements stay whole on every rank
 (gathering them costs more in latency than their memory is worth); their
@@ -49,7 +52,7 @@ from zkernel import hookimpl
 from zkernel.groups import ParamGroup, Phase
 
 from ._flat import FlatLayout, all_gather_flat, flatten_into, module_units
-from .zero2 import launch_grad_reduction
+from .zero2 import drop_grad_shard, launch_grad_reduction, take_grad_shard
 
 
 @attrs.frozen(kw_only=True)
@@ -67,7 +70,9 @@ class Zero3State:
     """Per-group buffers of ZeRO-3 (``group.layout``)."""
 
     flat: FlatLayout
-    shard: torch.Tensor  # compute dtype, this rank's slice
+    # Compute-dtype slice this rank gathers from; None when it would only duplicate the
+    # fp32 master on the same device (bf16/fp16 runs): the gather then casts the master.
+    shard: torch.Tensor | None
     persistent: bool
     full: torch.Tensor  # flat buffer the parameters are views of; storage freed while released
     gathering: object = None  # all-gather in flight (a Work, or True when done synchronously), or None
@@ -153,7 +158,8 @@ class Zero3:
         if ctx.dist.distributed:
             dist.broadcast(full, src=0)
         persistent = flat.numel < self.options.persistence_threshold
-        state = Zero3State(flat=flat, shard=full[flat.own].clone(), persistent=persistent, full=full)
+        shard = full[flat.own].clone() if master is None else None
+        state = Zero3State(flat=flat, shard=shard, persistent=persistent, full=full)
         group = ParamGroup(
             index=index,
             name=unit_name or "<root>",
@@ -169,10 +175,12 @@ class Zero3:
             self._free_full(group)
         if trainable:
             group.master = state.shard if master is None else master
-            group.copy_out = None if master is None else state.shard
-            state.grad_shard = torch.zeros(flat.shard_size, dtype=torch.float32, device=device)
-            group.grad = state.grad_shard
         return group
+
+    @staticmethod
+    def _gather_source(group: ParamGroup) -> torch.Tensor:
+        state: Zero3State = group.layout
+        return state.shard if state.shard is not None else group.master.to(state.full.dtype)
 
     def _free_full(self, group: ParamGroup) -> None:
         self._point_at_placeholder(group)
@@ -185,7 +193,7 @@ class Zero3:
 
     def _point_at_placeholder(self, group: ParamGroup) -> None:
         for p in group.params:
-            p.data = self._placeholder(group.layout.shard)
+            p.data = self._placeholder(group.layout.full)
         group.gathered = False
 
     # -- fetch / release ------------------------------------------------------------
@@ -196,10 +204,10 @@ class Zero3:
         full.untyped_storage().resize_(full.numel() * full.element_size())
         with torch.autograd._unsafe_preserve_version_counter(full):
             if self.context.world_size == 1:
-                full.copy_(state.shard)
+                full.copy_(state.shard if state.shard is not None else group.master)
                 state.gathering = True
             else:
-                state.gathering = all_gather_flat(full, state.shard, async_op=True)
+                state.gathering = all_gather_flat(full, self._gather_source(group), async_op=True)
 
     @staticmethod
     def _drop_prefetch(state: Zero3State) -> None:
@@ -224,6 +232,7 @@ class Zero3:
             state.finish()
             self.in_flight.clear()
             self._drop_prefetch(state)
+            take_grad_shard(group)
             return
         if group.gathered:
             return
@@ -241,24 +250,25 @@ class Zero3:
             if not state.persistent and group.gathered:
                 self._free_full(group)
         elif phase is Phase.GRADIENTS:
-            launch_grad_reduction(state, group.params, self.context.world_size, self.in_flight)
+            launch_grad_reduction(group, self.context.world_size, self.in_flight)
         elif phase is Phase.STEP:
             if state.persistent:
-                if self.context.world_size > 1:
-                    all_gather_flat(state.full, state.shard)
-                else:
-                    state.full.copy_(state.shard)
-            state.grad_shard.zero_()
+                with torch.autograd._unsafe_preserve_version_counter(state.full):
+                    if self.context.world_size > 1:
+                        all_gather_flat(state.full, self._gather_source(group))
+                    else:
+                        state.full.copy_(group.master)
+            drop_grad_shard(group)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
         state: Zero3State = group.layout
         report = {
-            "params": [state.shard, state.full],
+            "params": [t for t in (state.shard, state.full) if t is not None],
             "grads": [state.grad_shard] if state.grad_shard is not None else [],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
         }
-        if group.copy_out is not None:
+        if group.master is not None and group.master is not state.shard:
             report["master_weights"] = [group.master]
         return report
 
