@@ -81,6 +81,10 @@ def _worker(args) -> None:
             "precision": "bf16",
             "optimizer": {"name": "adamw", "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
         }
+        if args.options:
+            config["partitioner_options"] = json.loads(args.options)
+        if args.prefetch_mb is not None:
+            config["prefetch_bytes"] = int(args.prefetch_mb * 2**20)
         engine = zkernel.initialize(model, config)
 
         def train_step(idx, tgt):
@@ -129,7 +133,9 @@ def _run_mode(args, mode: str) -> dict | None:
     if args.nproc > 1 or mode == "fsdp2":
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29533"]
     cmd += [__file__, "--worker", "--mode", mode, "--model", args.model, "--micro-batch", str(args.micro_batch),
-            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options]
+    if args.prefetch_mb is not None:
+        cmd += ["--prefetch-mb", str(args.prefetch_mb)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -149,6 +155,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--modes", default=None, help="comma list of plain, ddp, fsdp2, zero1, zero2, zero3")
     parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--options", default="", help="zkernel partitioner_options as JSON, e.g. '{\"units\": \"blocks\"}'")
+    parser.add_argument("--prefetch-mb", type=float, default=None, help="zkernel prefetch_bytes in MiB")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -160,7 +168,9 @@ def main() -> None:
     )
     results = [r for r in (_run_mode(args, m) for m in modes) if r]
     anchor = next((r for r in results if r["mode"] == "fsdp2" and "error" not in r), None)
-    print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16")
+    extra = f", zkernel options {args.options}" if args.options else ""
+    extra += f", prefetch {args.prefetch_mb} MiB" if args.prefetch_mb is not None else ""
+    print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16{extra}")
     print(f"{'mode':8} {'tokens/s':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13}")
     for r in results:
         if "error" in r:

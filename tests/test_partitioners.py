@@ -59,9 +59,12 @@ def test_multi_rank_matches_torch(world):
             assert_matches(result["losses"], expected, f"{stage} world {world}")
 
 
-def test_zero3_persistent_small_units_match_torch():
-    cfg = config("zero3")
-    cfg["partitioner_options"] = {"persistence_threshold": 200}  # norm, gain, frozen bias stay whole
-    results = run_ranks(2, train_many, [cfg], STEPS, ACCUM, MICRO, SEED)
+def test_zero3_unit_variants_match_torch():
+    mixed = config("zero3")
+    mixed["partitioner_options"] = {"persistence_threshold": 200}  # norm, gain, frozen bias stay whole
+    blocks = config("zero3")
+    blocks["partitioner_options"] = {"persistence_threshold": 0, "units": "blocks"}
+    results = run_ranks(2, train_many, [mixed, blocks], STEPS, ACCUM, MICRO, SEED)
     for rank_results in results:
         assert_matches(rank_results[0]["losses"], reference(2), "zero3 mixed persistence world 2")
+        assert_matches(rank_results[1]["losses"], reference(2), "zero3 block units world 2")

@@ -140,20 +140,45 @@ def split_trainable(
     return trainable, frozen
 
 
-def module_units(module: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
-    """Each module that directly owns parameters, with them; a tied parameter goes to its first owner."""
+UNIT_POLICIES = ("modules", "blocks")
+
+
+def module_units(
+    module: nn.Module, policy: str = "modules"
+) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """The units of ZeRO-3: modules with the parameters gathered around their forward.
+
+    ``"modules"``: every module that directly owns parameters is a unit with
+    those parameters (DeepSpeed's granularity). ``"blocks"``: the root and every
+    element of an ``nn.ModuleList``/``nn.Sequential`` is a unit, holding all
+    parameters of its subtree that no nested unit holds (FSDP2's usual
+    per-block wrapping: fewer, larger collectives). A tied parameter belongs
+    to the first unit that reaches it.
+    """
+    if policy == "modules":
+        unit_ids = {id(m) for m in module.modules()}
+    else:
+        unit_ids = {id(module)}
+        for m in module.modules():
+            if isinstance(m, (nn.ModuleList, nn.Sequential)):
+                unit_ids.update(id(child) for child in m.children())
     seen: set[int] = set()
-    units = []
-    for mod_name, mod in module.named_modules(remove_duplicate=True):
-        own = []
+    units: dict[int, tuple[str, nn.Module, list]] = {}
+
+    def visit(name: str, mod: nn.Module, unit_name: str, unit: nn.Module) -> None:
+        if id(mod) in unit_ids:
+            unit_name, unit = name, mod
         for pname, p in mod.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            own.append((f"{mod_name}.{pname}" if mod_name else pname, p))
-        if own:
-            units.append((mod_name, mod, own))
-    return units
+            entry = units.setdefault(id(unit), (unit_name, unit, []))
+            entry[2].append((f"{name}.{pname}" if name else pname, p))
+        for child_name, child in mod.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, unit_name, unit)
+
+    visit("", module, "", module)
+    return list(units.values())
 
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 has only the old ones.

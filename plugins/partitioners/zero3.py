@@ -51,7 +51,7 @@ from torch import nn
 from zkernel import hookimpl
 from zkernel.groups import ParamGroup, Phase
 
-from ._flat import FlatLayout, all_gather_flat, flatten_into, module_units
+from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
 from .zero2 import drop_grad_shard, launch_grad_reduction, take_grad_shard
 
 
@@ -63,6 +63,9 @@ class Zero3Options:
     persistence_threshold: int = attrs.field(default=100_000, validator=attrs.validators.ge(0))
     # Seed from which each unit of a meta-device model is initialised (same on all ranks).
     init_seed: int = 0
+    # "modules": each module with its own parameters is a unit; "blocks": each element
+    # of a ModuleList/Sequential (and the root) is a unit with its whole subtree.
+    units: str = attrs.field(default="modules", validator=attrs.validators.in_(UNIT_POLICIES))
 
 
 @attrs.define(eq=False)
@@ -93,18 +96,29 @@ class Zero3State:
         self.pending.clear()
 
 
-def _materialize(module: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate and initialise a meta-device module's own parameters, identically on every rank."""
-    module.to_empty(device=device, recurse=False)
+def _materialize_unit(root: nn.Module, named, device: torch.device, seed: int):
+    """Allocate and initialise a unit's meta parameters, identically on every rank.
+
+    Each module that owns some of them gets ``to_empty`` (which replaces the
+    parameter objects) and ``reset_parameters()`` under the unit's seed; the
+    unit's (name, parameter) list is returned with the new objects.
+    """
+    owners = {}
+    for name, _ in named:
+        owner_name = name.rpartition(".")[0]
+        owners.setdefault(owner_name, root.get_submodule(owner_name) if owner_name else root)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        reset = getattr(module, "reset_parameters", None)
-        if reset is None:
-            raise ValueError(
-                f"zero3 cannot initialise meta-device module {type(module).__name__}: it has no "
-                "reset_parameters(); build it on a real device or give it reset_parameters()"
-            )
-        reset()
+        for owner in owners.values():
+            reset = getattr(owner, "reset_parameters", None)
+            if reset is None:
+                raise ValueError(
+                    f"zero3 cannot initialise meta-device module {type(owner).__name__}: it has no "
+                    "reset_parameters(); build it on a real device or give it reset_parameters()"
+                )
+            owner.to_empty(device=device, recurse=False)
+            reset()
+    return [(name, root.get_parameter(name)) for name, _ in named]
 
 
 class Zero3:
@@ -127,13 +141,9 @@ class Zero3:
     @hookimpl
     def zkernel_partition_params(self, module, context):
         groups: list[ParamGroup] = []
-        for unit_index, (unit_name, unit, named) in enumerate(module_units(module)):
+        for unit_index, (unit_name, unit, named) in enumerate(module_units(module, self.options.units)):
             if any(p.is_meta for _, p in named):
-                _materialize(unit, context.device, self.options.init_seed + unit_index)
-                # to_empty replaces meta parameters with new Parameter objects.
-                prefix = f"{unit_name}." if unit_name else ""
-                fresh = dict(unit.named_parameters(recurse=False))
-                named = [(n, fresh[n[len(prefix):]]) for n, _ in named]
+                named = _materialize_unit(module, named, context.device, self.options.init_seed + unit_index)
             for trainable in (True, False):
                 part = [(n, p) for n, p in named if p.requires_grad == trainable]
                 if part:
