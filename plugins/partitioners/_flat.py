@@ -197,9 +197,22 @@ def all_gather_flat(full: torch.Tensor, shard: torch.Tensor, async_op: bool = Fa
     return _all_gather(full, shard, async_op=async_op)
 
 
-def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-    """Sum ``full`` over ranks and leave this rank's slice in ``shard_out``."""
-    return _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM, async_op=async_op)
+def _mean_op(full: torch.Tensor):
+    """NCCL averages in the collective; gloo has no AVG, so ``full`` is pre-divided."""
+    if dist.get_backend() == "nccl":
+        return dist.ReduceOp.AVG
+    full.mul_(1.0 / dist.get_world_size())
+    return dist.ReduceOp.SUM
+
+
+def reduce_scatter_mean(shard_out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+    """Average ``full`` over ranks and leave this rank's slice in ``shard_out`` (``full`` may be scaled)."""
+    return _reduce_scatter(shard_out, full, op=_mean_op(full), async_op=async_op)
+
+
+def all_reduce_mean(full: torch.Tensor, async_op: bool = False):
+    """Average ``full`` over ranks in place."""
+    return dist.all_reduce(full, op=_mean_op(full), async_op=async_op)
 
 
 def nbytes(t: torch.Tensor | None) -> int:

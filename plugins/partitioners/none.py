@@ -3,8 +3,8 @@
 Algorithm. Parameters are flattened into buckets (``bucket_size`` elements,
 reverse registration order). Gradients of a bucket are added into its fp32
 flat gradient as soon as the bucket's last gradient arrives in backward; at an
-accumulation boundary the bucket is pre-divided by the world size and
-all-reduced asynchronously, so reduction of early buckets overlaps the rest of
+accumulation boundary the bucket is averaged over ranks by an asynchronous
+all-reduce, so reduction of early buckets overlaps the rest of
 backward. The step waits for the reductions, and every rank applies the same
 update to its whole fp32 master. With one process there is no collective at
 all. Off the boundary, gradients only accumulate locally (like DDP's no_sync).
@@ -12,12 +12,10 @@ all. Off the boundary, gradients only accumulate locally (like DDP's no_sync).
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from zkernel import hookimpl
 from zkernel.groups import Phase
 
-from ._flat import gather_grads
+from ._flat import all_reduce_mean, gather_grads
 from ._whole import BucketOptions, build_whole_groups, memory_of
 
 
@@ -44,8 +42,7 @@ class DataParallel:
             gather_grads(group.params, state.flat, state.grad_full, accumulate=True)
             world = self.context.world_size
             if boundary and world > 1:
-                state.grad_full.mul_(1.0 / world)
-                state.work.append(dist.all_reduce(state.grad_full, async_op=True))
+                state.work.append(all_reduce_mean(state.grad_full, async_op=True))
         elif phase is Phase.STEP:
             state.grad_full.zero_()
 

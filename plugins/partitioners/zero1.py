@@ -4,7 +4,7 @@ Algorithm. Parameters stay whole on every rank, flattened into buckets, and
 each rank owns one contiguous 1/N slice of every bucket. Gradients accumulate
 whole and locally in an fp32 flat buffer over the micro-batches of an
 accumulation window (no communication off the boundary); at the boundary each
-bucket is pre-divided by N and reduce-scattered asynchronously, so every rank
+bucket is averaged by an asynchronous reduce-scatter, so every rank
 receives the averaged gradient of its own slice. The optimizer updates only
 that slice (state for 1/N of the model), and the updated slices are
 all-gathered back into every rank's whole parameters. With one rank the slice
@@ -16,7 +16,7 @@ from __future__ import annotations
 from zkernel import hookimpl
 from zkernel.groups import Phase
 
-from ._flat import all_gather_flat, gather_grads, reduce_scatter_flat
+from ._flat import all_gather_flat, gather_grads, reduce_scatter_mean
 from ._whole import BucketOptions, build_whole_groups, memory_of
 
 
@@ -45,8 +45,7 @@ class Zero1:
         if phase is Phase.GRADIENTS:
             gather_grads(group.params, state.flat, state.grad_full, accumulate=True)
             if boundary and world > 1:
-                state.grad_full.mul_(1.0 / world)
-                state.work.append(reduce_scatter_flat(state.grad_shard, state.grad_full, async_op=True))
+                state.work.append(reduce_scatter_mean(state.grad_shard, state.grad_full, async_op=True))
         elif phase is Phase.STEP:
             if world > 1:
                 all_gather_flat(state.full, state.full[state.flat.own])

@@ -3,7 +3,7 @@
 Algorithm. As ZeRO-1 (whole parameters, flat buckets, each rank owning a 1/N
 slice), but no rank keeps whole gradients: as soon as the last gradient of a
 bucket arrives in backward, the bucket's gradients are copied into a transient
-fp32 flat buffer, pre-divided by N and reduce-scattered asynchronously; the
+fp32 flat buffer and averaged by an asynchronous reduce-scatter; the
 buffer is freed and the received slice added into the rank's fp32 gradient
 shard when the next bucket is launched (or at the step), so reduction overlaps
 backward with at most two buckets in flight. The gradient shard exists from
@@ -20,7 +20,7 @@ import torch
 from zkernel import hookimpl
 from zkernel.groups import Phase
 
-from ._flat import all_gather_flat, gather_grads, reduce_scatter_flat
+from ._flat import all_gather_flat, gather_grads, reduce_scatter_mean
 from ._whole import BucketOptions, build_whole_groups, memory_of
 
 
@@ -42,10 +42,9 @@ def launch_grad_reduction(group, world: int, in_flight: list) -> None:
             state.grad_shard.add_(grad_full)
         group.grad = state.grad_shard
         return
-    grad_full.mul_(1.0 / world)
     first = state.grad_shard is None
     received = torch.empty(state.flat.shard_size, dtype=torch.float32, device=device)
-    state.work.append(reduce_scatter_flat(received, grad_full, async_op=True))
+    state.work.append(reduce_scatter_mean(received, grad_full, async_op=True))
     if first:
         state.grad_shard = received
         group.grad = received
