@@ -45,7 +45,12 @@ def batches(seed: int, steps: int, accum: int, world: int, micro: int, seq: int 
     return out
 
 
-def reference_losses(model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8):
+def weight_penalty(model: nn.Module) -> torch.Tensor:
+    """A regulariser computed by user code outside any module's forward."""
+    return 0.01 * model.block[0].weight.pow(2).sum()
+
+
+def reference_losses(model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8, penalty=None):
     """Single-process torch AdamW on the global batches: the oracle."""
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
@@ -56,7 +61,10 @@ def reference_losses(model: nn.Module, data, lr, weight_decay, clip, betas=(0.9,
         for micro in step:
             tokens = torch.cat([t for t, _ in micro])
             targets = torch.cat([y for _, y in micro])
-            loss = model(tokens, targets) / len(step)
+            loss = model(tokens, targets)
+            if penalty is not None:
+                loss = loss + penalty(model)
+            loss = loss / len(step)
             loss.backward()
             total += loss.item()
         if clip > 0:

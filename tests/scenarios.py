@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import zkernel
-from tests.models import TrickyNet, batches
+from tests.models import TrickyNet, batches, weight_penalty
 
 
 def _world_rank():
@@ -127,3 +127,30 @@ def fp16_overflow(inject_rank: int, inject_step: int, steps: int) -> dict:
         scales.append(engine.loss_scaler.scale)
         checksums.append(float(sum(g.master.double().sum() for g in engine.trainable_groups)))
     return {"scales": scales, "checksums": checksums, "skipped": engine.skipped_steps}
+
+
+def user_access(config: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
+    """User code reads parameters between forward and backward, and between steps."""
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config)
+    world, rank = _world_rank()
+    model = engine.module
+    losses, released_sizes = [], []
+    for step in batches(seed + 1, steps, accum, world, micro):
+        total = torch.zeros((), device=engine.device)
+        for micro_batch in step:
+            tokens, targets = micro_batch[rank]
+            loss = engine(tokens, targets) + weight_penalty(model)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / accum
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+        released_sizes.append(model.block[0].weight.numel())
+    with engine.gathered_parameters():
+        values = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        kept = model.block[2].weight.detach()
+    after = {"kept": kept.float().cpu().clone(), "released": model.block[2].weight.numel()}
+    return {"losses": losses, "values": values, "released_sizes": released_sizes, **after}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.models import TrickyNet, batches, reference_losses
-from tests.scenarios import train, train_many
+from tests.models import TrickyNet, batches, reference_losses, weight_penalty
+from tests.scenarios import train, train_many, user_access
 
 STEPS, ACCUM, MICRO, SEED = 8, 2, 3, 1234
 LR, WD, CLIP = 2e-2, 0.1, 0.5
@@ -68,3 +68,20 @@ def test_zero3_unit_variants_match_torch():
     for rank_results in results:
         assert_matches(rank_results[0]["losses"], reference(2), "zero3 mixed persistence world 2")
         assert_matches(rank_results[1]["losses"], reference(2), "zero3 block units world 2")
+
+
+def test_user_code_reads_parameters_between_forward_backward_and_steps():
+    """A penalty on a weight outside any forward; full values read between steps; views stay valid."""
+    torch.manual_seed(SEED)
+    model = TrickyNet()
+    expected = reference_losses(
+        model, batches(SEED + 1, STEPS, ACCUM, 2, MICRO), LR, WD, CLIP, penalty=weight_penalty
+    )
+    results = run_ranks(2, user_access, config("zero3"), STEPS, ACCUM, MICRO, SEED)
+    for r in results:
+        assert_matches(r["losses"], expected, "zero3 with user reads, world 2")
+        assert r["released_sizes"] == [0] * STEPS, "between steps ZeRO-3 parameters are released"
+        for name, p in model.named_parameters():
+            assert torch.allclose(r["values"][name], p.detach(), rtol=1e-4, atol=1e-6), name
+        assert torch.equal(r["kept"], r["values"]["block.2.weight"]), "a view kept from the block stays valid"
+        assert r["released"] == 0

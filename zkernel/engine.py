@@ -18,6 +18,7 @@ non-finite global norm on every rank, so all ranks skip together.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import Any
 
@@ -69,6 +70,7 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self._guard = None  # active released-parameter guard, from forward to end of backward
 
     # -- public API -----------------------------------------------------------
 
@@ -87,17 +89,46 @@ class Engine:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward under the scheduler.
+
+        With ZeRO-3 the released-parameter guard (see `zkernel.scheduler`) stays
+        active from here to the end of `backward`, so user code between the two
+        (a regulariser on a weight, say) may read parameters too, as long as
+        every rank does the same reads.
+        """
         args, kwargs = tree_map(self._prepare_input, (args, kwargs))
         self.scheduler.begin_forward(self.is_accumulation_boundary)
-        guard = self.scheduler.forward_guard()
-        with torch.profiler.record_function("zkernel::forward"):
-            if guard is None:
+        self._enter_guard()
+        try:
+            with torch.profiler.record_function("zkernel::forward"):
                 out = self._module(*args, **kwargs)
-            else:
-                with guard:
-                    out = self._module(*args, **kwargs)
+        except BaseException:
+            self._exit_guard()
+            raise
+        if not torch.is_grad_enabled():
+            self._exit_guard()
         self.scheduler.finish_forward()
         return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Make every parameter whole inside the block (collective: call it on every rank).
+
+        Between steps ZeRO-3 parameters are released (their ``.data`` is an
+        empty tensor). Inside this block they hold their current values in
+        storage of their own, so tensors taken from them stay valid after the
+        block; writes to them are not propagated to the shards.
+        """
+        groups = [g for g in self.scheduler.bound if not g.gathered]
+        with self.scheduler._plugin_call():
+            for group in groups:
+                self.hook.zkernel_fetch_params(group=group, phase=Phase.USER, boundary=False)
+        try:
+            yield self._module
+        finally:
+            with self.scheduler._plugin_call():
+                for group in groups:
+                    self.hook.zkernel_release_params(group=group, phase=Phase.USER, boundary=False)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
@@ -110,9 +141,12 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.scheduler.begin_backward(self.is_accumulation_boundary)
-        with torch.profiler.record_function("zkernel::backward"):
-            (loss.float() * scale).backward()
-            self.scheduler.finish_backward()
+        try:
+            with torch.profiler.record_function("zkernel::backward"):
+                (loss.float() * scale).backward()
+                self.scheduler.finish_backward()
+        finally:
+            self._exit_guard()
 
     def step(self) -> None:
         """Count a micro-batch; at an accumulation boundary apply the optimizer and zero gradients."""
@@ -156,6 +190,17 @@ class Engine:
         )
 
     # -- internals --------------------------------------------------------------
+
+    def _enter_guard(self) -> None:
+        if self._guard is None:
+            self._guard = self.scheduler.forward_guard()
+            if self._guard is not None:
+                self._guard.__enter__()
+
+    def _exit_guard(self) -> None:
+        if self._guard is not None:
+            guard, self._guard = self._guard, None
+            guard.__exit__(None, None, None)
 
     def _prepare_input(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):

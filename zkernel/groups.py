@@ -17,6 +17,9 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
     GRADIENTS = "gradients"
     STEP = "step"
+    # User code reads the parameters (`Engine.gathered_parameters`): tensors handed
+    # out must stay valid after the release.
+    USER = "user"
 
 
 @attrs.define(eq=False)

@@ -127,6 +127,9 @@ def zkernel_fetch_params(group: ParamGroup, phase: Phase, boundary: bool) -> Non
       before the gradient norm and the optimizer step: finish outstanding
       gradient reductions; bring the master shard, its gradient and optimizer
       state to where the optimizer runs.
+    * ``Phase.USER`` from `Engine.gathered_parameters`, on every rank, for groups
+      whose parameters are not whole: make them whole in storage of their own,
+      so views the user keeps stay valid after the release.
 
     :param boundary: True when the current micro-batch ends an accumulation window.
 
@@ -166,6 +169,7 @@ def zkernel_release_params(group: ParamGroup, phase: Phase, boundary: bool) -> N
     * ``Phase.STEP`` after the optimizer step (or its skip) at a boundary:
       publish the updated parameters to the compute copies, zero the gradient
       accumulators, write optimizer state back to its tier.
+    * ``Phase.USER`` at the end of `Engine.gathered_parameters`.
 
     All implementations are called. Tiers run last (``trylast``).
     """

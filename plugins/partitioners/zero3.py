@@ -246,6 +246,9 @@ class Zero3:
             return
         if group.gathered:
             return
+        if phase is Phase.USER:
+            self._gather_for_user(group)
+            return
         if state.gathering is None:
             self._start_gather(group)
         if state.gathering is not True:
@@ -253,10 +256,24 @@ class Zero3:
         state.gathering = None
         self._point_at(group, state.full)
 
+    def _gather_for_user(self, group: ParamGroup) -> None:
+        """Gather into a fresh buffer: views the user keeps own their storage (see [Note: storage-level release])."""
+        state: Zero3State = group.layout
+        self._drop_prefetch(state)
+        full = torch.empty(state.full.numel(), dtype=state.full.dtype, device=state.full.device)
+        if self.context.world_size == 1:
+            full.copy_(state.shard if state.shard is not None else group.master)
+        else:
+            all_gather_flat(full, self._gather_source(group))
+        self._point_at(group, full)
+
     @hookimpl
     def zkernel_release_params(self, group, phase, boundary):
         state: Zero3State = group.layout
-        if phase in (Phase.FORWARD, Phase.BACKWARD):
+        if phase is Phase.USER:
+            if not state.persistent and group.gathered:
+                self._point_at_placeholder(group)
+        elif phase in (Phase.FORWARD, Phase.BACKWARD):
             if not state.persistent and group.gathered:
                 self._free_full(group)
         elif phase is Phase.GRADIENTS:
