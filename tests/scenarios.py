@@ -56,6 +56,29 @@ class Wide(torch.nn.Module):
         return x.pow(2).mean()
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable from Python right now."""
+    import gc
+    import warnings
+
+    gc.collect()  # engines of earlier runs in this process are cycles awaiting collection
+    seen, total = set(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+    for obj in objects:
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+                continue
+        except Exception:  # noqa: BLE001 - some gc objects fail isinstance checks
+            continue
+        storage = obj.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def memory_by_stage(stage: str, width: int, depth: int) -> dict:
     """Memory report of one step of Wide under ``stage``, plus the element count."""
     torch.manual_seed(0)
@@ -70,8 +93,9 @@ def memory_by_stage(stage: str, width: int, depth: int) -> dict:
     loss = engine(torch.randn(4, width))
     engine.backward(loss)
     after_backward = engine.memory_report()
+    del loss
     engine.step()
-    return {"numel": numel, "backward": after_backward, "memory": engine.memory_report()}
+    return {"numel": numel, "backward": after_backward, "memory": engine.memory_report(), "alive": live_tensor_bytes()}
 
 
 def _rss_bytes() -> int:

@@ -50,6 +50,11 @@ def test_per_rank_bytes_follow_zero_accounting(world):
         check("zero3", "grads", 0, slack=0)
         for stage in by_stage:
             assert _total(by_stage[stage]["memory"], "master_weights") == 0, "fp32 masters alias the parameters"
+            # What the report counts is what is actually alive: every tensor storage reachable
+            # from Python, less small extras (buffers, placeholders, the step counters).
+            reported = sum(_total(by_stage[stage]["memory"], c) for c in by_stage[stage]["memory"])
+            alive = by_stage[stage]["alive"]
+            assert reported <= alive <= reported + 16 * 1024, f"rank {rank} {stage}: alive {alive} vs reported {reported}"
 
 
 def test_partitioned_construction_never_builds_the_whole_model():

@@ -31,6 +31,7 @@ the prefetcher follows from then on.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 
 import structlog
@@ -76,6 +77,7 @@ class Scheduler:
     def __init__(self, hook, groups: Sequence[ParamGroup], prefetch_bytes: int) -> None:
         self.hook = hook
         self.groups = list(groups)
+        self._group_by_index = {g.index: g for g in self.groups}
         self.prefetch_bytes = prefetch_bytes
         self.group_of_param = {id(p): g for g in self.groups for p in g.params}
         # Sizes are taken now: under the guard, touching a released parameter would fetch it.
@@ -194,14 +196,23 @@ class Scheduler:
             self._prefetch_after(group, Phase.BACKWARD)
 
     def _make_grad_ready_hook(self, group: ParamGroup):
-        total = len(group.params)
+        # The hook lives in the parameter's C++ autograd state, which Python's cycle
+        # collector cannot see through: a strong reference back to the scheduler
+        # would keep the engine alive after the user drops it and the model.
+        scheduler_ref = weakref.ref(self)
+        index, total = group.index, len(group.params)
 
         def on_grad_ready(_param: torch.Tensor) -> None:
-            self._ready_count[group.index] += 1
-            if self._ready_count[group.index] == total:
-                self._group_grads_ready(group)
+            scheduler = scheduler_ref()
+            if scheduler is not None:
+                scheduler._grad_ready(index, total)
 
         return on_grad_ready
+
+    def _grad_ready(self, index: int, total: int) -> None:
+        self._ready_count[index] += 1
+        if self._ready_count[index] == total:
+            self._group_grads_ready(self._group_by_index[index])
 
     def _group_grads_ready(self, group: ParamGroup) -> None:
         if group.module is not None and group.index not in self.external:

@@ -1,0 +1,35 @@
+"""Engine lifecycle: accumulation counting, release of everything it holds."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import zkernel
+
+
+@pytest.mark.parametrize("stage", ["none", "zero1", "zero2", "zero3"])
+def test_dropped_engine_and_model_are_freed(stage):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    engine = zkernel.initialize(model, {"partitioner": stage, "partitioner_options": {"persistence_threshold": 0}} if stage == "zero3" else {"partitioner": stage})
+    engine.backward(engine(torch.randn(3, 8)).sum())
+    engine.step()
+    refs = [weakref.ref(engine), weakref.ref(model), weakref.ref(engine.groups[0])]
+    del engine, model
+    gc.collect()
+    assert all(r() is None for r in refs), "hooks must not keep a dropped engine alive"
+
+
+def test_step_applies_only_at_accumulation_boundary():
+    model = torch.nn.Linear(2, 1)
+    engine = zkernel.initialize(model, {"gradient_accumulation_steps": 3, "optimizer": {"lr": 0.1}})
+    before = model.weight.detach().clone()
+    for i in range(3):
+        engine.backward(engine(torch.ones(1, 2)).sum())
+        engine.step()
+        changed = not torch.equal(before, model.weight.detach())
+        assert changed == (i == 2)
+    assert engine.global_steps == 1 and engine.micro_steps == 3
