@@ -15,9 +15,9 @@ __all__ = ["Config", "ConfigError", "Engine", "consolidate", "hookimpl", "hooksp
 def __getattr__(name):
     # Keep `import zkernel` light: torch-heavy modules load on first use.
     if name in ("initialize", "consolidate"):
-        from zkernel import setup as _setup
+        from zkernel import bootstrap
 
-        return getattr(_setup, name)
+        return getattr(bootstrap, name)
     if name == "Engine":
         from zkernel.engine import Engine
 

@@ -60,9 +60,3 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     log.debug("zkernel.dist.init", rank=info.rank, world_size=info.world_size, backend=backend)
     return info
 
-
-def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """In-place sum over ranks (no-op alone)."""
-    if info.distributed:
-        dist.all_reduce(tensor)
-    return tensor

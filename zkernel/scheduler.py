@@ -94,7 +94,6 @@ class Scheduler:
         self._ready_count = {g.index: 0 for g in self.groups}
         self._reduced: set[int] = set()
         self._boundary = True
-        self._handles = []
         self.in_hook = False
         self._install()
 
@@ -103,24 +102,13 @@ class Scheduler:
     def _install(self) -> None:
         modules = {id(g.module): g.module for g in self.bound}
         for module in modules.values():
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
         for group in self.groups:
             if not group.requires_grad:
                 continue
             for p in group.params:
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group))
-                )
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    @property
-    def guard_needed(self) -> bool:
-        return bool(self.bound)
+                p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group))
 
     def forward_guard(self) -> TorchFunctionMode | None:
         return _ReleasedParamGuard(self) if self.bound else None

@@ -214,6 +214,3 @@ def all_reduce_mean(full: torch.Tensor, async_op: bool = False):
     """Average ``full`` over ranks in place."""
     return dist.all_reduce(full, op=_mean_op(full), async_op=async_op)
 
-
-def nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()

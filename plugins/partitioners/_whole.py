@@ -90,7 +90,8 @@ def build_whole_groups(
         if master_full is None:
             master, copy_out = full[own], None
         else:
-            master, copy_out = master_full[own].clone(), full[own]
+            master = master_full[own].clone() if shards > 1 else master_full
+            copy_out = full[own]
         groups.append(
             ParamGroup(
                 index=index,
