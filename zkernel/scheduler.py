@@ -57,17 +57,13 @@ class _ReleasedParamGuard(TorchFunctionMode):
         if self.scheduler.in_hook:  # the plugins' own tensor work
             return func(*args, **kwargs)
         owner = self.scheduler.group_of_param
-        for arg in args:
-            if type(arg) is nn.Parameter:
-                group = owner.get(id(arg))
-                if group is not None and not group.gathered:
-                    self.scheduler.fetch_external(group)
-            elif isinstance(arg, (list, tuple)):
-                for leaf in tree_flatten(arg)[0]:
-                    if type(leaf) is nn.Parameter:
-                        group = owner.get(id(leaf))
-                        if group is not None and not group.gathered:
-                            self.scheduler.fetch_external(group)
+        for arg in (*args, *kwargs.values()):
+            leaves = tree_flatten(arg)[0] if isinstance(arg, (list, tuple, dict)) else (arg,)
+            for leaf in leaves:
+                if isinstance(leaf, nn.Parameter):
+                    group = owner.get(id(leaf))
+                    if group is not None and not group.gathered:
+                        self.scheduler.fetch_external(group)
         return func(*args, **kwargs)
 
 
