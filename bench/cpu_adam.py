@@ -183,6 +183,9 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"native threads {native.threads()}, torch threads {torch.get_num_threads()}, "
           f"SIMD path {native.simd_path()}, torch {torch.__version__}, python {sys.version.split()[0]}")
+    print("native loops run on "
+          + ("the pool's own threads (ZKERNEL_NATIVE_OPENMP=0)" if os.environ.get("ZKERNEL_NATIVE_OPENMP") == "0"
+             else "torch's OpenMP team (main thread; ZKERNEL_NATIVE_OPENMP=0 for the pool's own threads)"))
     print(f"DeepSpeed: {ds_note}")
     for size in args.sizes.split(","):
         bench_size(int(float(size)), args.budget, ds_step)

@@ -1,12 +1,26 @@
 // A persistent pool of worker threads for data-parallel loops over index ranges.
 //
-// parallel_for(n_tasks, fn) runs fn(task) for task in [0, n_tasks) on the pool's
-// workers plus the calling thread, handing out tasks through one atomic counter
-// (dynamic scheduling: a core that is busy elsewhere simply takes fewer tasks),
-// and returns when every task has finished. One loop runs at a time; concurrent
-// callers are serialised by a mutex. Workers sleep on a condition variable
-// between loops. After fork() the child gets a fresh, empty pool (threads do not
-// survive fork), so a forked DataLoader worker never waits on a dead thread.
+// parallel_for(n_tasks, fn) runs fn(task) for task in [0, n_tasks) on the
+// pool's workers plus the calling thread and returns when every task has
+// finished; fn must not throw. Participant k (the caller is 0) owns the k-th
+// contiguous share of the tasks, the same share on every call, as torch's
+// static at::parallel_for does, so data a step leaves in a core's caches is
+// where the next step looks for it; a participant that has finished its share
+// takes the rest of the others' (so a core busy elsewhere, or a worker that
+// wakes late, is helped out); on the pool's own threads the call never waits
+// for a worker that has not started. One loop runs at a time; concurrent
+// callers are serialised.
+//
+// When the process already has an OpenMP runtime loaded (torch's libgomp) and
+// the call comes from the main thread, the loop runs on that runtime's team
+// (GOMP_parallel, found with dlsym; nothing is loaded) rather than on the pool's
+// own threads: torch leaves its team spinning for milliseconds after every CPU
+// op, and a second set of threads woken then shares the cores with the
+// spinners (unlike the pool, the team's closing barrier does wait for a thread
+// descheduled on an oversubscribed machine). ZKERNEL_NATIVE_OPENMP=0 turns
+// this off (read per loop). After
+// fork() the child gets a fresh, empty pool (threads do not survive fork) and
+// never uses OpenMP, so a forked DataLoader worker never waits on a dead thread.
 #pragma once
 
 #include <cstdint>
