@@ -31,9 +31,10 @@ autograd saved.
   the end of its step.
 
 Units smaller than ``persistence_threshold`` elements stay whole on every rank
-(gathering them costs more in latency than their memory is worth); their
-gradients and optimizer state are still partitioned and their whole copy is
-refreshed by an all-gather after each step.
+(gathering them costs more in latency than their memory is worth), all in one
+group: their gradients and optimizer state are still partitioned, reduced by
+one reduce-scatter, and the whole copy is refreshed by one all-gather after
+each step.
 
 Partitioned construction: a model built on the meta device is materialised
 one unit at a time (``to_empty`` then ``init_fn``/``reset_parameters`` under
@@ -141,16 +142,25 @@ class Zero3:
     @hookimpl
     def zkernel_partition_params(self, module, context):
         groups: list[ParamGroup] = []
+        persistent: dict[bool, list] = {True: [], False: []}
         for unit_index, (unit_name, unit, named) in enumerate(module_units(module, self.options.units)):
             if any(p.is_meta for _, p in named):
                 named = _materialize_unit(module, named, context.device, self.options.init_seed + unit_index)
             for trainable in (True, False):
                 part = [(n, p) for n, p in named if p.requires_grad == trainable]
-                if part:
+                if sum(p.numel() for _, p in part) < self.options.persistence_threshold:
+                    persistent[trainable].extend(part)
+                elif part:
                     groups.append(self._make_group(len(groups), unit_name, unit, part, trainable))
+        # All small units share one always-whole group: one reduce-scatter, one
+        # all-gather and one optimizer call per step instead of one per unit.
+        for trainable in (True, False):
+            if persistent[trainable]:
+                groups.append(self._make_group(len(groups), "<persistent>", None, persistent[trainable], trainable))
         return groups
 
     def _make_group(self, index, unit_name, unit, named, trainable) -> ParamGroup:
+        """One group over ``named``; ``unit`` None makes it persistent (whole on every rank)."""
         ctx = self.context
         device, dtype = ctx.device, ctx.compute_dtype
         params = tuple(p for _, p in named)
@@ -167,7 +177,7 @@ class Zero3:
             del full32
         if ctx.dist.distributed:
             dist.broadcast(full, src=0)
-        persistent = flat.numel < self.options.persistence_threshold
+        persistent = unit is None
         shard = full[flat.own].clone() if master is None else None
         state = Zero3State(flat=flat, shard=shard, persistent=persistent, full=full)
         group = ParamGroup(
@@ -176,7 +186,7 @@ class Zero3:
             params=params,
             param_names=tuple(n for n, _ in named),
             requires_grad=trainable,
-            module=None if persistent else unit,
+            module=unit,
             grad_is_shard=True,
             layout=state,
         )
