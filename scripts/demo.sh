@@ -5,13 +5,6 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
 
-"$PYTHON" -m pip --version >/dev/null 2>&1 || "$PYTHON" -m ensurepip --upgrade
-# A GPU machine has torch preinstalled; a plain `torch` requirement would pull
-# GBs of CUDA wheels, so only a missing torch is installed, at a pinned version.
-if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    "$PYTHON" -m pip install "torch==2.13.0"
-fi
-# Builds the native pybind11 extension (build isolation on).
-"$PYTHON" -m pip install -e ".[test]"
+source scripts/install.sh
 
 exec "$PYTHON" -m zkernel.cli demo "$@"

@@ -17,10 +17,8 @@ def _world_rank():
     return 1, 0
 
 
-def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=()) -> dict:
-    """Train TrickyNet through zkernel on this rank's share; return global mean losses per step."""
-    torch.manual_seed(seed)
-    engine = zkernel.initialize(TrickyNet(), config, plugins=plugins)
+def _train_steps(engine, steps, accum, micro, seed, penalty=None, after_step=None) -> list[float]:
+    """This rank's share of each global batch through ``engine``; global mean loss per step."""
     world, rank = _world_rank()
     losses = []
     for step in batches(seed + 1, steps, accum, world, micro):
@@ -28,6 +26,8 @@ def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=(
         for micro_batch in step:
             tokens, targets = micro_batch[rank]
             loss = engine(tokens, targets)
+            if penalty is not None:
+                loss = loss + penalty(engine.module)
             engine.backward(loss)
             engine.step()
             total += loss.detach().float() / accum
@@ -35,6 +35,16 @@ def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=(
             dist.all_reduce(total)
             total /= world
         losses.append(total.item())
+        if after_step is not None:
+            after_step()
+    return losses
+
+
+def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=()) -> dict:
+    """Train TrickyNet through zkernel on this rank's share; return global mean losses per step."""
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config, plugins=plugins)
+    losses = _train_steps(engine, steps, accum, micro, seed)
     external = sorted(g.name for g in engine.groups if g.index in engine.scheduler.external)
     return {"losses": losses, "memory": engine.memory_report(), "skipped": engine.skipped_steps, "external": external}
 
@@ -157,22 +167,12 @@ def user_access(config: dict, steps: int, accum: int, micro: int, seed: int) -> 
     """User code reads parameters between forward and backward, and between steps."""
     torch.manual_seed(seed)
     engine = zkernel.initialize(TrickyNet(), config)
-    world, rank = _world_rank()
     model = engine.module
-    losses, released_sizes = [], []
-    for step in batches(seed + 1, steps, accum, world, micro):
-        total = torch.zeros((), device=engine.device)
-        for micro_batch in step:
-            tokens, targets = micro_batch[rank]
-            loss = engine(tokens, targets) + weight_penalty(model)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float() / accum
-        if world > 1:
-            dist.all_reduce(total)
-            total /= world
-        losses.append(total.item())
-        released_sizes.append(model.block[0].weight.numel())
+    released_sizes = []
+    losses = _train_steps(
+        engine, steps, accum, micro, seed, penalty=weight_penalty,
+        after_step=lambda: released_sizes.append(model.block[0].weight.numel()),
+    )
     with engine.gathered_parameters():
         values = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
         kept = model.block[2].weight.detach()
