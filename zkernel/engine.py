@@ -120,13 +120,13 @@ class Engine:
         block; writes to them are not propagated to the shards.
         """
         groups = [g for g in self.scheduler.bound if not g.gathered]
-        with self.scheduler._plugin_call():
+        with self.scheduler.plugin_call():
             for group in groups:
                 self.hook.zkernel_fetch_params(group=group, phase=Phase.USER, boundary=False)
         try:
             yield self._module
         finally:
-            with self.scheduler._plugin_call():
+            with self.scheduler.plugin_call():
                 for group in groups:
                     self.hook.zkernel_release_params(group=group, phase=Phase.USER, boundary=False)
 

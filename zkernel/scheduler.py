@@ -139,15 +139,16 @@ class Scheduler:
         self._fetch(group, Phase.FORWARD)
 
     def _fetch(self, group: ParamGroup, phase: Phase) -> None:
-        with torch.profiler.record_function("zkernel::fetch"), self._plugin_call():
+        with torch.profiler.record_function("zkernel::fetch"), self.plugin_call():
             self.hook.zkernel_fetch_params(group=group, phase=phase, boundary=self._boundary)
 
     def _release(self, group: ParamGroup, phase: Phase) -> None:
-        with self._plugin_call():
+        with self.plugin_call():
             self.hook.zkernel_release_params(group=group, phase=phase, boundary=self._boundary)
 
     @contextlib.contextmanager
-    def _plugin_call(self):
+    def plugin_call(self):
+        """Mark plugin work: the guard lets the plugins' own tensor operations through."""
         outer, self.in_hook = self.in_hook, True
         try:
             yield
@@ -163,7 +164,7 @@ class Scheduler:
         step = 1 if phase is Phase.FORWARD else -1
         budget = self.prefetch_bytes
         i = pos + step
-        with self._plugin_call():
+        with self.plugin_call():
             while 0 <= i < len(self.trace) and budget > 0:
                 nxt = self.trace[i]
                 if not nxt.gathered:
