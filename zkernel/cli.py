@@ -92,7 +92,7 @@ def _free_port() -> int:
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
-    """The demo options, as command-line arguments for `zkernel.demo.train`."""
+    """The demo options, as command-line arguments for `python -m zkernel.demo`."""
     out = [
         "--seconds", str(args.seconds),
         "--partitioner", args.partitioner,
@@ -118,12 +118,12 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from zkernel.demo import train
+    from zkernel.demo import __main__ as demo_program
 
     forwarded = _forwarded(args)
     if os.environ.get(_TORCHRUN_ENV) is not None:
         # Already one rank of a torchrun job: train here.
-        return train.main(forwarded)
+        return demo_program.main(forwarded)
 
     import torch
 
@@ -139,7 +139,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1",
         "--master_port", str(_free_port()),
-        "-m", "zkernel.demo.train",
+        "-m", "zkernel.demo",
         *forwarded,
     ]  # fmt: skip
     structlog.get_logger("zkernel.cli").info(

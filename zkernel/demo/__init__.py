@@ -2,6 +2,6 @@
 
 * `zkernel.demo.gpt` -- a plain-torch GPT that can be built on the meta device.
 * `zkernel.demo.corpus` -- the embedded English text and its char-level tokenizer.
-* `zkernel.demo.train` -- what each rank runs (``python -m zkernel.demo.train``);
+* `zkernel.demo.train` -- the training each rank runs; ``python -m zkernel.demo`` (`zkernel.demo.__main__`) is the program;
   ``zkernel demo`` launches it through ``torch.distributed.run``.
 """

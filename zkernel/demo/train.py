@@ -3,16 +3,16 @@
 Run it through ``zkernel demo`` (which launches one process per GPU, or two
 CPU processes, with ``torch.distributed.run``), or directly::
 
-    python -m torch.distributed.run --nproc_per_node 2 -m zkernel.demo.train --seconds 30
-    python -m zkernel.demo.train --seconds 10          # one process, world size 1
+    python -m torch.distributed.run --nproc_per_node 2 -m zkernel.demo --seconds 30
+    python -m zkernel.demo --seconds 10          # one process, world size 1
 
 With zero3 the model is built on the meta device (``--no-meta-init`` to not), so each
 rank materialises one module at a time and keeps only its shard. Every rank
 draws its own random windows of the embedded corpus. After each optimizer step
 one all-reduce carries the loss (for the progress bar) and rank 0's decision to
 stop, so all ranks leave the loop after the same step and none is left waiting
-in a collective. Rank 0 prints the summary; every rank's memory report is
-gathered to it.
+in a collective. `train` returns the summary (every rank's memory report
+gathered to rank 0); the program in `zkernel.demo.__main__` prints it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -40,7 +40,7 @@ PROMPT = "The third stage "
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m zkernel.demo.train", description="Train the demo GPT (one rank of the job)."
+        prog="python -m zkernel.demo", description="Train the demo GPT (one rank of the job)."
     )
     add_training_arguments(parser)
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
@@ -92,7 +92,7 @@ def demo_config(partitioner: str, *, gpu: bool, lr: float, seed: int) -> dict:
     return config
 
 
-def _megabytes(nbytes: int) -> str:
+def megabytes(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
@@ -100,7 +100,7 @@ def format_memory(report: dict[str, dict[str, int]]) -> str:
     parts = []
     for category, by_device in report.items():
         if by_device:
-            where = ", ".join(f"{_megabytes(n)} on {dev}" for dev, n in sorted(by_device.items()))
+            where = ", ".join(f"{megabytes(n)} on {dev}" for dev, n in sorted(by_device.items()))
             parts.append(f"{category} {where}")
         else:
             parts.append(f"{category} -")
@@ -143,7 +143,7 @@ def generate(engine, tokenizer, prompt: str, n_chars: int, seq_len: int, seed: i
     return tokenizer.decode(idx[0, len(prompt) :].tolist())
 
 
-def train(args: argparse.Namespace) -> dict:
+def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = None) -> dict:
     """Train on this rank until rank 0 says the time is up; returns the summary (on every rank)."""
     gpu = torch.cuda.is_available()
     if not gpu:
@@ -179,14 +179,13 @@ def train(args: argparse.Namespace) -> dict:
     accumulation = config["gradient_accumulation_steps"]
     tokens_per_step = args.micro_batch * args.seq_len * accumulation * world
 
-    if rank == 0:
-        print(
+    if rank == 0 and on_start is not None:
+        on_start(
             f"zkernel demo: GPT of {n_params:,} parameters (d={gpt_cfg.d_model}, {gpt_cfg.n_layers} layers, "
             f"{gpt_cfg.n_heads} heads, seq {gpt_cfg.seq_len}), partitioner {args.partitioner}, "
             f"{world} rank(s) on {engine.device.type} ({engine.dist.backend or 'no process group'}), "
             f"{config['precision']}, {tokens_per_step:,} tokens per optimizer step, {seconds:g} s"
-            + (", built on the meta device" if meta_init else ""),
-            flush=True,
+            + (", built on the meta device" if meta_init else "")
         )
 
     from tqdm.auto import tqdm
@@ -242,40 +241,3 @@ def train(args: argparse.Namespace) -> dict:
         "n_params": n_params,
     }
     return summary
-
-
-def print_summary(summary: dict, partitioner: str) -> None:
-    print(
-        f"loss: first {summary['first_loss']:.4f} -> last {summary['last_loss']:.4f} "
-        f"({summary['steps']} optimizer steps)"
-    )
-    print(f"throughput: {summary['tokens_per_s']:,.0f} tokens/s (all ranks)")
-    unsharded = summary["n_params"] * 4
-    print(
-        f"memory per rank ({partitioner}; one unsharded fp32 copy of the parameters is "
-        f"{_megabytes(unsharded)}, of params+grads+Adam state {_megabytes(4 * unsharded)}):"
-    )
-    for rank, report in enumerate(summary["memory"]):
-        print(f"  rank {rank}: {format_memory(report)}")
-    if summary["sample"]:
-        print(f"sample: {PROMPT}{summary['sample']}".replace("\n", "\n        "))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from zkernel.cli import configure_logging
-
-    configure_logging(json_output=args.log_json, verbose=args.verbose, rank=int(os.environ.get("RANK", "0")))
-    try:
-        summary = train(args)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print_summary(summary, args.partitioner)
-            sys.stdout.flush()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
