@@ -59,15 +59,27 @@ def test_multi_rank_matches_torch(world):
             assert_matches(result["losses"], expected, f"{stage} world {world}")
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_native_cpu_adam_matches_torch(stage):
+    """The native optimizer through the whole engine, on CPU shards."""
+    cfg = config(stage)
+    cfg["optimizer"] = {**cfg["optimizer"], "name": "cpu_adam"}
+    result = train(cfg, STEPS, ACCUM, MICRO, SEED)
+    assert_matches(result["losses"], reference(1), f"{stage} cpu_adam world 1")
+
+
 def test_zero3_unit_variants_match_torch():
     mixed = config("zero3")
     mixed["partitioner_options"] = {"persistence_threshold": 200}  # norm, gain, frozen bias stay whole
     blocks = config("zero3")
     blocks["partitioner_options"] = {"persistence_threshold": 0, "units": "blocks"}
-    results = run_ranks(2, train_many, [mixed, blocks], STEPS, ACCUM, MICRO, SEED)
+    native = config("zero2")
+    native["optimizer"] = {**native["optimizer"], "name": "cpu_adam"}
+    results = run_ranks(2, train_many, [mixed, blocks, native], STEPS, ACCUM, MICRO, SEED)
     for rank_results in results:
         assert_matches(rank_results[0]["losses"], reference(2), "zero3 mixed persistence world 2")
         assert_matches(rank_results[1]["losses"], reference(2), "zero3 block units world 2")
+        assert_matches(rank_results[2]["losses"], reference(2), "zero2 cpu_adam world 2")
 
 
 def test_user_code_reads_parameters_between_forward_backward_and_steps():

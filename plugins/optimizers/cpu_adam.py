@@ -59,8 +59,8 @@ class CpuAdam:
         master = group.master
         if master.device.type != "cpu":
             raise RuntimeError(
-                f"cpu_adam needs the optimizer state on CPU (set offload.optimizer = \"cpu\"), but "
-                f"group {group.name!r} keeps its master shard on {master.device}; "
+                f"cpu_adam steps master shards that live on the CPU, but group {group.name!r} keeps "
+                f"its master shard on {master.device} (no CPU offload tier is installed yet); "
                 "use optimizer name \"adamw\" to step on the device"
             )
         grad = group.grad
