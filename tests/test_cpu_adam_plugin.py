@@ -58,12 +58,12 @@ def test_offload_step_matches_torch_and_rounds_copy_out(decoupled):
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     torch_opt = cls([ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
     group = _group(p0.clone(), torch.empty(N, dtype=torch.bfloat16), torch.empty(N, dtype=torch.bfloat16))
-    pm = _runtime_manager(cpu_adam.CpuAdam(_context(threads=2)))
+    pm = _runtime_manager(cpu_adam.CpuAdam(_context(threads=2, decoupled_weight_decay=decoupled)))
     for step in range(1, 21):
         group.grad.copy_(torch.randn(N, generator=gen) * 512)
         grad_before = group.grad.clone()
         options = StepOptions(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                              grad_scale=1 / 512 * 0.7, decoupled_weight_decay=decoupled)
+                              grad_scale=1 / 512 * 0.7)
         assert pm.hook.zkernel_step_optimizer(group=group, options=options) is True
         ref.grad = group.grad.float() * options.grad_scale
         torch_opt.step()

@@ -19,6 +19,7 @@ non-finite global norm on every rank, so all ranks skip together.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -244,7 +245,7 @@ class Engine:
             return unscale, False
         norm = self._global_grad_norm() * unscale
         self.last_grad_norm = norm
-        if self.loss_scaler is not None and not torch.isfinite(torch.tensor(norm)):
+        if self.loss_scaler is not None and not math.isfinite(norm):
             return unscale, True
         clip = 1.0
         max_norm = self.config.gradient_clipping

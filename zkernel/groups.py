@@ -70,5 +70,3 @@ class StepOptions:
     weight_decay: float
     # Multiply the gradient by this before use (loss-scale inverse times clip coefficient).
     grad_scale: float = 1.0
-    # Decoupled weight decay (AdamW) when True, L2 added to the gradient (Adam) when False.
-    decoupled_weight_decay: bool = True

@@ -38,8 +38,7 @@ def _threads(value):
 class CpuAdamOptions:
     """Extra keys of ``[optimizer]`` for ``cpu_adam``."""
 
-    # False gives Adam with L2 regularisation; the step's own
-    # ``StepOptions.decoupled_weight_decay`` must also be True for AdamW.
+    # False gives Adam with L2 regularisation instead of decoupled weight decay.
     decoupled_weight_decay: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     # Threads of the native kernel; None uses every usable core (or ZKERNEL_NATIVE_THREADS).
     threads: int | None = attrs.field(default=None, validator=lambda _i, _a, v: _threads(v))
@@ -94,7 +93,7 @@ class CpuAdam:
             eps=options.eps,
             weight_decay=options.weight_decay,
             grad_scale=options.grad_scale,
-            adamw=self.options.decoupled_weight_decay and options.decoupled_weight_decay,
+            adamw=self.options.decoupled_weight_decay,
             copy_out=out,
             threads=self.options.threads,
         )
