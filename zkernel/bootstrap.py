@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -33,9 +33,11 @@ def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -
             if buf is None:
                 continue
             if buf.is_meta:
+                path = next(p for p, m in module.named_modules() if m is mod)
                 raise ValueError(
-                    f"buffer {name!r} of {type(mod).__name__} is on the meta device; build buffers on a "
-                    "real device (only parameters may be left on meta for zero3 to materialise)"
+                    f"buffer {f'{path}.{name}' if path else name!r} of {type(mod).__name__} is on the meta "
+                    "device: only the zero3 partitioner materialises a meta-device model (pass init_fn= "
+                    "when the module has no reset_parameters()); otherwise build the model on a real device"
                 )
             mod._buffers[name] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
 
@@ -61,11 +63,15 @@ def initialize(
     config: Config | Mapping[str, Any] | str | None = None,
     *,
     plugins: Sequence[Any] = (),
+    init_fn: Callable[[nn.Module], Any] | None = None,
 ) -> Engine:
     """Wrap ``model`` for training under ``config`` (dict, .json/.toml path or `Config`).
 
     ``plugins`` are extra plugin objects or modules with ``@zkernel.hookimpl``
     functions; their components are selectable by name like the builtins.
+    ``init_fn(module)`` initialises a module of a model built on the meta device
+    when zero3 materialises it (default: ``module.reset_parameters()``; for a
+    Hugging Face model pass ``model._init_weights``).
     Every rank of a torchrun job must call this with the same model and config.
     """
     if not isinstance(model, nn.Module):
@@ -79,7 +85,9 @@ def initialize(
     compute_dtype = COMPUTE_DTYPES[cfg.precision]
 
     def context(options: Any = None) -> RuntimeContext:
-        return RuntimeContext(config=cfg, dist=dist_info, compute_dtype=compute_dtype, options=options)
+        return RuntimeContext(
+            config=cfg, dist=dist_info, compute_dtype=compute_dtype, options=options, init_fn=init_fn
+        )
 
     runtime = new_plugin_manager(trace=cfg.trace_hooks)
     components = {
@@ -100,10 +108,11 @@ def initialize(
         runtime.register(component, name=name)
     runtime.check_pending()
 
-    _move_buffers(model, dist_info.device, compute_dtype)
     groups = runtime.hook.zkernel_partition_params(module=model, context=context(selection.partitioner_options))
     if groups is None:
         raise RuntimeError(f"partitioner {cfg.partitioner!r} returned no parameter groups")
+    # After partitioning: zero3 materialises buffers a meta-device model left on meta.
+    _move_buffers(model, dist_info.device, compute_dtype)
     _check_groups(model, groups, cfg.partitioner)
     log.info(
         "zkernel.initialized",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
+from torch import nn
 
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
@@ -21,6 +23,11 @@ class RuntimeContext:
     compute_dtype: torch.dtype
     # The selected component's own validated options (None when it takes none).
     options: Any = None
+    # `initialize`'s ``init_fn``: initialises one module of a meta-device model when a
+    # partitioner materialises it; None means the module's own ``reset_parameters()``.
+    init_fn: Callable[[nn.Module], Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
 
     @property
     def rank(self) -> int:
