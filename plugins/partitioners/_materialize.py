@@ -17,16 +17,19 @@ meta tensors (one unit's parameters, or one module's buffers):
    one object, and references the user took before ``initialize`` stay valid.
    Where a swap is impossible (a weak reference to the tensor exists) a new
    object replaces the old one in every module that holds it.
-2. The initialiser runs on the module that holds each tensor of T and on
-   every ancestor of those, children before parents (the order of normal
-   construction and of Hugging Face's ``initialize_weights``), under the job's
-   seed. It may write its module's own tensors and any descendant's (HF's
-   GPT-2 init scales ``attn.c_proj.weight`` from the attention module; a root
-   ``reset_parameters`` may re-initialise the whole model). While it runs,
-   every slot of the model outside T holds a meta stand-in of its tensor's
-   original shape, so writes to it are free no-ops: tensors of earlier units
-   (already sliced), of later units (still meta) and the ones the user built
-   on a real device are left alone.
+2. ``init_fn`` runs on the module that holds each tensor of T and on every
+   ancestor of those, children before parents (the order of Hugging Face's
+   ``initialize_weights``), under the job's seed: an ``init_fn`` may write a
+   module's own tensors and any descendant's (HF's GPT-2 init scales
+   ``attn.c_proj.weight`` from the attention module). Without ``init_fn``,
+   ``reset_parameters()`` runs on the holders only: by torch's convention it
+   initialises a module's own tensors, and a root ``reset_parameters`` that
+   re-initialises the whole model (the demo GPT has one) would otherwise run
+   once per unit, at a cost that grows with the square of the depth. While
+   the initialiser runs, every slot of the model outside T holds a meta
+   stand-in of its tensor's original shape, so writes to it are free no-ops:
+   tensors of earlier units (already sliced), of later units (still meta) and
+   the ones the user built on a real device are left alone.
 3. Every tensor of T must have been written: a NaN (or the integer sentinel)
    left behind is an error naming the tensor and the module that holds it.
 
@@ -115,6 +118,7 @@ class MetaMaterializer:
                         twin = torch.empty_like(t, device="meta")
                         self._stand_in[id(t)] = nn.Parameter(twin, requires_grad=t.requires_grad) if is_param else twin
         self._order = {id(m): i for i, m in enumerate(self._post_order)}
+        self._modules = {id(m): m for m in self._post_order}
 
     def _visit(self, module: nn.Module, path: str, seen: set[int]) -> None:
         """Pre- and post-order of the distinct modules, their first paths and their parents."""
@@ -175,16 +179,16 @@ class MetaMaterializer:
         self._check_written(real, kind)
 
     def _scope(self, ids: Iterable[int]) -> list[nn.Module]:
-        """Canonical holders of the tensors and all their ancestors, children first."""
+        """Canonical holders of the tensors, and with ``init_fn`` all their ancestors; children first."""
         found: dict[int, nn.Module] = {}
         stack = [self._holders[i][0] for i in ids]
-        by_id = {id(m): m for m in self._post_order}
         while stack:
             module = stack.pop()
             if id(module) in found:
                 continue
             found[id(module)] = module
-            stack.extend(by_id[p] for p in self._parents[id(module)])
+            if self.init_fn is not None:
+                stack.extend(self._modules[p] for p in self._parents[id(module)])
         return sorted(found.values(), key=lambda m: self._order[id(m)])
 
     def _allocate(self, t: torch.Tensor) -> torch.Tensor:
@@ -204,7 +208,7 @@ class MetaMaterializer:
         for slots, name in self._slots[id(t)]:
             slots[name] = new
         for table in (self._slots, self._holders, self._names, self._stand_in):
-            table[id(new)] = table[id(t)]
+            table[id(new)] = table.pop(id(t))
         return new
 
     def _hide_all_but(self, keep: set[int]) -> list[tuple[_SlotMap, str, torch.Tensor]]:
@@ -221,20 +225,13 @@ class MetaMaterializer:
         return hidden
 
     def _init(self, module: nn.Module) -> None:
-        if self.init_fn is None:
-            init, label = getattr(module, "reset_parameters", None), "reset_parameters()"
-            if init is None:
-                return
-            call = init
-        else:
-            init, label = self.init_fn, f"init_fn {getattr(self.init_fn, '__qualname__', repr(self.init_fn))}"
-
-            def call():
-                init(module)
-
         try:
-            call()
+            if self.init_fn is not None:
+                self.init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
         except Exception as err:
+            label = "reset_parameters()" if self.init_fn is None else "init_fn"
             raise RuntimeError(
                 f"zero3 could not initialise {_describe(self._path[id(module)], module)} while materialising "
                 f"a model built on the meta device: {label} raised {type(err).__name__}: {err}"
