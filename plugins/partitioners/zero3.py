@@ -50,7 +50,6 @@ from __future__ import annotations
 import attrs
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zkernel import hookimpl
 from zkernel.groups import ParamGroup, Phase
