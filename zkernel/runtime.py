@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch import nn
 
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
@@ -31,8 +32,11 @@ class RuntimeContext:
     host_worker: ThreadPoolExecutor | None = None
     # Where the tiers keep masters and parameter shards (set for the partitioner).
     placement: PlacementInfo | None = None
-    # Initialises one module's own parameters when a meta-device model is materialised.
-    init_fn: Callable[[torch.nn.Module], None] | None = None
+    # `initialize`'s ``init_fn``: initialises one module of a meta-device model when a
+    # partitioner materialises it; None means the module's own ``reset_parameters()``.
+    init_fn: Callable[[nn.Module], Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
 
     @property
     def rank(self) -> int:
