@@ -18,6 +18,7 @@ selected) and ``displayTimeUnit`` are optional.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -59,10 +60,6 @@ class ChromeTraceWriter:
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._emit({"ph": "M", "pid": self.pid, "tid": 0, "name": "process_name", "args": {"name": process_name}})
 
-    @property
-    def finished(self) -> bool:
-        return self._file is None
-
     def add(self, lane: str, sort_index: int, name: str, start_us: float, dur_us: float, args: dict[str, Any]) -> None:
         """Append one complete event on ``lane`` (created on first use, ordered by ``sort_index``).
 
@@ -99,11 +96,11 @@ class ChromeTraceWriter:
         return self.path
 
     def abort(self) -> None:
-        """Drop the unfinished trace and its temporary file (idempotent)."""
-        if self._file is None:
-            return
+        """Drop the unfinished trace and its temporary file (idempotent; also after a failed `finish`)."""
         file, self._file = self._file, None
-        file.close()
+        if file is not None:
+            with contextlib.suppress(OSError):  # closing flushes, which fails again on a full disk
+                file.close()
         self._tmp.unlink(missing_ok=True)
 
     def _track(self, lane: str, sort_index: int, start_us: float, end_us: float) -> int:

@@ -9,8 +9,7 @@ timing events recorded on that stream. Once per optimizer step `end_step` closes
 the step's collection; when every event of a step has completed (checked with
 `Event.query`, never waited for outside `close`), the step is resolved:
 
-1. GPU events become host-clock seconds through a reference event whose host time
-   is known ([Note: one clock domain]).
+1. GPU events become ``perf_counter`` seconds ([Note: one clock domain]).
 2. Per kind, busy time is the length of the union of its spans; hidden time is
    the length of that union intersected with the union of COMPUTE spans; exposed
    = busy - hidden. Wall time runs from the step's first span start to its last
@@ -22,30 +21,26 @@ the step's collection; when every event of a step has completed (checked with
 A span belongs to the step during which it ended (was recorded on the host side),
 so a span that straddles `end_step` counts towards the next step, and steps' wall
 ranges may overlap. A disabled timeline returns one shared null span from every
-call: no clock read, no allocation.
+call: no clock read, no allocation. A trace that cannot be written (disk full)
+is dropped with a warning naming it; training goes on.
 
 [Note: one clock domain]
-Hidden time compares intervals measured by two clocks: host spans with
-``perf_counter`` and GPU spans with CUDA event timestamps. At construction the
-timeline drains the device once (``torch.cuda.synchronize``) and brackets an event
-record: host time before ``record``, then ``Event.synchronize``, host time after.
-On an idle device the event's GPU timestamp lies inside the bracket, so its host
-time is the bracket's midpoint with an error of at most half its width; the
-narrowest of several brackets is kept (`Timeline.clock_uncertainty_s`, typically
-a few microseconds). Later events are placed by ``elapsed_time`` from a reference
-event; the reference moves to a newer event each resolved step so that
-``elapsed_time`` (float32 milliseconds) never spans more than a step or two and
-keeps sub-microsecond precision. What this cannot correct is a rate difference
-between the GPU's timer and the host's monotonic clock: measured on an H100 the
-two agreed to within a few microseconds over tens of seconds (tests/test_timeline.py
-``test_clock_alignment_holds``); GPU-vs-GPU overlap (a copy stream against the
-compute stream) is exact regardless, since it never crosses clocks.
+Hidden time intersects intervals measured by two clocks: host spans with
+``perf_counter`` and GPU spans with CUDA event timestamps. `GpuClock` maps the
+events onto ``perf_counter``: one device synchronise at construction, then the
+clocks' rate difference (9-26 ppm measured) is followed from the host time at
+which each of the timeline's own events was submitted, including a probe event
+that `end_step` records on an idle stream. Its [Note: aligning the GPU timer
+with perf_counter] gives the accuracy: within a few microseconds over minutes.
+GPU-vs-GPU overlap (a copy stream against the compute stream) never crosses
+clocks and is as exact as the event timestamps (about half a microsecond).
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import math
 import os
 import threading
 import time
@@ -59,6 +54,7 @@ import torch
 
 from zkernel import intervals
 from zkernel.chrome_trace import ChromeTraceWriter
+from zkernel.gpu_clock import GpuClock
 
 log = structlog.get_logger("zkernel")
 
@@ -66,8 +62,6 @@ __all__ = ["MAX_SUMMARIES", "SpanKind", "StepSummary", "Timeline", "summarize"]
 
 # Resolved summaries kept on the timeline for callers (benchmarks) that read them afterwards.
 MAX_SUMMARIES = 10_000
-# Brackets tried when aligning clocks; the narrowest wins.
-_ALIGN_TRIES = 8
 
 
 class SpanKind(str, enum.Enum):
@@ -159,16 +153,19 @@ def summarize(step: int, spans: Iterable[tuple[SpanKind, float, float, int]]) ->
     by_kind: dict[SpanKind, list[tuple[float, float]]] = collections.defaultdict(list)
     nbytes: dict[SpanKind, int] = collections.defaultdict(int)
     count: dict[SpanKind, int] = collections.defaultdict(int)
-    first = last = None
+    first, last = math.inf, -math.inf
     for kind, start, end, n in spans:
-        end = max(end, start)
+        if end < start:
+            end = start
         by_kind[kind].append((start, end))
         count[kind] += 1
         if n:
             nbytes[kind] += n
-        first = start if first is None else min(first, start)
-        last = end if last is None else max(last, end)
-    if first is None:
+        if start < first:
+            first = start
+        if end > last:
+            last = end
+    if not by_kind:
         return StepSummary(
             step=step, wall_s=0.0, busy_s={}, hidden_s={}, nbytes={}, count={}, exposed_total_s=0.0, idle_s=0.0
         )
@@ -212,17 +209,30 @@ class _GpuRecord(NamedTuple):
     nbytes: int
     stream: int | None  # stream id, None when the caller gave only events
     owned: bool  # events from the timeline's pool (returned after resolving) or the caller's
+    # perf_counter just before each record call (owned events only): clock samples, see GpuClock.
+    submitted_start: float = math.nan
+    submitted_end: float = math.nan
+
+
+class _Probe(NamedTuple):
+    """The event `end_step` records on the timeline's probe stream, and the host time just before."""
+
+    event: torch.cuda.Event
+    submitted: float
 
 
 class _PendingStep:
     """A step closed by `end_step` whose GPU events may still be running."""
 
-    __slots__ = ("checked", "gpu", "host", "step")
+    __slots__ = ("checked", "gpu", "host", "probe", "step")
 
-    def __init__(self, step: int | None, host: list[_HostRecord], gpu: list[_GpuRecord]) -> None:
+    def __init__(
+        self, step: int | None, host: list[_HostRecord], gpu: list[_GpuRecord], probe: _Probe | None
+    ) -> None:
         self.step = step  # None: spans recorded after the last end_step, resolved by close (trace only)
         self.host = host
         self.gpu = gpu
+        self.probe = probe  # the clock's probe recorded at end_step (CUDA timelines)
         self.checked = 0  # gpu[:checked] are known complete
 
 
@@ -274,7 +284,7 @@ class _HostSpan:
 class _StreamSpan:
     """A span timed by timing events recorded on a CUDA stream at enter and exit (no synchronisation)."""
 
-    __slots__ = ("_start", "_stream", "_timeline", "kind", "label", "nbytes")
+    __slots__ = ("_start", "_stream", "_submitted", "_timeline", "kind", "label", "nbytes")
 
     def __init__(self, timeline: Timeline, kind: SpanKind, stream: torch.cuda.Stream, label: str, nbytes: int) -> None:
         self._timeline = timeline
@@ -285,14 +295,26 @@ class _StreamSpan:
 
     def __enter__(self) -> _StreamSpan:
         self._start = self._timeline._take_event()
+        self._submitted = time.perf_counter()
         self._start.record(self._stream)
         return self
 
     def __exit__(self, *exc: object) -> None:
         end = self._timeline._take_event()
+        submitted = time.perf_counter()
         end.record(self._stream)
         self._timeline._add_gpu(
-            _GpuRecord(self.kind, self._start, end, self.label, self.nbytes, self._stream.stream_id, True)
+            _GpuRecord(
+                self.kind,
+                self._start,
+                end,
+                self.label,
+                self.nbytes,
+                self._stream.stream_id,
+                True,
+                self._submitted,
+                submitted,
+            )
         )
 
 
@@ -317,7 +339,6 @@ class Timeline:
         self.device = torch.device(device)
         self.enabled = bool(enabled)
         self.rank = int(rank)
-        self.clock_uncertainty_s = 0.0
         self._closed = not self.enabled
         self._lock = threading.Lock()
         self._host: list[_HostRecord] = []
@@ -325,7 +346,8 @@ class Timeline:
         self._pending: collections.deque[_PendingStep] = collections.deque()
         self._summaries: collections.deque[StepSummary] = collections.deque(maxlen=MAX_SUMMARIES)
         self._free_events: list[torch.cuda.Event] = []
-        self._ref: tuple[torch.cuda.Event, float] | None = None
+        self._clock: GpuClock | None = None
+        self._probe_stream: torch.cuda.Stream | None = None
         self._writer: ChromeTraceWriter | None = None
         self._warned_unreadable = False
         self._cuda = self.device.type == "cuda"
@@ -336,7 +358,9 @@ class Timeline:
         if self._cuda:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            self._align_clocks()
+            self._clock = GpuClock(self.device)
+            # High priority, otherwise idle: a probe runs soon after it is recorded.
+            self._probe_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
         self._t0 = time.perf_counter()
         if trace_path is not None:
             path = os.fspath(trace_path).replace("{rank}", str(self.rank))
@@ -425,7 +449,13 @@ class Timeline:
         with self._lock:
             host, gpu = self._host, self._gpu
             self._host, self._gpu = [], []
-        self._pending.append(_PendingStep(int(step), host, gpu))
+        probe = None
+        if self._probe_stream is not None:
+            event = self._take_event()
+            submitted = time.perf_counter()
+            event.record(self._probe_stream)
+            probe = _Probe(event, submitted)
+        self._pending.append(_PendingStep(int(step), host, gpu, probe))
         return self._resolve(wait=False)
 
     def close(self) -> None:
@@ -442,15 +472,22 @@ class Timeline:
             host, gpu = self._host, self._gpu
             self._host, self._gpu = [], []
         if host or gpu:
-            self._pending.append(_PendingStep(None, host, gpu))
+            self._pending.append(_PendingStep(None, host, gpu, None))
         try:
             self._resolve(wait=True)
         finally:
             if self._writer is not None:
                 self._finalizer.detach()
-                self._writer.finish()
+                try:
+                    self._writer.finish()
+                except OSError as exc:
+                    self._drop_trace(exc)
             self._free_events.clear()
-            self._ref = None
+
+    @property
+    def clock_uncertainty_s(self) -> float:
+        """How far GPU span times may be off the host clock at alignment (0 without CUDA); see `GpuClock`."""
+        return 0.0 if self._clock is None else self._clock.uncertainty_s
 
     @property
     def summaries(self) -> tuple[StepSummary, ...]:
@@ -480,26 +517,6 @@ class Timeline:
                 return self._free_events.pop()
         return torch.cuda.Event(enable_timing=True)
 
-    def _align_clocks(self) -> None:
-        """Pick a reference event and its host time ([Note: one clock domain])."""
-        torch.cuda.synchronize(self.device)
-        stream = torch.cuda.current_stream(self.device)
-        ref = torch.cuda.Event(enable_timing=True)
-        best: tuple[float, float] | None = None  # (half width, host time of ref)
-        for i in range(_ALIGN_TRIES):
-            event = ref if i == 0 else torch.cuda.Event(enable_timing=True)
-            before = time.perf_counter()
-            event.record(stream)
-            event.synchronize()
-            after = time.perf_counter()
-            half = (after - before) / 2
-            ref_host = before + half - ref.elapsed_time(event) / 1e3
-            if best is None or half < best[0]:
-                best = (half, ref_host)
-        assert best is not None
-        self.clock_uncertainty_s = best[0]
-        self._ref = (ref, best[1])
-
     def _resolve(self, *, wait: bool) -> StepSummary | None:
         newest = None
         while self._pending:
@@ -514,6 +531,8 @@ class Timeline:
 
     @staticmethod
     def _events_done(pending: _PendingStep) -> bool:
+        if pending.probe is not None and not pending.probe.event.query():
+            return False
         gpu = pending.gpu
         while pending.checked < len(gpu):
             record = gpu[pending.checked]
@@ -523,77 +542,84 @@ class Timeline:
         return True
 
     def _resolve_step(self, pending: _PendingStep, *, wait: bool) -> StepSummary | None:
-        spans: list[tuple[SpanKind, float, float, int]] = []
-        lanes: list[tuple[float, float, SpanKind, str, int, dict[str, Any]]] = []
-        for r in pending.host:
-            spans.append((r.kind, r.start, r.end, r.nbytes))
-            lanes.append((r.start, r.end, r.kind, r.label, r.nbytes, {"thread": r.thread}))
-        if pending.gpu:
-            self._place_gpu(pending, spans, lanes, wait=wait)
+        # (start, end, kind, label, nbytes, "thread" or "stream", its name or id), host seconds
+        placed: list[tuple[float, float, SpanKind, str, int, str, Any]] = [
+            (r.start, r.end, r.kind, r.label, r.nbytes, "thread", r.thread) for r in pending.host
+        ]
+        if pending.gpu or pending.probe is not None:
+            self._place_gpu(pending, placed, wait=wait)
         summary = None
         if pending.step is not None:
-            summary = summarize(pending.step, spans)
+            summary = summarize(pending.step, ((p[2], p[0], p[1], p[4]) for p in placed))
             self._summaries.append(summary)
             log.info("zkernel.step.timeline", **summary.log_fields())
         if self._writer is not None:
-            self._write_trace(pending.step, summary, lanes)
+            try:
+                self._write_trace(pending.step, summary, placed)
+            except OSError as exc:
+                self._drop_trace(exc)
         return summary
 
-    def _place_gpu(self, pending: _PendingStep, spans: list, lanes: list, *, wait: bool) -> None:
-        """Convert the step's GPU events to host seconds, move the reference, recycle owned events."""
-        assert self._ref is not None
-        ref_event, ref_host = self._ref
-        new_ref: tuple[torch.cuda.Event, float] | None = None
+    def _drop_trace(self, exc: OSError) -> None:
+        writer, self._writer = self._writer, None
+        assert writer is not None
+        self._finalizer.detach()
+        writer.abort()
+        log.warning("zkernel.timeline.trace_dropped", path=str(writer.path), error=str(exc))
+
+    def _place_gpu(self, pending: _PendingStep, placed: list, *, wait: bool) -> None:
+        """Put the step's GPU events on the host clock, calibrating it with them first; recycle own events."""
+        clock = self._clock
+        assert clock is not None
         recycle: list[torch.cuda.Event] = []
+        placed: list[tuple[_GpuRecord, float, float]] = []
+        samples: list[tuple[float, float]] = []
         for r in pending.gpu:
             try:
                 if wait:
                     r.start.synchronize()
                     r.end.synchronize()
-                start = ref_host + ref_event.elapsed_time(r.start) / 1e3
-                end = ref_host + ref_event.elapsed_time(r.end) / 1e3
-            except RuntimeError as exc:  # an event that was never recorded, or lacks enable_timing
+                gpu_start, gpu_end = clock.gpu_seconds(r.start), clock.gpu_seconds(r.end)
+            except (RuntimeError, ValueError) as exc:  # never recorded, or created without enable_timing
                 if not self._warned_unreadable:
                     self._warned_unreadable = True
                     log.warning("zkernel.timeline.unreadable_event", kind=r.kind.value, label=r.label, error=str(exc))
                 continue
-            end = max(end, start)
-            spans.append((r.kind, start, end, r.nbytes))
-            args: dict[str, Any] = {} if r.stream is None else {"stream": r.stream}
-            lanes.append((start, end, r.kind, r.label, r.nbytes, args))
+            finally:
+                if r.owned:
+                    recycle += (r.start, r.end)
+            placed.append((r, gpu_start, gpu_end))
             if r.owned:
-                if new_ref is None or start < new_ref[1]:
-                    if new_ref is not None:
-                        recycle.append(new_ref[0])
-                    new_ref = (r.start, start)
-                else:
-                    recycle.append(r.start)
-                recycle.append(r.end)
-        if new_ref is not None:
-            recycle.append(ref_event)  # always an owned event of an earlier step, or the alignment event
-            self._ref = new_ref
+                samples += ((gpu_start, r.submitted_start), (gpu_end, r.submitted_end))
+        probe = pending.probe
+        if probe is not None:
+            if wait:
+                probe.event.synchronize()
+            gpu_probe = clock.gpu_seconds(probe.event)
+            samples.append((gpu_probe, probe.submitted))
+        clock.calibrate(samples)
+        for r, gpu_start, gpu_end in placed:
+            start = clock.host_of(gpu_start)
+            end = max(clock.host_of(gpu_end), start)
+            placed.append((start, end, r.kind, r.label, r.nbytes, "stream", r.stream))
+        if probe is not None:
+            recycle.append(clock.rebase(probe.event, gpu_probe))
         if not self._closed:
             with self._lock:
                 self._free_events.extend(recycle)
 
-    def _write_trace(self, step: int | None, summary: StepSummary | None, lanes: list) -> None:
+    def _write_trace(self, step: int | None, summary: StepSummary | None, placed: list) -> None:
         writer = self._writer
         assert writer is not None
         to_us = 1e6
-        if summary is not None and lanes:
-            first = min(start for start, *_ in lanes)
-            writer.add(
-                "step",
-                -1,
-                f"step {step}",
-                (first - self._t0) * to_us,
-                summary.wall_s * to_us,
-                summary.log_fields(),
-            )
-        for start, end, kind, label, nbytes, args in sorted(lanes, key=lambda lane: lane[0]):
+        if summary is not None and placed:
+            first = min(p[0] for p in placed)
+            writer.add("step", -1, f"step {step}", (first - self._t0) * to_us, summary.wall_s * to_us, summary.log_fields())
+        for start, end, kind, label, nbytes, where, name in sorted(placed, key=lambda p: p[0]):
+            args: dict[str, Any] = {} if name is None else {where: name}
             if step is not None:
                 args["step"] = step
             if nbytes:
                 args["bytes"] = nbytes
-            name = f"{kind.value} {label}" if label else kind.value
-            writer.add(kind.value, _KIND_ORDER[kind], name, (start - self._t0) * to_us, (end - start) * to_us, args)
+            title = f"{kind.value} {label}" if label else kind.value
+            writer.add(kind.value, _KIND_ORDER[kind], title, (start - self._t0) * to_us, (end - start) * to_us, args)
