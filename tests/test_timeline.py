@@ -276,11 +276,15 @@ def test_disabled_timeline_is_a_cheap_no_op(tmp_path):
     tl = Timeline(CPU, enabled=False, trace_path=tmp_path / "trace.json")
     assert tl.span(K.H2D) is tl.span(K.COMPUTE, label="x")  # one shared null span, nothing allocated
     n = 100_000
-    start = time.perf_counter()
-    for _ in range(n):
-        with tl.span(K.H2D, label="layer"):
-            pass
-    elapsed = time.perf_counter() - start
+
+    def run():
+        start = time.perf_counter()
+        for _ in range(n):
+            with tl.span(K.H2D, label="layer"):
+                pass
+        return time.perf_counter() - start
+
+    elapsed = min(run() for _ in range(5))  # the best of 5, as timeit does: this machine is shared
     assert elapsed < 0.1, f"{n} disabled spans took {elapsed:.3f} s"
     with tl.span(K.H2D) as sp:
         sp.nbytes = 10  # settable, ignored
@@ -480,7 +484,7 @@ def test_end_step_does_not_wait_for_the_device():
 def test_clock_alignment_holds():
     """A synchronised GPU span lies inside the host span around it, to within a few microseconds, for seconds.
 
-    Without following the clocks' rate (18 ppm apart on an H100) the error after 6 s would be ~100 us.
+    Without following the clocks' rate (9-26 ppm apart on H100s) the error after 6 s would be 54-156 us.
     """
     tl = _cuda_timeline()
     assert 0 < tl.clock_uncertainty_s < 100e-6

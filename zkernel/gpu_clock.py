@@ -14,9 +14,10 @@ time is taken as the bracket's midpoint, wrong by at most half the bracket's
 width. The narrowest of several brackets is kept (`uncertainty_s`: about 4 µs on
 an H100).
 
-Rate. The two clocks do not tick at the same rate: on two H100 machines the GPU
-timer ran 18 and 26 µs per second (ppm) slower than perf_counter, which a fixed
-offset turns into 1.6 ms of error after 90 s and about 80 ms after an hour. The
+Rate. The two clocks do not tick at the same rate: on three H100 machines the
+GPU timer ran 9, 18 and 26 µs per second (ppm) slower than perf_counter; a fixed
+offset turns 18 ppm into 1.6 ms of error after 90 s (measured) and 65 ms after an
+hour. The
 rate is followed without waiting for the device: every event the timeline
 records itself comes with the host time just before its ``record`` call (a
 *sample*), and an event can only run after it was submitted, usually within a
@@ -29,10 +30,11 @@ largest of the last `WINDOW` steps' bounds: the least delayed sample decides,
 and the window lets the estimate follow a rate that wanders with temperature. A
 bound more than `MAX_RATE` off (a clock jump) is ignored, and samples before
 `MIN_BASELINE_S` of GPU time are not used (the alignment error would dominate
-the slope). Measured under load on an H100 over 2 minutes: with the GPU busy
-when events are submitted, GPU spans land within about 5 µs of the host clock;
-where every sample was taken on an idle GPU, about 50 µs early (the wake-up
-latency counted as clock error), constant rather than growing.
+the slope). Measured on an H100 against fresh alignment brackets over 60 s of
+50 ms and of 200 ms steps (GPU busy, and idle between steps): within 2.3 µs. If
+every sample of a run were taken on an idle GPU, spans would land about the
+wake-up latency (50 µs) early, a constant rather than a growing error
+(simulated in tests/test_timeline.py).
 
 Precision. ``Event.elapsed_time`` returns float32 milliseconds, whose resolution
 decays with the interval (0.25 ms after an hour). GPU time is therefore
