@@ -19,6 +19,7 @@ from zkernel.log import get_logger
 from zkernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager, resolve_components
 from zkernel.runtime import RuntimeContext
 from zkernel.streams import Streams
+from zkernel.timeline import Timeline
 from zkernel.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
 
 log = get_logger()
@@ -156,13 +157,17 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     compute_dtype = COMPUTE_DTYPES[cfg.precision]
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zkernel-host")
+    worker = ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="zkernel-host", initializer=_bind_device, initargs=(dist_info.device,)
+    )
+    timeline = Timeline(dist_info.device, enabled=cfg.timeline, trace_path=cfg.timeline_path, rank=dist_info.rank)
     base = RuntimeContext(
         config=cfg,
         dist=dist_info,
         compute_dtype=compute_dtype,
         streams=Streams.for_device(dist_info.device),
         host_worker=worker,
+        timeline=timeline,
         init_fn=init_fn,
     )
     optimizer = selection["optimizer.name"].build(base)
@@ -217,11 +222,18 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
         optimizer_tier=optimizer_tier,
         params_tier=params_tier,
         worker=worker,
+        timeline=timeline,
         can_rollback=placer.can_rollback and bool(groups),
         speculate=getattr(optimizer_tier, "speculate", "never"),
         original_dtypes=original_dtypes,
     )
     return Engine(model, cfg, dist_info, parts)
+
+
+def _bind_device(device: torch.device) -> None:
+    """The host worker's CUDA calls go to this rank's device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def consolidate(directory) -> dict[str, torch.Tensor]:

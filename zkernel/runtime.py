@@ -13,6 +13,7 @@ from torch import nn
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
 from zkernel.streams import Streams
+from zkernel.timeline import Timeline
 from zkernel.tiers import PlacementInfo
 
 
@@ -30,6 +31,8 @@ class RuntimeContext:
     streams: Streams = attrs.field(factory=Streams)
     # The engine's one host worker thread (see [Note: tier threads] in zkernel.tiers).
     host_worker: ThreadPoolExecutor | None = None
+    # The engine's step timeline (disabled unless config.timeline); components add spans to it.
+    timeline: Timeline = attrs.field(factory=lambda: Timeline("cpu", enabled=False))
     # Where the tiers keep masters and parameter shards (set for the partitioner).
     placement: PlacementInfo | None = None
     # `initialize`'s ``init_fn``: initialises one module of a meta-device model when a
