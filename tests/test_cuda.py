@@ -136,3 +136,16 @@ def test_cuda_gpu_share_matches_torch():
             assert abs(a - b) <= 2e-5 * abs(b), f"gpu share {stage} step {i}: {a} vs {b}"
         memory = result["memory"]
         assert memory["optimizer_state"].get("cpu", 0) > 0 and any(d.startswith("cuda") for d in memory["optimizer_state"])
+
+
+@pytest.mark.parametrize("optimizer_tier", ["none", "cpu"])
+def test_cuda_params_on_host_match_torch(optimizer_tier):
+    """ZeRO-Infinity's parameter tier: shards in page-locked host memory, uploaded on a side stream per gather."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = _offload_config("zero3", "cpu_adam" if optimizer_tier == "cpu" else "adamw")
+    cfg["offload"] = {"optimizer": optimizer_tier, "params": "cpu"}
+    for prefetch in (0, 1 << 20):
+        result = train_many([{**cfg, "prefetch_bytes": prefetch}], STEPS, ACCUM, MICRO, SEED)[0]
+        for i, (a, b) in enumerate(zip(result["losses"], _reference(1))):
+            assert abs(a - b) <= 2e-5 * abs(b), f"params cpu, optimizer {optimizer_tier}, prefetch {prefetch}, step {i}: {a} vs {b}"
+        assert "cpu" in result["memory"]["params"]

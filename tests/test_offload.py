@@ -36,3 +36,28 @@ def test_cpu_tier_multi_rank_matches_torch(world):
     for rank_results in results:
         for cfg, result in zip(configs, rank_results):
             assert_matches(result["losses"], expected, f"{cfg['partitioner']} {cfg['optimizer']['name']} world {world}")
+
+
+def params_offload_config(optimizer_tier: str, optimizer: str, params_tier: str = "cpu", **extra) -> dict:
+    cfg = offload_config("zero3", optimizer, optimizer_tier)
+    cfg["offload"]["params"] = params_tier
+    cfg["offload"].update(extra)
+    return cfg
+
+
+PARAM_COMBOS = (("none", "adamw"), ("cpu", "cpu_adam"), ("cpu", "adamw"))
+
+
+@pytest.mark.parametrize(("optimizer_tier", "optimizer"), PARAM_COMBOS)
+def test_params_on_host_single_process_matches_torch(optimizer_tier, optimizer):
+    result = train(params_offload_config(optimizer_tier, optimizer), STEPS, ACCUM, MICRO, SEED)
+    assert_matches(result["losses"], reference(1), f"params cpu, optimizer {optimizer_tier}/{optimizer}, world 1")
+
+
+def test_params_on_host_multi_rank_matches_torch():
+    configs = [params_offload_config(t, o) for t, o in PARAM_COMBOS]
+    for world in (2, 3):
+        results = run_ranks(world, train_many, configs, STEPS, ACCUM, MICRO, SEED)
+        for rank_results in results:
+            for (tier, opt), result in zip(PARAM_COMBOS, rank_results):
+                assert_matches(result["losses"], reference(world), f"params cpu, {tier}/{opt}, world {world}")

@@ -161,11 +161,12 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
         max_workers=1, thread_name_prefix="zkernel-host", initializer=_bind_device, initargs=(dist_info.device,)
     )
     timeline = Timeline(dist_info.device, enabled=cfg.timeline, trace_path=cfg.timeline_path, rank=dist_info.rank)
+    streams = Streams.for_device(dist_info.device)
     base = RuntimeContext(
         config=cfg,
         dist=dist_info,
         compute_dtype=compute_dtype,
-        streams=Streams.for_device(dist_info.device),
+        streams=streams,
         host_worker=worker,
         timeline=timeline,
         init_fn=init_fn,
@@ -222,6 +223,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
         optimizer_tier=optimizer_tier,
         params_tier=params_tier,
         worker=worker,
+        streams=streams,
         timeline=timeline,
         can_rollback=placer.can_rollback and bool(groups),
         speculate=getattr(optimizer_tier, "speculate", "never"),

@@ -38,6 +38,7 @@ from zkernel.log import get_logger
 from zkernel.loss_scale import DynamicLossScaler
 from zkernel.scheduler import Scheduler
 from zkernel.step_pipeline import StepPipeline
+from zkernel.streams import Streams
 from zkernel.tiers import OptimizerTier, ParamsTier
 from zkernel.timeline import SpanKind, Timeline
 
@@ -56,6 +57,7 @@ class EngineParts:
     optimizer_tier: OptimizerTier
     params_tier: ParamsTier
     worker: ThreadPoolExecutor
+    streams: Streams
     timeline: Timeline
     can_rollback: bool
     speculate: str
@@ -90,19 +92,22 @@ class Engine:
         self.pipeline = StepPipeline(
             hook,
             parts.optimizer_tier,
+            parts.params_tier,
             self.groups,
             distributed=dist_info.distributed,
             worker=parts.worker,
             timeline=parts.timeline,
             can_rollback=parts.can_rollback,
             hyper=StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
-            publish=lambda group: _publish(hook, scheduler_ref, group),
+            publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
             speculate=parts.speculate,
         )
         self.scheduler = Scheduler(
             hook,
             self.groups,
             config.prefetch_bytes,
+            params_tier=parts.params_tier,
+            streams=parts.streams,
             on_reduced=self.pipeline.land,
             wait_update=self.pipeline.wait_update,
             update_pending=self.pipeline.update_pending,
@@ -191,7 +196,7 @@ class Engine:
         groups = [g for g in self.scheduler.bound if not g.gathered]
         with self.scheduler.plugin_call():
             for group in groups:
-                self.hook.zkernel_fetch_params(group=group, phase=Phase.USER)
+                self.scheduler.fetch_now(group, Phase.USER)
         try:
             yield self._module
         finally:
@@ -284,7 +289,9 @@ class Engine:
         with self.scheduler.plugin_call():
             for group in self.groups:
                 master = self.optimizer_tier.read_master(group) if group.requires_grad else None
+                self.params_tier.to_device(group, consume=True, block=True)
                 self.hook.zkernel_restore_params(group=group, master=master)
+                self.params_tier.drop_device(group)
         with torch.no_grad():
             for name, dtype in self._original_dtypes:
                 param = self._module.get_parameter(name)
@@ -369,10 +376,12 @@ def log_context(rank: int, step: int):
     return structlog.contextvars.bound_contextvars(rank=rank, step=step)
 
 
-def _publish(hook, scheduler_ref, group: ParamGroup) -> None:
+def _publish(hook, params_tier, scheduler_ref, group: ParamGroup) -> None:
     scheduler = scheduler_ref()
     with scheduler.plugin_call() if scheduler is not None else contextlib.nullcontext():
+        params_tier.to_device(group, consume=True, block=True)
         hook.zkernel_publish_params(group=group)
+        params_tier.drop_device(group)
 
 
 def _free(handles, optimizer_tier, params_tier, worker) -> None:

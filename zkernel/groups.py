@@ -31,6 +31,8 @@ class ParamGroup:
     * the partitioner sets ``param_shard`` (the compute-dtype shard this rank
       gathers from, or None when it gathers by casting a master that lives on
       the compute device) and hands the initial fp32 ``master`` values over;
+      the params tier then decides where the shard lives (``param_shard``) and
+      brings it to the compute device as ``device_shard`` when a gather needs it;
     * the optimizer tier then places ``master``, allocates ``optim_state`` from
       the optimizer's declaration, owns the landing buffer of ``grad``, and sets
       ``copy_out``;
@@ -57,8 +59,11 @@ class ParamGroup:
     grad_is_shard: bool = False
     # Low-precision tensor that receives the updated ``master``, or None.
     copy_out: torch.Tensor | None = None
-    # Compute-dtype shard the partitioner publishes from after a step (see the class docstring).
+    # Home of the compute-dtype shard, placed by the params tier (see the class docstring).
     param_shard: torch.Tensor | None = None
+    # The shard on the compute device, ready in the current stream's order, while the params
+    # tier has it there (set by the kernel before a gather; the partitioner reads it).
+    device_shard: torch.Tensor | None = None
     optim_state: dict[str, Any] = attrs.field(factory=dict)
     layout: Any = None
 

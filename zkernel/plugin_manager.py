@@ -191,7 +191,7 @@ def resolve_components(registry: ComponentRegistry, config: Config) -> dict[str,
                 raise ConfigError(f"{slot.key} {name!r} is not installed; installed: {installed}")
             common = section_keys(slot.section) if slot.section else ()
             owner = slot.section or slot.options  # where the user wrote the options
-            options = build_options(owner, component.options_cls, config_value(config, slot.options), common)
+            options = build_options(owner, component.options_for(slot), config_value(config, slot.options), common)
             selection[slot.key] = Selected(slot, component, options)
     return selection
 

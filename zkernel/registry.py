@@ -81,8 +81,15 @@ class Component:
     factory: Callable[..., Any]
     description: str
     plugin_name: str
-    # attrs class for the component's own config keys, or None when it takes none.
-    options_cls: type | None = None
+    # attrs class for the component's own config keys, or None when it takes none; or, for a
+    # family whose slots pass an argument (a tier's role), a mapping from it to such a class.
+    options_cls: type | dict[Any, type | None] | None = None
+
+    def options_for(self, slot: Slot) -> type | None:
+        """The options class for ``slot`` (by its first factory argument when given per slot)."""
+        if isinstance(self.options_cls, dict):
+            return self.options_cls.get(slot.factory_args[0] if slot.factory_args else None)
+        return self.options_cls
 
 
 class ComponentRegistry:
@@ -112,7 +119,7 @@ class ComponentRegistry:
         factory: Callable[..., Any],
         *,
         description: str = "",
-        options_cls: type | None = None,
+        options_cls: type | dict[Any, type | None] | None = None,
     ) -> None:
         """Offer ``factory`` under ``name``; a second component of the same name is an error."""
         if self._family is None:

@@ -83,11 +83,15 @@ class Scheduler:
         groups: Sequence[ParamGroup],
         prefetch_bytes: int,
         *,
+        params_tier,
+        streams,
         on_reduced: Callable[[ParamGroup, ReducedGradient, bool], None],
         wait_update: Callable[[ParamGroup], None],
         update_pending: Callable[[ParamGroup], bool],
     ) -> None:
         self.hook = hook
+        self.params_tier = params_tier
+        self.streams = streams
         self._on_reduced = on_reduced
         self._wait_update = wait_update
         self._update_pending = update_pending
@@ -161,12 +165,21 @@ class Scheduler:
 
     def _fetch(self, group: ParamGroup, phase: Phase) -> None:
         with torch.profiler.record_function("zkernel::fetch"), self.plugin_call():
-            self._wait_update(group)
-            self.hook.zkernel_fetch_params(group=group, phase=phase)
+            self.fetch_now(group, phase)
+
+    def fetch_now(self, group: ParamGroup, phase: Phase) -> None:
+        """Fetch ``group`` through every stage: its pending update, its shard on the device, the gather."""
+        self._wait_update(group)
+        if not group.gathered:
+            self.params_tier.to_device(group, consume=True, block=True)
+        self.hook.zkernel_fetch_params(group=group, phase=phase)
+        self.params_tier.drop_device(group)
 
     def _release(self, group: ParamGroup, phase: Phase) -> None:
         with self.plugin_call():
             self.hook.zkernel_release_params(group=group, phase=phase)
+            if phase is Phase.BACKWARD:
+                self.params_tier.drop_device(group)
 
     @contextlib.contextmanager
     def plugin_call(self):
@@ -178,22 +191,44 @@ class Scheduler:
             self.in_hook = outer
 
     def _prefetch_after(self, group: ParamGroup, phase: Phase) -> None:
-        if not self.trace_done or self.prefetch_bytes <= 0:
+        """Start each stage of the groups ahead in the traced order, each within its own look-ahead
+        (see [Note: parameter stages] in `zkernel.tiers`): the all-gather for the nearest
+        ``prefetch_bytes``, the upload to the device and the read into host memory further ahead."""
+        if not self.trace_done:
             return
         pos = self._position.get(group.index)
         if pos is None:
             return
+        tier = self.params_tier
+        gather_bytes = self.prefetch_bytes
+        device_bytes = max(gather_bytes, tier.lookahead_device_bytes)
+        host_bytes = max(device_bytes, tier.lookahead_host_bytes)
+        if host_bytes <= 0:
+            return
         step = 1 if phase is Phase.FORWARD else -1
-        budget = self.prefetch_bytes
+        ahead = 0
         i = pos + step
         with self.plugin_call():
-            while 0 <= i < len(self.trace) and budget > 0:
+            while 0 <= i < len(self.trace) and ahead < host_bytes:
                 nxt = self.trace[i]
-                if not nxt.gathered and not self._update_pending(nxt):
-                    self._wait_update(nxt)  # done on the host: only a stream dependency is left
-                    self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
-                budget -= self._group_bytes[nxt.index]
                 i += step
+                if nxt.gathered:
+                    continue
+                if self._update_pending(nxt):
+                    break  # its step still runs on the host; later groups wait behind it too
+                self._wait_update(nxt)  # done on the host: only a stream dependency is left
+                if ahead < gather_bytes:
+                    # Shards uploaded from the host: prefetched gathers wait for their upload on the
+                    # gather stream. Shards already on the device: gathers launch in compute order.
+                    on_device = tier.on_compute_device
+                    with contextlib.nullcontext() if on_device else self.streams.prefetch_context():
+                        if tier.to_device(nxt, consume=True, block=False):
+                            self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
+                elif ahead < device_bytes:
+                    tier.to_device(nxt, consume=False, block=False)
+                else:
+                    tier.prefetch_host(nxt)
+                ahead += self._group_bytes[nxt.index]
 
     # -- backward ---------------------------------------------------------------
 

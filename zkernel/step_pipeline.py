@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from zkernel.groups import ParamGroup, ReducedGradient, StepOptions
 from zkernel.log import get_logger
-from zkernel.tiers import OptimizerTier
+from zkernel.tiers import OptimizerTier, ParamsTier
 from zkernel.timeline import SpanKind, Timeline
 
 log = get_logger()
@@ -60,6 +60,7 @@ class StepPipeline:
         self,
         hook,
         tier: OptimizerTier,
+        params_tier: ParamsTier,
         groups: Sequence[ParamGroup],
         *,
         distributed: bool,
@@ -74,6 +75,7 @@ class StepPipeline:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_POLICIES)}, got {speculate!r}")
         self.hook = hook
         self.tier = tier
+        self.params_tier = params_tier
         self.trainable = [g for g in groups if g.requires_grad]
         self.distributed = distributed
         self.worker = worker
@@ -206,6 +208,8 @@ class StepPipeline:
         if not self._rebalanced and coefficient is not None:
             self._rebalanced = True
             self.wait_all()
+            for group in self.trainable:  # no transfer may still read a buffer the tier moves
+                self.params_tier.before_update(group)
             self.tier.after_first_step(self._order)
 
     def _submit_host(self, group: ParamGroup, coefficient: float | None, clean: bool) -> Future:
@@ -228,12 +232,18 @@ class StepPipeline:
 
     def _host_step(self, group: ParamGroup, options: StepOptions, end_window: bool = False):
         self.tier.acquire(group)
+        self.params_tier.before_update(group)
         with self.timeline.span(SpanKind.CPU_STEP, label=group.name):
             self._optimizer_step(group, options)
-        event = self.tier.release(group)
+        event = self._finish_update(group)
         if end_window:
             self.tier.end_window(group)
         return event
+
+    def _finish_update(self, group: ParamGroup):
+        """Write the group's optimizer state back and take its updated parameters home."""
+        self.tier.release(group)
+        return self.params_tier.commit(group)
 
     def _host_finish(self, early: Future, group: ParamGroup):
         event = early.result()
@@ -243,6 +253,7 @@ class StepPipeline:
     def _host_redo(self, early: Future, group: ParamGroup, used: StepOptions, redo: StepOptions | None):
         early.result()
         self.tier.acquire(group)
+        self.params_tier.before_update(group)
         with self.timeline.span(SpanKind.CPU_STEP, label=f"{group.name} rollback"):
             rolled = self.hook.zkernel_rollback_optimizer(group=group, options=used)
             if not rolled:
@@ -251,7 +262,7 @@ class StepPipeline:
                 )
             if redo is not None:
                 self._optimizer_step(group, redo)
-        event = self.tier.release(group)
+        event = self._finish_update(group)
         self.tier.end_window(group)
         return event
 
@@ -263,8 +274,9 @@ class StepPipeline:
         event = None
         if coefficient is not None:
             self.tier.acquire(group)
+            self.params_tier.before_update(group)
             self._optimizer_step(group, self._step_options(coefficient))
-            event = self.tier.release(group)
+            event = self._finish_update(group)
         self.tier.end_window(group)
         return event
 

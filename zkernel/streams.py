@@ -14,6 +14,7 @@ same code runs in program order.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attrs
@@ -26,12 +27,25 @@ class Streams:
 
     h2d: Any = None  # torch.cuda.Stream: host-to-device copies
     d2h: Any = None  # torch.cuda.Stream: device-to-host copies
+    gather: Any = None  # torch.cuda.Stream: prefetched gathers and the uploads they wait for
 
     @classmethod
     def for_device(cls, device: torch.device) -> Streams:
         if device.type != "cuda":
             return cls()
-        return cls(h2d=torch.cuda.Stream(device), d2h=torch.cuda.Stream(device))
+        return cls(h2d=torch.cuda.Stream(device), d2h=torch.cuda.Stream(device), gather=torch.cuda.Stream(device))
+
+    def prefetch_context(self):
+        """Run a prefetch on the gather stream, after the compute work queued so far.
+
+        A prefetched gather then waits for its shard's upload on this stream, not on the
+        compute stream, so compute goes on meanwhile; its output buffer, allocated in the
+        compute stream's order, is not written before compute is done with its last use.
+        """
+        if self.gather is None:
+            return contextlib.nullcontext()
+        self.gather.wait_stream(torch.cuda.current_stream(self.gather.device))
+        return torch.cuda.stream(self.gather)
 
 
 def record_event(stream: Any = None) -> Any:

@@ -96,11 +96,10 @@ class OptimizerTier(abc.ABC):
         """Block until ``group.master``, ``group.grad`` and ``group.optim_state`` are ready for the
         optimizer in the calling thread. Default: wait for nothing."""
 
-    @abc.abstractmethod
-    def release(self, group: ParamGroup) -> Any:
-        """After the optimizer updated ``group``: start writing its state back and bring the
-        updated compute-dtype values into ``group.param_shard``. Returns a CUDA event after which
-        ``param_shard`` holds them, or None when they are there in the compute stream's order."""
+    def release(self, group: ParamGroup) -> None:
+        """After the optimizer updated ``group``: start writing its master and state back where
+        they live (the params tier then takes the updated parameters, see `ParamsTier.commit`).
+        Default: they are resident."""
 
     @abc.abstractmethod
     def end_window(self, group: ParamGroup) -> None:
@@ -121,19 +120,61 @@ class OptimizerTier(abc.ABC):
 
 
 class ParamsTier(abc.ABC):
-    """Holds the compute-dtype parameter shard of every group (ZeRO-3 offloads it)."""
+    """Holds the compute-dtype parameter shard of every group and moves it to the compute device.
+
+    [Note: parameter stages] A shard whose home is off the compute device
+    passes through stages before a gather: its home (disk) -> page-locked host
+    memory (`prefetch_host`) -> the compute device (`to_device`, which sets
+    ``group.device_shard``) -> the partitioner's all-gather. The kernel's
+    scheduler starts each stage ahead of time, each with its own look-ahead in
+    the traced module order (`lookahead_bytes`: furthest for reads, nearer for
+    uploads; the all-gather's is ``prefetch_bytes``), and frees the device copy
+    once the gather consumed it (`drop_device`). After an optimizer step the
+    updated values reach the home through `commit`.
+    """
 
     #: True when shards stay on the compute device.
     on_compute_device: bool = True
+
+    #: Bytes of shards ahead of the running group to bring to the host / to the device.
+    lookahead_host_bytes: int = 0
+    lookahead_device_bytes: int = 0
 
     @abc.abstractmethod
     def demand(self, numel: int, compute_dtype: torch.dtype) -> dict[Resource, int]:
         """Bytes this tier will allocate for ``numel`` shard elements (see `OptimizerTier.demand`)."""
 
     @abc.abstractmethod
-    def adopt(self, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor:
-        """Place ``group``'s compute-dtype shard; return the tensor the partitioner keeps as
-        ``group.param_shard``. Called by `initialize` before the optimizer tier adopts."""
+    def adopt(self, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor | None:
+        """Place ``group``'s initial compute-dtype shard (on the compute device); return the tensor
+        the group keeps as ``param_shard`` (its home, or None when the home is not a tensor).
+        Called by `initialize` before the optimizer tier adopts the group."""
+
+    def prefetch_host(self, group: ParamGroup) -> None:
+        """Start bringing the shard to host memory without waiting (a disk tier reads it)."""
+
+    @abc.abstractmethod
+    def to_device(self, group: ParamGroup, *, consume: bool, block: bool) -> bool:
+        """Start copying ``group``'s shard to the compute device unless it is there or on its way.
+
+        ``consume``: a gather reads it next on the current stream: set ``group.device_shard``
+        and make the current stream wait for the copy. ``block=False`` (prefetch) must not
+        block the host: return False when the shard cannot move yet (e.g. its read from disk
+        is still in flight); ``block=True`` waits for that. Returns whether the copy is issued."""
+
+    def drop_device(self, group: ParamGroup) -> None:
+        """The gather consumed ``group.device_shard`` (in the current stream's order, and on the
+        gather stream for a prefetch): free it unless it is the home itself."""
+
+    def before_update(self, group: ParamGroup) -> None:
+        """Called in the stepping thread before the optimizer writes ``group.copy_out``: wait for
+        any transfer still reading the buffer it is about to overwrite."""
+
+    @abc.abstractmethod
+    def commit(self, group: ParamGroup) -> Any:
+        """After a step: move the updated compute-dtype values (``group.copy_out``, or the fp32
+        ``group.master`` when there is no low-precision copy) to the shard's home. Returns a CUDA
+        event after which the home holds them, or None when they are there in stream order."""
 
     def close(self) -> None:
         """Free buffers and files."""

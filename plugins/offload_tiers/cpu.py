@@ -16,11 +16,10 @@ buckets and activations.
   of a window's gradient is computed on the device from a gradient landed in
   one piece, and on the host (worker thread) from an accumulated one.
 * Step: the optimizer runs on the host (the engine's worker thread), reading
-  the landing buffer, and writes rounded parameters into the staging copy;
-  `release` uploads it (or the fp32 master) into the group's parameter shard
-  on the h2d stream and returns that upload's event, which the next use of
-  the shard waits for. A staging copy is rewritten only after its previous
-  upload completed.
+  the landing buffer, and writes rounded parameters into the staging copy (or
+  straight into the parameter shard when the params tier keeps it in host
+  memory); the params tier then takes them home (`ParamsTier.commit`: an
+  upload on the h2d stream whose event the next use of the shard waits for).
 
 Without CUDA the same buffers exist and every copy is a plain host copy in
 program order; landings are completed one behind the newest, as the device
@@ -54,10 +53,10 @@ from zkernel.host_memory import host_empty, host_zeros
 from zkernel.log import get_logger
 from zkernel.step_pipeline import SPECULATE_POLICIES
 from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, Resource
+from zkernel.tiers import OptimizerTier, ParamsTier, Resource
 from zkernel.timeline import SpanKind
 
-from .device import DeviceTier
+from .device import DeviceOptimizerTier, shares_storage, update_target
 
 log = get_logger()
 
@@ -87,12 +86,10 @@ class _Slot:
     """The host buffers of one group and the transfers in flight for it."""
 
     landing: torch.Tensor
-    param_shard: torch.Tensor | None
     landed: bool = False  # a gradient landed in this window
     landed_event: Any = None  # CUDA event of the last device-to-host copy
     sq_norm: torch.Tensor | Future | None = None
     accumulation: Future | None = None  # host-side add of a later micro-batch
-    upload_event: Any = None  # CUDA event of the last upload from the staging copy
     on_device: bool = False  # moved to the GPU share: the inner device tier holds it
 
 
@@ -101,11 +98,7 @@ class CpuTier(OptimizerTier):
 
     masters_on_compute_device = False
 
-    def __init__(self, context, role: str) -> None:
-        if role != "optimizer":
-            raise ValueError(
-                "tier 'cpu' for offload.params is not available yet; valid offload.params: 'none'"
-            )
+    def __init__(self, context, role: str = "optimizer") -> None:
         self.options = context.options or CpuTierOptions()
         self.speculate = self.options.speculate
         self.device = context.device
@@ -117,7 +110,7 @@ class CpuTier(OptimizerTier):
         self._slots: dict[int, _Slot] = {}
         self._pending: deque = deque()  # CPU-only landings not completed yet
         self._state: dict[int, tuple] = {}  # declared optimizer state per group (for the GPU share)
-        self._device_tier = DeviceTier(context, "optimizer")
+        self._device_tier = DeviceOptimizerTier(context)
         self.gpu_share_numel = 0
 
     def _pin(self) -> bool | None:
@@ -139,8 +132,10 @@ class CpuTier(OptimizerTier):
             s.name: host_zeros(s.shape, s.dtype, pin=self._pin()) if s.per_element else torch.zeros(s.shape, dtype=s.dtype)
             for s in state
         }
-        group.copy_out = None if self.compute_dtype == torch.float32 else host_empty(numel, self.compute_dtype, pin=self._pin())
-        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), param_shard=group.param_shard)
+        group.copy_out = update_target(
+            group, torch.device("cpu"), self.compute_dtype, lambda n, dt: host_empty(n, dt, pin=self._pin())
+        )
+        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()))
         self._state[group.index] = tuple(state)
 
     def _on_device(self, group) -> bool:
@@ -172,8 +167,6 @@ class CpuTier(OptimizerTier):
     def _move_to_device(self, group) -> None:
         """Hand ``group`` to the inner device tier: master and state copied to the GPU, host buffers freed."""
         slot = self._slots[group.index]
-        if slot.upload_event is not None:
-            slot.upload_event.synchronize()
         state = {k: v.to(self.device) for k, v in group.optim_state.items()}
         self._device_tier.adopt(group, group.master.to(self.device), self._state[group.index])
         for name, value in state.items():
@@ -269,27 +262,7 @@ class CpuTier(OptimizerTier):
         if not slot.landed:  # no gradient landed in this window: step on zeros
             slot.landing.zero_()
             slot.landed = True
-        if slot.upload_event is not None:  # the staging copy is about to be rewritten
-            slot.upload_event.synchronize()
-            slot.upload_event = None
         group.grad = slot.landing
-
-    def release(self, group):
-        slot = self._slots[group.index]
-        if slot.on_device:
-            return self._device_tier.release(group)
-        if slot.param_shard is None:
-            return None
-        source = group.copy_out if group.copy_out is not None else group.master
-        if not self.cuda:
-            slot.param_shard.copy_(source)
-            return None
-        nbytes = source.numel() * source.element_size()
-        with torch.cuda.stream(self.streams.h2d):
-            with self.timeline.span(SpanKind.H2D, stream=self.streams.h2d, label=group.name, nbytes=nbytes):
-                slot.param_shard.copy_(source, non_blocking=True)
-            slot.upload_event = record_event(self.streams.h2d)
-        return slot.upload_event
 
     def end_window(self, group):
         slot = self._slots[group.index]
@@ -332,11 +305,130 @@ def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final
     return float(landing.pow(2).sum()) if final else None
 
 
+@attrs.frozen(kw_only=True)
+class CpuParamsOptions:
+    """``offload.params_options`` of the ``cpu`` tier."""
+
+    # Page-lock the host shards: None = where CUDA is available; True = required (error without CUDA).
+    pin_memory: bool | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(bool)))
+    # Bytes of shards ahead of the running unit, in the traced order, to upload to the device
+    # (the nearest `prefetch_bytes` of them are also gathered ahead).
+    prefetch_device_bytes: int = attrs.field(default=1 << 30, validator=attrs.validators.ge(0))
+
+
+class CpuParamsTier(ParamsTier):
+    """Compute-dtype parameter shards in (page-locked) host memory, uploaded to the device per gather.
+
+    Each group's shard lives on the host; a gather needs it on the device, so
+    `to_device` uploads it on the h2d stream into a transient device buffer
+    (allocated from that stream's pool) and records an event; the consumer (the
+    compute stream for a fetch, the gather stream for a prefetch) waits for that
+    event only. The buffer is freed once the gather consumed it. An optimizer
+    step on the host writes its rounded result straight into the home shard
+    (zero copy); one on the device is downloaded on the d2h stream. Each rank
+    moves only its own shard over its own link, so host bandwidth adds up with
+    the number of GPUs (bandwidth-centric partitioning).
+    """
+
+    on_compute_device = False
+
+    def __init__(self, context, role: str = "params") -> None:
+        self.options = context.options or CpuParamsOptions()
+        self.lookahead_device_bytes = self.options.prefetch_device_bytes
+        self.device = context.device
+        self.cuda = self.device.type == "cuda"
+        self.streams = context.streams
+        self.timeline = context.timeline
+        # group index -> (device copy, its upload event); reads of the home in flight: group -> event
+        self._device: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._home_reads: dict[int, Any] = {}
+        self._downloads: dict[int, Any] = {}
+
+    def demand(self, numel, compute_dtype):
+        return {Resource.HOST: numel * torch.empty((), dtype=compute_dtype).element_size()}
+
+    def adopt(self, group, shard):
+        home = host_empty(shard.numel(), shard.dtype, pin=self.options.pin_memory)
+        home.copy_(shard)
+        return home
+
+    def to_device(self, group, *, consume, block):
+        home = group.param_shard
+        if not self.cuda:
+            if consume:
+                group.device_shard = home
+            return True
+        entry = self._device.get(group.index)
+        if entry is None:
+            h2d = self.streams.h2d
+            nbytes = home.numel() * home.element_size()
+            with torch.cuda.stream(h2d), self.timeline.span(SpanKind.PARAM_H2D, stream=h2d, label=group.name, nbytes=nbytes):
+                copy = torch.empty(home.shape, dtype=home.dtype, device=self.device)
+                copy.copy_(home, non_blocking=True)
+            entry = (copy, record_event(h2d))
+            self._device[group.index] = entry
+            self._home_reads[group.index] = entry[1]
+        if consume:
+            torch.cuda.current_stream(self.device).wait_event(entry[1])
+            group.device_shard = entry[0]
+        return True
+
+    def drop_device(self, group):
+        entry = self._device.pop(group.index, None)
+        group.device_shard = None
+        if entry is not None:
+            copy = entry[0]
+            copy.record_stream(torch.cuda.current_stream(self.device))
+            if self.streams.gather is not None:
+                copy.record_stream(self.streams.gather)
+
+    def before_update(self, group):
+        for pending in (self._home_reads, self._downloads):
+            event = pending.pop(group.index, None)
+            if event is not None:
+                event.synchronize()
+
+    def commit(self, group):
+        home = group.param_shard
+        source = group.copy_out if group.copy_out is not None else group.master
+        stale = self._device.pop(group.index, None)  # a device copy of the old values
+        if stale is not None:
+            stale[0].record_stream(torch.cuda.current_stream(self.device))
+        if shares_storage(source, home):
+            return None
+        if source.device.type == "cpu" or not self.cuda:
+            home.copy_(source)
+            return None
+        d2h = self.streams.d2h
+        d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(d2h):
+            home.copy_(source, non_blocking=True)
+            source.record_stream(d2h)
+        event = record_event(d2h)
+        self._downloads[group.index] = event
+        return event
+
+    def close(self):
+        for event in (*self._home_reads.values(), *self._downloads.values()):
+            event.synchronize()
+        self._device.clear()
+        self._home_reads.clear()
+        self._downloads.clear()
+
+    @hookimpl
+    def zkernel_memory_tensors(self, group):
+        return {"params": [group.param_shard]} if group.param_shard is not None else None
+
+
+def cpu_tier(context, role: str):
+    return CpuTier(context, role) if role == "optimizer" else CpuParamsTier(context, role)
+
+
 @hookimpl
 def zkernel_register_offload_tiers(registry) -> None:
     registry.add(
         "cpu",
-        CpuTier,
-        description="fp32 masters, optimizer state and gradients in (page-locked) host memory; CPU step overlapping the GPU",
-        options_cls=CpuTierOptions,
+        cpu_tier,
+        description="optimizer: fp32 masters, state and gradients in page-locked host memory, CPU step overlapping the GPU; params: shards in host memory, uploaded per gather",
+        options_cls={"optimizer": CpuTierOptions, "params": CpuParamsOptions},
     )

@@ -1,13 +1,16 @@
 """Tier ``none``: optimizer state and parameters stay on the compute device.
 
-Masters stay where the partitioner built them (an fp32 run's master *is* the
-parameter shard), optimizer state is allocated there, and a reduced gradient
-is adopted as the landing buffer (later micro-batches of a window add into
-it), so nothing is copied. Landings are completed at most one behind the
-newest, as a partitioner's reduction would (on NCCL completing means a stream
-dependency; on gloo a host wait), so two reductions stay in flight. The
-optimizer writes the updated values straight into the parameter shard
-(``copy_out``), so a step publishes in stream order.
+Optimizer role: masters stay where the partitioner built them (an fp32 run's
+master *is* the parameter shard), optimizer state is allocated there, and a
+reduced gradient is adopted as the landing buffer (later micro-batches of a
+window add into it), so nothing is copied. Landings are completed at most one
+behind the newest, as a partitioner's reduction would (on NCCL completing
+means a stream dependency; on gloo a host wait), so two reductions stay in
+flight. The optimizer writes the updated values straight into the parameter
+shard (``copy_out``) when the shard lives on its device.
+
+Params role: the shard stays on the compute device, so it is its own device
+copy and a step's update is already home.
 """
 
 from __future__ import annotations
@@ -17,47 +20,52 @@ from collections import deque
 import torch
 
 from zkernel import hookimpl
+from zkernel.streams import record_event
 from zkernel.tiers import OptimizerTier, ParamsTier, Resource
+from zkernel.timeline import SpanKind
 
 
-def _aliases(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+def shares_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is not None and b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-class DeviceTier(OptimizerTier, ParamsTier):
-    """State stays where compute is; nothing to move."""
+def update_target(group, device: torch.device, compute_dtype: torch.dtype, allocate) -> torch.Tensor | None:
+    """Where an optimizer stepping on ``device`` writes the rounded update: the shard's home when it
+    lives there, else a new buffer from ``allocate(numel, dtype)``; None when the fp32 master itself
+    is the update (an fp32 run) or is the home."""
+    shard, master = group.param_shard, group.master
+    if shares_storage(shard, master):
+        return None
+    if shard is not None and shard.device == device and shard.dtype != torch.float32:
+        return shard
+    if compute_dtype == torch.float32:
+        return None
+    return allocate(master.numel(), compute_dtype)
+
+
+class DeviceOptimizerTier(OptimizerTier):
+    """Masters, state and gradients stay where compute is; nothing to move."""
 
     masters_on_compute_device = True
-    on_compute_device = True
 
-    def __init__(self, context, role: str) -> None:
-        self.role = role
+    def __init__(self, context, role: str = "optimizer") -> None:
         self.compute_dtype = context.compute_dtype
         # Landings not yet completed, oldest first: (group, reduced).
         self._pending: deque = deque()
 
     def __repr__(self) -> str:
-        return f"DeviceTier(role={self.role!r})"
+        return "DeviceOptimizerTier()"
 
-    # -- placement ----------------------------------------------------------------
-
-    def demand(self, numel, *args):
-        if self.role == "params":
-            compute_dtype = args[0]
-            return {Resource.DEVICE: numel * torch.empty((), dtype=compute_dtype).element_size()}
-        state, compute_dtype = args
+    def demand(self, numel, state, compute_dtype):
         master = 0 if compute_dtype == torch.float32 else 4
         return {Resource.DEVICE: numel * (master + 4) + sum(s.nbytes for s in state)}
 
-    def adopt(self, group, *args):
-        if self.role == "params":
-            return args[0]
-        master, state = args
+    def adopt(self, group, master, state):
         group.master = master
         group.optim_state = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=master.device) for s in state}
-        shard = group.param_shard
-        group.copy_out = shard if shard is not None and not _aliases(shard, master) else None
-        return None
+        group.copy_out = update_target(
+            group, master.device, self.compute_dtype, lambda n, dt: torch.empty(n, dtype=dt, device=master.device)
+        )
 
     # -- gradients ------------------------------------------------------------------
 
@@ -94,9 +102,6 @@ class DeviceTier(OptimizerTier, ParamsTier):
         if group.grad is None:  # no gradient landed in this window: step on zeros
             group.grad = torch.zeros_like(group.master)
 
-    def release(self, group):
-        return None
-
     def end_window(self, group):
         group.grad = None
 
@@ -105,19 +110,76 @@ class DeviceTier(OptimizerTier, ParamsTier):
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
-        if self.role == "params" or not group.requires_grad:
+        if not group.requires_grad:
             return None
         return {
+            "params": [group.copy_out] if group.copy_out is not None else [],
             "grads": [group.grad] if group.grad is not None else [],
             "master_weights": [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
         }
 
 
+class DeviceParamsTier(ParamsTier):
+    """Parameter shards stay on the compute device: they are their own device copy.
+
+    An update computed on the host (offloaded optimizer) is uploaded on the h2d
+    stream; the buffer it came from is not rewritten before that upload is done.
+    """
+
+    on_compute_device = True
+
+    def __init__(self, context, role: str = "params") -> None:
+        self.streams = context.streams
+        self.timeline = context.timeline
+        self._uploads: dict[int, object] = {}  # group index -> CUDA event of its last upload
+
+    def __repr__(self) -> str:
+        return "DeviceParamsTier()"
+
+    def demand(self, numel, compute_dtype):
+        return {Resource.DEVICE: numel * torch.empty((), dtype=compute_dtype).element_size()}
+
+    def adopt(self, group, shard):
+        return shard
+
+    def to_device(self, group, *, consume, block):
+        group.device_shard = group.param_shard
+        return True
+
+    def before_update(self, group):
+        event = self._uploads.pop(group.index, None)
+        if event is not None:
+            event.synchronize()
+
+    def commit(self, group):
+        shard = group.param_shard
+        source = group.copy_out if group.copy_out is not None else group.master
+        if shard is None or shares_storage(source, shard):
+            return None
+        if source.device == shard.device or self.streams.h2d is None:
+            shard.copy_(source)
+            return None
+        h2d = self.streams.h2d
+        nbytes = source.numel() * source.element_size()
+        with torch.cuda.stream(h2d), self.timeline.span(SpanKind.H2D, stream=h2d, label=group.name, nbytes=nbytes):
+            shard.copy_(source, non_blocking=True)
+        event = record_event(h2d)
+        self._uploads[group.index] = event
+        return event
+
+    def close(self):
+        self._uploads.clear()
+
+
+def device_tier(context, role: str):
+    return DeviceOptimizerTier(context) if role == "optimizer" else DeviceParamsTier(context)
+
+
 @hookimpl
 def zkernel_register_offload_tiers(registry) -> None:
     registry.add(
         "none",
-        DeviceTier,
+        device_tier,
         description="state stays on the compute device (GPU when present, else CPU)",
     )

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from zkernel import hookimpl
 from zkernel.groups import ParamGroup, Phase
+from zkernel.streams import record_event
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
 from ._reduce import reduce_every_micro_batch
@@ -181,13 +182,19 @@ class Zero3:
         return group
 
     def _gather_source(self, group: ParamGroup) -> torch.Tensor:
-        if group.param_shard is not None:
-            return group.param_shard
+        if group.device_shard is not None:
+            return group.device_shard
+        if group.master is None:
+            raise RuntimeError(f"zero3 group {group.name!r} has neither a device shard nor a master to gather from")
         return group.master.to(self.context.compute_dtype)
 
     def _free_full(self, group: ParamGroup) -> None:
         self._point_at_placeholder(group)
-        group.layout.full.untyped_storage().resize_(0)
+        full = group.layout.full
+        if full.is_cuda:
+            # A prefetch allocated it on the gather stream: not reused before compute is done with it.
+            full.record_stream(torch.cuda.current_stream(full.device))
+        full.untyped_storage().resize_(0)
 
     def _point_at(self, group: ParamGroup, full: torch.Tensor) -> None:
         for p, view in zip(group.params, group.layout.flat.views(full)):
@@ -202,10 +209,11 @@ class Zero3:
     # -- fetch / release ------------------------------------------------------------
 
     def _gather_into(self, group: ParamGroup, full: torch.Tensor, async_op: bool):
-        """All-gather every rank's shard into ``full``; a Work when asynchronous, else True."""
+        """All-gather every rank's shard into ``full`` on the current stream: a Work when
+        asynchronous, an event when one rank copied on a side stream, else True."""
         if self.context.world_size == 1:
             full.copy_(self._gather_source(group))
-            return True
+            return record_event() if async_op and full.is_cuda else True
         work = all_gather_flat(full, self._gather_source(group), async_op=async_op)
         return work if async_op else True
 
@@ -220,9 +228,10 @@ class Zero3:
     def _drop_prefetch(state: Zero3State) -> None:
         """Discard a gather the prefetcher started but nobody consumed: it would be stale after the step."""
         if state.gathering is not None:
-            if state.gathering is not True:
-                state.gathering.wait()
+            _wait(state.gathering)
             state.gathering = None
+            if state.full.is_cuda:
+                state.full.record_stream(torch.cuda.current_stream(state.full.device))
             state.full.untyped_storage().resize_(0)
 
     @hookimpl
@@ -242,8 +251,7 @@ class Zero3:
             return
         if state.gathering is None:
             self._start_gather(group)
-        if state.gathering is not True:
-            state.gathering.wait()
+        _wait(state.gathering)
         state.gathering = None
         self._point_at(group, state.full)
 
@@ -298,6 +306,16 @@ class Zero3:
     def zkernel_memory_tensors(self, group):
         state: Zero3State = group.layout
         return {"params": [t for t in (group.param_shard, state.full) if t is not None]}
+
+
+def _wait(gathering) -> None:
+    """The current stream (and, for gloo, the host) waits for a gather started earlier."""
+    if gathering is True or gathering is None:
+        return
+    if isinstance(gathering, torch.cuda.Event):
+        torch.cuda.current_stream().wait_event(gathering)
+    else:
+        gathering.wait()
 
 
 @hookimpl
