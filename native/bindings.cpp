@@ -98,6 +98,27 @@ PYBIND11_MODULE(_native, m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("grad_scale"), py::arg("step"), py::arg("adamw"), py::arg("threads") = 0, release_gil());
     m.def(
+        "adam_rollback",
+        [](std::uintptr_t param, std::uintptr_t grad, zk::GradDtype grad_dtype, std::uintptr_t exp_avg,
+           std::uintptr_t exp_avg_sq, std::int64_t n, double lr, double beta1, double beta2, double eps,
+           double weight_decay, double grad_scale, std::int64_t step, bool adamw, int threads) {
+            zk::AdamHyper h;
+            h.lr = lr;
+            h.beta1 = beta1;
+            h.beta2 = beta2;
+            h.eps = eps;
+            h.weight_decay = weight_decay;
+            h.grad_scale = grad_scale;
+            h.step = step;
+            h.adamw = adamw;
+            zk::adam_rollback(ptr<float>(param), ptr<void>(grad), grad_dtype, ptr<float>(exp_avg),
+                              ptr<float>(exp_avg_sq), n, h, threads);
+        },
+        py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("n"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("grad_scale"), py::arg("step"), py::arg("adamw"), py::arg("threads") = 0,
+        release_gil());
+    m.def(
         "convert_f32",
         [](std::uintptr_t src, std::uintptr_t dst, zk::OutDtype dst_dtype, std::int64_t n, int threads) {
             zk::convert_f32(ptr<const float>(src), ptr<void>(dst), dst_dtype, n, threads);

@@ -40,6 +40,24 @@ def adam_step(
     adamw: bool,
     threads: int = 0,
 ) -> None: ...
+def adam_rollback(
+    param: int,
+    grad: int,
+    grad_dtype: GradDtype,
+    exp_avg: int,
+    exp_avg_sq: int,
+    n: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float,
+    step: int,
+    adamw: bool,
+    threads: int = 0,
+) -> None: ...
 def convert_f32(src: int, dst: int, dst_dtype: OutDtype, n: int, threads: int = 0) -> None: ...
 def simd_path() -> str: ...
 def best_simd_path() -> str: ...

@@ -16,10 +16,12 @@ from __future__ import annotations
 import importlib
 import types
 
+import numpy as np
 import torch
 
 __all__ = [
     "NativeExtensionError",
+    "adam_rollback",
     "adam_step",
     "best_simd_path",
     "convert_f32",
@@ -132,6 +134,91 @@ def adam_step(
         lr=float(lr),
         beta1=float(betas[0]),
         beta2=float(betas[1]),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        grad_scale=float(grad_scale),
+        step=int(step),
+        adamw=bool(adamw),
+        threads=int(threads or 0),
+    )
+
+
+def _fp32(x: float) -> float:
+    """``x`` rounded to fp32, as the kernel rounds its hyperparameters."""
+    return float(np.float32(x))
+
+
+def adam_rollback(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    adamw: bool = True,
+    threads: int | None = None,
+) -> None:
+    """Undo one `adam_step` in place, in one pass: ``param``, ``exp_avg`` and ``exp_avg_sq`` go back to
+    their values before it, to within a few ulps.
+
+    Pass what the step got: the same ``grad`` (not modified since) and the same
+    hyperparameters, ``step`` being the count of the step undone (the caller
+    decrements its own counter). Used for speculative steps: a step started
+    before the global gradient norm was known is rolled back and redone when
+    clipping or an fp16 overflow applies. Only a step whose gradients were
+    finite can be undone (NaN/inf reached the state); check a group's gradients
+    before stepping it speculatively.
+
+    Raises ValueError when the step cannot be undone, because it overwrote
+    state: ``betas[0] == 0`` (exp_avg became the gradient), ``betas[1] == 0``
+    (exp_avg_sq became its square) or, with ``adamw``, ``lr * weight_decay == 1``
+    (the decay zeroed the parameters); callers then do not speculate.
+
+    Accuracy ([Note: rollback error] in native/cpu_adam.cpp): p within about
+    2 ulp of max(|p_before|, |p_after|); m within about 2 ulp of
+    max(|m_before|, |m_after|, (1 - beta1)|g|) / beta1; v likewise with
+    (1 - beta2) g^2 and beta2.
+    """
+    native = load()
+    n = param.numel()
+    _check_cpu_contiguous("param", param, (torch.float32,), n)
+    _check_cpu_contiguous("grad", grad, (torch.float32, torch.bfloat16), n)
+    _check_cpu_contiguous("exp_avg", exp_avg, (torch.float32,), n)
+    _check_cpu_contiguous("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count of the step being undone), got {step}")
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    if _fp32(1.0 - _fp32(1.0 - beta1)) == 0.0:
+        raise ValueError(
+            f"cannot roll back a step with beta1={beta1}: it replaced exp_avg by the gradient, "
+            "so the old exp_avg is gone (do not step speculatively with beta1 == 0)"
+        )
+    if _fp32(beta2) == 0.0:
+        raise ValueError(
+            f"cannot roll back a step with beta2={beta2}: it replaced exp_avg_sq by the squared gradient, "
+            "so the old exp_avg_sq is gone (do not step speculatively with beta2 == 0)"
+        )
+    if adamw and weight_decay != 0.0 and _fp32(1.0 - float(lr) * float(weight_decay)) == 0.0:
+        raise ValueError(
+            f"cannot roll back an AdamW step with lr * weight_decay = {float(lr) * float(weight_decay)}: "
+            "its decay factor 1 - lr * weight_decay is 0, so the step zeroed the parameters "
+            "(do not step speculatively with lr * weight_decay == 1)"
+        )
+    native.adam_rollback(
+        param.data_ptr(),
+        grad.data_ptr(),
+        native.GradDtype.BF16 if grad.dtype == torch.bfloat16 else native.GradDtype.F32,
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        n,
+        lr=float(lr),
+        beta1=beta1,
+        beta2=beta2,
         eps=float(eps),
         weight_decay=float(weight_decay),
         grad_scale=float(grad_scale),
