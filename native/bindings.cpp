@@ -1,5 +1,5 @@
-// Thin pybind11 binding over the native kernels; see cpu_adam.h, aio.h and
-// bandwidth.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
+// Thin pybind11 binding over the native kernels; see cpu_adam.h, crc32c.h,
+// aio.h and bandwidth.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
 // lengths, so nothing here links against libtorch. Every call that touches
 // memory or files releases the GIL.
 #include <pybind11/pybind11.h>
@@ -12,6 +12,7 @@
 #include "aio.h"
 #include "bandwidth.h"
 #include "cpu_adam.h"
+#include "crc32c.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -129,6 +130,18 @@ PYBIND11_MODULE(_native, m) {
     m.def("best_simd_path", &zk::best_simd_path);
     m.def("set_simd_path", &zk::set_simd_path, py::arg("name"));
 
+    // -- CRC32C ------------------------------------------------------------
+    m.def(
+        "crc32c",
+        [](std::uintptr_t data, std::int64_t n, std::uint32_t crc, int threads) {
+            return zk::crc32c_parallel(crc, ptr<const void>(data), n, threads);
+        },
+        py::arg("data"), py::arg("n"), py::arg("crc") = 0, py::arg("threads") = 0, release_gil());
+    m.def("crc32c_combine", &zk::crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
+    m.def("crc32c_path", &zk::crc32c_path);
+    m.def("best_crc32c_path", &zk::best_crc32c_path);
+    m.def("set_crc32c_path", &zk::set_crc32c_path, py::arg("name"));
+
     // -- bandwidth probes --------------------------------------------------
     m.def(
         "probe_copy",
@@ -158,7 +171,11 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("error", &zk::AioResult::error)
         .def_readonly("eof", &zk::AioResult::eof)
         .def_readonly("error_offset", &zk::AioResult::error_offset)
-        .def_readonly("direct", &zk::AioResult::direct);
+        .def_readonly("direct", &zk::AioResult::direct)
+        .def_readonly("checksummed", &zk::AioResult::checksummed)
+        .def_readonly("crc32c", &zk::AioResult::crc32c)
+        .def_readonly("expected_crc", &zk::AioResult::expected_crc)
+        .def_readonly("checksum_mismatch", &zk::AioResult::checksum_mismatch);
 
     py::class_<zk::AioEngine>(m, "AioEngine")
         .def(py::init([](std::int64_t block_size, int threads, int queue_depth, bool direct,
@@ -176,11 +193,11 @@ PYBIND11_MODULE(_native, m) {
         .def(
             "submit",
             [](zk::AioEngine& e, zk::AioOp op, std::uintptr_t buffer, std::int64_t nbytes,
-               const std::string& path, std::int64_t offset) {
-                return e.submit(op, ptr<void>(buffer), nbytes, path, offset);
+               const std::string& path, std::int64_t offset, bool checksum, std::int64_t expected_crc) {
+                return e.submit(op, ptr<void>(buffer), nbytes, path, offset, checksum, expected_crc);
             },
             py::arg("op"), py::arg("buffer"), py::arg("nbytes"), py::arg("path"), py::arg("offset"),
-            release_gil())
+            py::kw_only(), py::arg("checksum") = false, py::arg("expected_crc") = -1, release_gil())
         .def("wait", &zk::AioEngine::wait, py::arg("id"), release_gil())
         .def("wait_any", &zk::AioEngine::wait_any, release_gil())
         .def("wait_all", &zk::AioEngine::wait_all, release_gil())
