@@ -316,8 +316,8 @@ ZK_AVX2 void convert_avx2_range(const float* src, void* dst, int64_t begin, int6
 // The rollback recomputes d and the update q = step_size * m / d bit for bit
 // (same v, same m, same fp32 operations), so what it cannot give back is only
 // what the step's own roundings threw away:
-//   p: p_new = round(p_old * decay - q); adding q back and dividing by decay
-//      leaves |error| <= about 2 ulp of max(|p_old|, |p_new|).
+//   p: p_new = round(p_old * decay - q); adding q back and multiplying by
+//      1 / decay leaves |error| <= about 2 ulp of max(|p_old|, |p_new|).
 //   m: m_new = beta1 * m_old + w * g rounded once or twice; (m_new - w * g) /
 //      beta1 recovers m_old to about 2 ulp of max(|m_old|, |m_new|, |w g|) / beta1.
 //      Where |w g| >> |m_old| (the first step, a gradient spike) that is many
@@ -330,6 +330,11 @@ ZK_AVX2 void convert_avx2_range(const float* src, void* dst, int64_t begin, int6
 // step to ~1e-7 relative on p after a realistic history
 // (tests/test_adam_rollback.py measures it).
 //
+// The three constant divisions (by decay, beta1, beta2) are multiplications
+// by reciprocals rounded once from double: at most half an ulp more error than
+// dividing, and the rollback keeps pace with memory (dividing made it 1.2-1.3x
+// the time of a step on one AVX2 core; see bench/adam_rollback.py).
+//
 // One source for every ISA: the loop is branch-free (the decay mode and the
 // grad dtype are template parameters), and compiled under each path's target
 // attribute GCC vectorises it with that path's width. IEEE operations without
@@ -341,28 +346,36 @@ enum class DecayMode : int { NONE = 0, L2 = 1, DECOUPLED = 2 };
 struct RollbackCoeffs {
     float grad_scale;
     float weight_decay;
-    float decay;             // 1 - lr * wd, the step's AdamW factor
     float one_minus_beta1;   // w, the weight the step's lerp gave g
-    float beta1;             // 1 - w, the weight it gave m
     float one_minus_beta2;
-    float beta2;
     float bc2_sqrt;
     float eps;
     float step_size;
+    // Reciprocals of the step's factors, rounded once from double.
+    float inv_decay;         // 1 / (1 - lr * wd), the step's AdamW factor
+    float inv_beta1;         // 1 / (1 - w), the weight the step gave m
+    float inv_beta2;
+    bool beta1_zero;         // the factors themselves are 0: nothing to invert
+    bool beta2_zero;
+    bool decay_zero;
 };
 
 RollbackCoeffs make_rollback_coeffs(const Coeffs& c, const AdamHyper& h) {
     RollbackCoeffs r{};
     r.grad_scale = c.grad_scale;
     r.weight_decay = c.weight_decay;
-    r.decay = c.decay;
     r.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-    r.beta1 = static_cast<float>(1.0 - static_cast<double>(r.one_minus_beta1));
     r.one_minus_beta2 = c.one_minus_beta2;
-    r.beta2 = c.beta2;
     r.bc2_sqrt = c.bc2_sqrt;
     r.eps = c.eps;
     r.step_size = c.step_size;
+    const float beta1 = static_cast<float>(1.0 - static_cast<double>(r.one_minus_beta1));
+    r.beta1_zero = beta1 == 0.0f;
+    r.beta2_zero = c.beta2 == 0.0f;
+    r.decay_zero = c.decay == 0.0f;
+    r.inv_beta1 = static_cast<float>(1.0 / beta1);
+    r.inv_beta2 = static_cast<float>(1.0 / c.beta2);
+    r.inv_decay = static_cast<float>(1.0 / c.decay);
     return r;
 }
 
@@ -373,20 +386,20 @@ __attribute__((always_inline)) inline void rollback_loop(const Buffers& b, const
     float* __restrict exp_avg = b.exp_avg;
     float* __restrict exp_avg_sq = b.exp_avg_sq;
     const void* grad = b.grad;
-    const float grad_scale = r.grad_scale, weight_decay = r.weight_decay, decay = r.decay;
-    const float neg_w = -r.one_minus_beta1, beta1 = r.beta1;
-    const float one_minus_beta2 = r.one_minus_beta2, beta2 = r.beta2;
+    const float grad_scale = r.grad_scale, weight_decay = r.weight_decay, inv_decay = r.inv_decay;
+    const float neg_w = -r.one_minus_beta1, inv_beta1 = r.inv_beta1;
+    const float one_minus_beta2 = r.one_minus_beta2, inv_beta2 = r.inv_beta2;
     const float bc2_sqrt = r.bc2_sqrt, eps = r.eps, step_size = r.step_size;
     for (int64_t i = begin; i < end; ++i) {
         const float m = exp_avg[i];
         const float v = exp_avg_sq[i];
         const float d = std::sqrt(v) / bc2_sqrt + eps;
         float p = param[i] + (step_size * m) / d;
-        if constexpr (kDecay == static_cast<int>(DecayMode::DECOUPLED)) p = p / decay;
+        if constexpr (kDecay == static_cast<int>(DecayMode::DECOUPLED)) p = p * inv_decay;
         float g = load_grad<kBf16Grad>(grad, i) * grad_scale;
         if constexpr (kDecay == static_cast<int>(DecayMode::L2)) g = std::fma(p, weight_decay, g);
-        const float m_old = std::fma(neg_w, g, m) / beta1;
-        const float v_old = std::fma(-(one_minus_beta2 * g), g, v) / beta2;
+        const float m_old = std::fma(neg_w, g, m) * inv_beta1;
+        const float v_old = std::fma(-(one_minus_beta2 * g), g, v) * inv_beta2;
         param[i] = p;
         exp_avg[i] = m_old;
         exp_avg_sq[i] = v_old < 0.0f ? 0.0f : v_old;  // NaN stays NaN
@@ -522,13 +535,13 @@ void adam_rollback(float* param, const void* grad, GradDtype grad_dtype, float* 
     if (hyper.step < 1) throw std::invalid_argument("adam_rollback: step must be >= 1");
     const Coeffs coeffs = make_coeffs(hyper);
     const RollbackCoeffs r = make_rollback_coeffs(coeffs, hyper);
-    if (r.beta1 == 0.0f)
+    if (r.beta1_zero)
         throw std::invalid_argument("adam_rollback: beta1 is 0 (in fp32), so the step overwrote exp_avg with the "
                                     "gradient and the old value cannot be recovered");
-    if (r.beta2 == 0.0f)
+    if (r.beta2_zero)
         throw std::invalid_argument("adam_rollback: beta2 is 0 (in fp32), so the step overwrote exp_avg_sq with the "
                                     "squared gradient and the old value cannot be recovered");
-    if (coeffs.decoupled && coeffs.decay == 0.0f)
+    if (coeffs.decoupled && r.decay_zero)
         throw std::invalid_argument("adam_rollback: 1 - lr * weight_decay is 0 (in fp32), so the step's decoupled "
                                     "weight decay zeroed the parameters and they cannot be recovered");
     if (n <= 0) return;

@@ -9,8 +9,8 @@ plus weight_decay * |p| for Adam's L2 term (its two parts can cancel, their
 roundings do not). Each value passes through two or three roundings forward
 and as many back, each worth half an ulp of its operands' scale, so a few ulps
 is what inverting fp32 math can give ([Note: rollback error] in
-native/cpu_adam.cpp). The worst elements measured over these tests are 1.5 ulp
-(p), 1.2 (m) and 2.1 (v); ULPS = 4 leaves about 2x. A gradient scale off by
+native/cpu_adam.cpp). The worst elements measured over these tests are 1.9 ulp
+(p), 1.5 (m) and 2.1 (v); ULPS = 4 leaves about 2x. A gradient scale off by
 1e-6 in the rollback fails it (9 ulps). Relative to m_old itself the error can
 be large where |(1-beta1) g| >> |m_old|: the step rounded those bits away.
 """
