@@ -48,8 +48,10 @@ def _check_restored(before, after, restored, grads, adamw: bool) -> None:
     for (p0, m0, v0), (p1, m1, v1), (p, m, v), g in zip(before, after, restored, grads):
         g_mag = g.abs() + (0 if adamw else HYPER["weight_decay"] * p0.abs())
         _assert_within_ulps("param", p, p0, torch.maximum(p0.abs(), p1.abs()))
-        _assert_within_ulps("exp_avg", m, m0, torch.maximum(torch.maximum(m0.abs(), m1.abs()), (1 - beta1) * g_mag) / beta1)
-        _assert_within_ulps("exp_avg_sq", v, v0, torch.maximum(torch.maximum(v0, v1), (1 - beta2) * g_mag**2) / beta2)
+        m_scale = torch.maximum(torch.maximum(m0.abs(), m1.abs()), (1 - beta1) * g_mag) / beta1
+        v_scale = torch.maximum(torch.maximum(v0, v1), (1 - beta2) * g_mag**2) / beta2
+        _assert_within_ulps("exp_avg", m, m0, m_scale)
+        _assert_within_ulps("exp_avg_sq", v, v0, v_scale)
         assert bool((v >= 0).all())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import tempfile
 
 import pytest
@@ -83,6 +84,8 @@ def test_one_flipped_byte_is_caught_and_named(handle, tmp_path, where):
     assert (err.offset, err.nbytes, err.expected) == (offset, nbytes, crc)
     assert err.actual == native.crc32c(back) != crc
     assert f"{offset}..{offset + nbytes - 1}" in str(err) and str(path) in str(err)
+    again = pickle.loads(pickle.dumps(err))  # reaches a parent process intact
+    assert (type(again), str(again), again.actual) == (ChecksumError, str(err), err.actual)
     # The handle is still usable, and another region of the same file still reads clean.
     head = _random_bytes(4096, seed=8)
     head_crc = handle.write(head, path, 0, checksum=True)
@@ -141,7 +144,10 @@ def test_tmpfs(direct):
     buffered I/O) and accepts it since; direct=False forces the buffered path anyway."""
     if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
         pytest.skip("no writable /dev/shm")
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d, AioHandle(block_size=64 * KIB, threads=4, direct=direct) as h:
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm") as d,
+        AioHandle(block_size=64 * KIB, threads=4, direct=direct) as h,
+    ):
         path = os.path.join(d, "swap.bin")
         data = _random_bytes(64 * KIB * 4 + 1, seed=10)
         crc = h.write(data, path, checksum=True)

@@ -64,7 +64,9 @@ def _as_list(name: str, value: TensorOrTensors) -> list[torch.Tensor]:
     tensors = list(value)
     for t in tensors:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor or a sequence of tensors, got an element of type {type(t).__name__}")
+            raise TypeError(
+                f"{name} must be a tensor or a sequence of tensors, got an element of type {type(t).__name__}"
+            )
     return tensors
 
 

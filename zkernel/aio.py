@@ -118,16 +118,20 @@ class ChecksumError(OSError):
     """
 
     def __init__(self, path: str, offset: int, nbytes: int, expected: int, actual: int) -> None:
+        where = f"offsets {offset}..{offset + nbytes - 1}" if nbytes else f"offset {offset}"
         super().__init__(
             errno_mod.EIO,
-            f"CRC32C mismatch reading {nbytes} bytes at offsets {offset}..{offset + nbytes - 1}: "
-            f"expected {expected:#010x}, read {actual:#010x} (the file changed on disk since it was written)",
+            f"CRC32C mismatch reading {nbytes} bytes at {where}: expected {expected:#010x}, "
+            f"read {actual:#010x} (the file changed on disk since it was written)",
             path,
         )
         self.offset = offset
         self.nbytes = nbytes
         self.expected = expected
         self.actual = actual
+
+    def __reduce__(self):  # pickles across processes (OSError's default passes the wrong arguments)
+        return type(self), (self.filename, self.offset, self.nbytes, self.expected, self.actual)
 
 
 def _address_and_size(buffer: Any, writable: bool) -> tuple[int, int]:
@@ -153,7 +157,7 @@ def _raise_for(result: Any) -> None:
         raise ChecksumError(result.path, result.offset, result.nbytes, result.expected_crc, result.crc32c)
 
 
-class Completed(NamedTuple):
+class _Completed(NamedTuple):
     """A collected request: its id and, when it was checksummed, its CRC32C."""
 
     request: int
@@ -294,7 +298,7 @@ class AioHandle:
         """Requests submitted and not yet collected."""
         return self._engine.pending()
 
-    def _collect(self, result: Any) -> Completed:
+    def _collect(self, result: Any) -> _Completed:
         self._buffers.pop(result.id, None)
         if result.error or result.eof:
             log.debug("zkernel.aio.failed", path=result.path, offset=result.offset, errno=result.error)
@@ -304,7 +308,7 @@ class AioHandle:
                 expected=result.expected_crc, actual=result.crc32c,
             )
         _raise_for(result)
-        return Completed(result.id, result.crc32c if result.checksummed else None)
+        return _Completed(result.id, result.crc32c if result.checksummed else None)
 
     # -- synchronous helpers ------------------------------------------------
 
