@@ -61,7 +61,7 @@ class AlignedBuffer {
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zkernel native core: CPU Adam, async file I/O, bandwidth probes";
-    m.def("abi_version", []() { return 2; });
+    m.def("abi_version", []() { return 3; });  // zkernel/native.py ABI_VERSION
 
     // -- thread pool -------------------------------------------------------
     m.def("pool_threads", &zk::pool_threads);

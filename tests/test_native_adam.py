@@ -184,3 +184,15 @@ def test_resizing_the_pool_right_after_it_starts_does_not_hang():
     code = "from zkernel import native\nnative.set_threads(1)\nnative.set_threads(3)\nnative.set_threads(2)\n"
     for _ in range(3):
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_stale_extension_names_the_rebuild(monkeypatch):
+    import sys
+    import types
+
+    stale = types.ModuleType("zkernel._native")
+    stale.abi_version = lambda: native.ABI_VERSION - 1
+    monkeypatch.setitem(sys.modules, "zkernel._native", stale)
+    monkeypatch.setattr(native, "_module", None)
+    with pytest.raises(native.NativeExtensionError, match="out of date .*rebuild it"):
+        native.simd_path()

@@ -48,8 +48,13 @@ BUILD_HINT = (
 )
 
 
+# The extension's abi_version() this module was written against; bumped when
+# native/bindings.cpp gains or changes functions, so a stale build is named as such.
+ABI_VERSION = 3
+
+
 class NativeExtensionError(ImportError):
-    """The compiled extension `zkernel._native` is missing or does not load."""
+    """The compiled extension `zkernel._native` is missing, does not load, or is out of date."""
 
 
 _module: types.ModuleType | None = None
@@ -65,6 +70,12 @@ def load() -> types.ModuleType:
             raise NativeExtensionError(
                 f"zkernel's native extension zkernel._native is not available ({err}); {BUILD_HINT}"
             ) from err
+        built = _native.abi_version()
+        if built != ABI_VERSION:
+            raise NativeExtensionError(
+                f"zkernel's native extension zkernel._native is out of date (ABI {built}, this checkout needs "
+                f"{ABI_VERSION}): rebuild it; {BUILD_HINT}"
+            )
         _module = _native
     return _module
 
