@@ -327,8 +327,19 @@ ZK_AVX2 void convert_avx2_range(const float* src, void* dst, int64_t begin, int6
 // The redo that follows a rollback adds beta1 * m_old and beta2 * v_old back,
 // so these errors land in the redone state at the ulp level of the undone
 // step's values: a redo with a smaller grad_scale (clipping) matches a direct
-// step to ~1e-7 relative on p after a realistic history
-// (tests/test_adam_rollback.py measures it).
+// step to ~1e-7 of max|p| after a realistic history, ~2e-7 after a gradient
+// 100x its history's scale, ~2e-5 after one 1000x (tests/test_adam_rollback.py).
+//
+// State that started from zeros (the first step; rows of an embedding no step
+// has touched) is the worst case of the above, since any residue is infinitely
+// larger than the true 0, and a redo with a small clip coefficient magnifies
+// it. Such a step left m == round((1 - beta1) g) and v == round((1 - beta2) g * g)
+// exactly, so where the rollback finds exactly that it restores 0 (any true
+// value was then below an ulp of the step's own term, the bound above). With
+// AdamW this makes rollback + redo of a fresh state match the direct step to
+// ~1e-7; with Adam's L2 term the gradient depends on the restored p, which can
+// be an ulp off, and elements where grad * scale and weight_decay * p cancel
+// keep errors up to ~5e-3 of max|p| after a 1000x smaller redo.
 //
 // The three constant divisions (by decay, beta1, beta2) are multiplications
 // by reciprocals rounded once from double: at most half an ulp more error than
@@ -387,7 +398,7 @@ __attribute__((always_inline)) inline void rollback_loop(const Buffers& b, const
     float* __restrict exp_avg_sq = b.exp_avg_sq;
     const void* grad = b.grad;
     const float grad_scale = r.grad_scale, weight_decay = r.weight_decay, inv_decay = r.inv_decay;
-    const float neg_w = -r.one_minus_beta1, inv_beta1 = r.inv_beta1;
+    const float one_minus_beta1 = r.one_minus_beta1, inv_beta1 = r.inv_beta1;
     const float one_minus_beta2 = r.one_minus_beta2, inv_beta2 = r.inv_beta2;
     const float bc2_sqrt = r.bc2_sqrt, eps = r.eps, step_size = r.step_size;
     for (int64_t i = begin; i < end; ++i) {
@@ -398,8 +409,12 @@ __attribute__((always_inline)) inline void rollback_loop(const Buffers& b, const
         if constexpr (kDecay == static_cast<int>(DecayMode::DECOUPLED)) p = p * inv_decay;
         float g = load_grad<kBf16Grad>(grad, i) * grad_scale;
         if constexpr (kDecay == static_cast<int>(DecayMode::L2)) g = std::fma(p, weight_decay, g);
-        const float m_old = std::fma(neg_w, g, m) * inv_beta1;
-        const float v_old = std::fma(-(one_minus_beta2 * g), g, v) * inv_beta2;
+        // The step's own rounded gradient terms: equal to m and v exactly when it
+        // started from zeros ([Note: rollback error]).
+        const float wg = one_minus_beta1 * g;
+        const float tg = one_minus_beta2 * g;
+        const float m_old = (m == wg ? 0.0f : std::fma(-one_minus_beta1, g, m)) * inv_beta1;
+        const float v_old = (v == tg * g ? 0.0f : std::fma(-tg, g, v)) * inv_beta2;
         param[i] = p;
         exp_avg[i] = m_old;
         exp_avg_sq[i] = v_old < 0.0f ? 0.0f : v_old;  // NaN stays NaN

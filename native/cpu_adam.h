@@ -58,6 +58,9 @@ void adam_step(float* param, const void* grad, GradDtype grad_dtype, float* exp_
 //   m  = (m - (1 - beta1) * g) / beta1
 //   v  = max(0, (v - (1 - beta2) * g * g) / beta2)
 //
+// except that m and v are restored to exact zeros where the step left exactly
+// its own rounded gradient term, i.e. where it started from zeros.
+//
 // Throws std::invalid_argument when the step cannot be undone: beta1 or beta2
 // is 0 (in fp32), or AdamW's 1 - lr * weight_decay is 0. A step whose inputs
 // were not finite left NaN/inf that no rollback recovers.

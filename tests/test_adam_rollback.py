@@ -116,6 +116,29 @@ def test_rollback_then_redo_equals_the_direct_step(adamw, grad_dtype, new_scale)
     _assert_close_1e6(v, direct[2])
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["f32_grad", "bf16_grad"])
+def test_first_step_rollback_restores_exact_zeros(grad_dtype):
+    """The first step (clipping is common there) or a never-touched embedding row: state from zeros.
+
+    Any residue would be infinitely wrong relative to 0 and a strongly clipped
+    redo would magnify it; the rollback gives back exact zeros, so the redo
+    equals the direct step.
+    """
+    gen = torch.Generator().manual_seed(12)
+    p0 = torch.randn(N, generator=gen) * 0.02
+    g = (torch.randn(N, generator=gen) * 3).to(grad_dtype)
+    p, m, v = p0.clone(), torch.zeros(N), torch.zeros(N)
+    native.adam_step(p, g, m, v, step=1, adamw=True, **HYPER)
+    native.adam_rollback(p, g, m, v, step=1, adamw=True, **HYPER)
+    assert not m.any() and not v.any()
+    native.adam_step(p, g, m, v, step=1, grad_scale=1e-3, adamw=True, **HYPER)
+    direct = [p0.clone(), torch.zeros(N), torch.zeros(N)]
+    native.adam_step(direct[0], g, direct[1], direct[2], step=1, grad_scale=1e-3, adamw=True, **HYPER)
+    _assert_close_1e6(p, direct[0])
+    _assert_close_1e6(m, direct[1])
+    _assert_close_1e6(v, direct[2])
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
 def test_simd_paths_and_thread_counts_are_bitwise_identical(adamw, grad_dtype):

@@ -16,8 +16,10 @@ The step runs backwards:
 
 The result is the pre-step state to within a few ulps of the values involved
 (see [Note: rollback error] in native/cpu_adam.cpp; torch's kernels round a
-little differently from the native one, the bound is the same in kind). The
-caller decrements its own step counter (``state["step"] -= 1``).
+little differently from the native one, the bound is the same in kind), and
+exact zeros where the step started from zeros and left exactly its own
+gradient terms (torch's for-loop and foreach steps do). The caller decrements
+its own step counter (``state["step"] -= 1``).
 """
 
 from __future__ import annotations
@@ -134,8 +136,21 @@ def adam_rollback(
     g = torch._foreach_mul(g, float(grad_scale))  # a new list: grad is never written
     if not adamw and weight_decay != 0.0:
         torch._foreach_add_(g, params, alpha=weight_decay)
+    # State that started from zeros holds exactly the step's own gradient terms:
+    # restore exact zeros there (see [Note: rollback error] in native/cpu_adam.cpp).
+    m_term = torch._foreach_mul(g, 1.0 - beta1)
+    from_zero_m = [torch.eq(m, t) for m, t in zip(exp_avgs, m_term)]
+    del m_term
+    v_term = torch._foreach_mul(g, 1.0 - beta2)
+    torch._foreach_mul_(v_term, g)
+    from_zero_v = [torch.eq(v, t) for v, t in zip(exp_avg_sqs, v_term)]
+    del v_term
     torch._foreach_add_(exp_avgs, g, alpha=-(1.0 - beta1))
     torch._foreach_div_(exp_avgs, beta1)
     torch._foreach_addcmul_(exp_avg_sqs, g, g, value=-(1.0 - beta2))
     torch._foreach_div_(exp_avg_sqs, beta2)
     torch._foreach_clamp_min_(exp_avg_sqs, 0.0)
+    for m, mask in zip(exp_avgs, from_zero_m):
+        m.masked_fill_(mask, 0.0)
+    for v, mask in zip(exp_avg_sqs, from_zero_v):
+        v.masked_fill_(mask, 0.0)
