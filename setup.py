@@ -14,6 +14,7 @@ native = Pybind11Extension(
             "native/bandwidth.cpp",
             "native/bindings.cpp",
             "native/cpu_adam.cpp",
+            "native/crc32c.cpp",
             "native/thread_pool.cpp",
         ]
     ),

@@ -19,7 +19,13 @@ comparison on one buffer. DeepSpeed is optional: when it does not import or its
 aio op does not build/load, one line says why and the rest runs.
 Medians over rounds are printed, with paired per-round ratios (zkernel to fio's
 best iodepth in that round, zkernel to DeepSpeed on the same buffer, DeepSpeed
-to fio's best). No fsync on any side.
+to fio's best). No fsync on any side. --checksum adds a zkernel column with
+CRC32C on (``checksum=True`` on writes and reads: the I/O threads checksum
+each chunk as they move it) and the paired ratio to zkernel without checksums
+in the same round. Reads are not given ``expect_crc``: fio rewrites the file
+between rounds, and the comparison that ``expect_crc`` adds is one integer
+compare at completion; the last read is then checked against a fresh
+checksummed write of the same buffer.
 
     python3 bench/aio.py --path /tmp --sizes 1,4
     /tmp/dsenv/bin/python bench/aio.py --path /tmp --sizes 1,4   # with DeepSpeed
@@ -39,7 +45,7 @@ import time
 
 import torch
 
-from zkernel import aio
+from zkernel import aio, native
 
 GIB = 1 << 30
 
@@ -114,9 +120,12 @@ def _ds(handle, buf: torch.Tensor, path: str, write: bool) -> float:
     return buf.numel() / elapsed / 1e9
 
 
-def _zk(handle: aio.AioHandle, buf: torch.Tensor, path: str, write: bool) -> float:
+def _zk(handle: aio.AioHandle, buf: torch.Tensor, path: str, write: bool, checksum: bool = False) -> float:
     t0 = time.perf_counter()
-    request = handle.submit_write(buf, path, 0) if write else handle.submit_read(buf, path, 0)
+    if write:
+        request = handle.submit_write(buf, path, 0, checksum=checksum)
+    else:
+        request = handle.submit_read(buf, path, 0, checksum=checksum)
     handle.wait(request)
     return buf.numel() / (time.perf_counter() - t0) / 1e9
 
@@ -134,7 +143,8 @@ def bench_size(gib: float, args, engine: str | None, ds_aio) -> None:
     handle = aio.AioHandle(block_size=args.block_size, threads=args.threads, queue_depth=args.queue_depth)
     ds_handle = ds_buf = None
     depths = (8, 32)
-    tools = ["zk"] + (["ds", "zkds"] if ds_aio is not None else []) + ([f"fio{d}" for d in depths] if engine else [])
+    tools = (["zk"] + (["zkc"] if args.checksum else []) + (["ds", "zkds"] if ds_aio is not None else [])
+             + ([f"fio{d}" for d in depths] if engine else []))
     rounds = args.rounds or len(tools)
     rows: dict[str, list[float]] = {f"{t}_{kind}": [] for t in tools for kind in ("write", "read")}
     try:
@@ -152,6 +162,8 @@ def bench_size(gib: float, args, engine: str | None, ds_aio) -> None:
                 for tool in order:
                     if tool == "zk":
                         gbs = _zk(handle, buf, path, write)
+                    elif tool == "zkc":
+                        gbs = _zk(handle, buf, path, write, checksum=True)
                     elif tool == "ds":
                         gbs = _ds(ds_handle, ds_buf, path, write)
                     elif tool == "zkds":
@@ -159,6 +171,10 @@ def bench_size(gib: float, args, engine: str | None, ds_aio) -> None:
                     else:
                         gbs = _fio(path, nbytes, kind, int(tool[3:]), engine)
                     rows[f"{tool}_{kind}"].append(gbs)
+        if args.checksum:  # the checksummed path end to end: write, verified read, same CRC as in memory
+            crc = handle.write(buf, path, 0, checksum=True)
+            if handle.read(buf, path, 0, expect_crc=crc) != crc or native.crc32c(buf) != crc:
+                raise RuntimeError("CRC32C of the read differs from the written one")
     finally:
         handle.close()
         if ds_buf is not None:
@@ -173,6 +189,8 @@ def bench_size(gib: float, args, engine: str | None, ds_aio) -> None:
     print(f"\n## {nbytes / GIB:g} GiB, {rounds} alternating rounds on one preallocated file (median GB/s)")
     print(f"{'tool':<44}{'write GB/s':>12}{'read GB/s':>12}")
     line("zkernel AioHandle", "zk")
+    if args.checksum:
+        line("zkernel AioHandle, CRC32C on", "zkc")
     if ds_aio is not None:
         line(f"DeepSpeed aio (qd {args.ds_queue_depth}, {args.ds_threads} threads)", "ds")
         line("zkernel AioHandle, DeepSpeed's buffer", "zkds")
@@ -182,6 +200,8 @@ def bench_size(gib: float, args, engine: str | None, ds_aio) -> None:
         print("fio not found: no fio comparison (apt-get install -y fio)")
     for kind in ("write", "read"):
         parts = []
+        if args.checksum:
+            parts.append(f"zkernel with / without CRC32C {_ratio(rows[f'zkc_{kind}'], rows[f'zk_{kind}']):.2f}")
         if engine:
             best = [max(rows[f"fio{d}_{kind}"][i] for d in depths) for i in range(rounds)]
             parts.append(f"zkernel / fio best {_ratio(rows[f'zk_{kind}'], best):.2f} (target >= 0.90)")
@@ -210,6 +230,7 @@ def main() -> None:
     parser.add_argument("--ds-threads", type=int, default=4, help="DeepSpeed aio intra_op_parallelism")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed column")
     parser.add_argument("--raw", action="store_true", help="also print every round's GB/s")
+    parser.add_argument("--checksum", action="store_true", help="add a zkernel column with CRC32C on")
     parser.add_argument("--keep", action="store_true", help="keep the test files")
     args = parser.parse_args()
     engine = _fio_engine()

@@ -1,12 +1,15 @@
 // Asynchronous file I/O engine; the algorithm is described in aio.h.
 #include "aio.h"
 
+#include "crc32c.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -14,6 +17,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 namespace zk {
 namespace {
@@ -25,6 +29,10 @@ struct Request {
     std::atomic<int64_t> remaining{0};
     std::atomic<bool> failed{false};
     std::mutex error_mutex;
+    // With a checksum: each chunk's CRC32C and length, in file order (chunk i
+    // writes only slot i; the last chunk's completion orders them for finish()).
+    std::vector<uint32_t> chunk_crc;
+    std::vector<int64_t> chunk_len;
 
     void fail(int err, bool eof, int64_t at) {
         std::lock_guard<std::mutex> lock(error_mutex);
@@ -43,7 +51,28 @@ struct Chunk {
     char* buffer;
     int64_t nbytes;
     int64_t offset;
+    int64_t index;  // position among the request's chunks, in file order
 };
+
+// The CRC32C of a whole request from its chunks' CRCs, joined in file order.
+uint32_t combine_chunks(const std::vector<uint32_t>& crcs, const std::vector<int64_t>& lens) {
+    uint32_t crc = 0;
+    int64_t op_len = -1;
+    uint32_t op = 0;
+    for (size_t i = 0; i < crcs.size(); ++i) {
+        if (lens[i] != op_len) {  // chunks mostly share one length: one operator for them
+            op_len = lens[i];
+            op = crc32c_shift_operator(op_len);
+        }
+        crc = crc32c_shift(crc, op) ^ crcs[i];
+    }
+    return crc;
+}
+
+void check_expected(AioResult& result) {
+    result.checksum_mismatch =
+        result.checksummed && result.expected_crc >= 0 && static_cast<int64_t>(result.crc32c) != result.expected_crc;
+}
 
 int open_file(const std::string& path, AioOp op, bool direct) {
     int flags = (op == AioOp::READ ? O_RDONLY : (O_WRONLY | O_CREAT)) | O_CLOEXEC;
@@ -92,6 +121,11 @@ struct AioEngine::Impl {
     void finish(const std::shared_ptr<Request>& r) {
         if (r->fd_direct >= 0) ::close(r->fd_direct);
         if (r->fd_buffered >= 0) ::close(r->fd_buffered);
+        if (!r->chunk_crc.empty() && !r->failed.load()) {
+            r->result.crc32c = combine_chunks(r->chunk_crc, r->chunk_len);
+            r->result.checksummed = true;
+            check_expected(r->result);
+        }
         {
             std::lock_guard<std::mutex> lock(mutex);
             outstanding.erase(r->result.id);
@@ -112,9 +146,15 @@ struct AioEngine::Impl {
             }
             Request& r = *chunk.request;
             if (!r.failed.load(std::memory_order_relaxed)) {
+                const bool checksum = !r.chunk_crc.empty();
+                const size_t slot = static_cast<size_t>(chunk.index);
+                if (checksum && r.result.op == AioOp::WRITE)
+                    r.chunk_crc[slot] = crc32c_update(0, chunk.buffer, chunk.nbytes);
                 int64_t at = -1;
                 int err = transfer(r.result.op, chunk.fd, chunk.buffer, chunk.nbytes, chunk.offset, &at);
                 if (err != 0) r.fail(err == -1 ? 0 : err, err == -1, at);
+                else if (checksum && r.result.op == AioOp::READ)
+                    r.chunk_crc[slot] = crc32c_update(0, chunk.buffer, chunk.nbytes);
             }
             if (r.remaining.fetch_sub(1) == 1) finish(chunk.request);
         }
@@ -143,13 +183,20 @@ AioEngine::~AioEngine() {
     delete impl_;
 }
 
-int64_t AioEngine::submit(AioOp op, void* buffer, int64_t nbytes, const std::string& path, int64_t offset) {
+int64_t AioEngine::submit(AioOp op, void* buffer, int64_t nbytes, const std::string& path, int64_t offset,
+                          bool checksum, int64_t expected_crc) {
     if (nbytes < 0 || offset < 0) throw std::invalid_argument("aio: negative length or offset");
+    if (expected_crc >= 0 && op != AioOp::READ)
+        throw std::invalid_argument("aio: an expected CRC32C is for reads; a write computes its CRC");
+    if (expected_crc > static_cast<int64_t>(UINT32_MAX))
+        throw std::invalid_argument("aio: expected CRC32C must be in 0..2^32-1");
+    checksum = checksum || expected_crc >= 0;
     auto r = std::make_shared<Request>();
     r->result.op = op;
     r->result.path = path;
     r->result.offset = offset;
     r->result.nbytes = nbytes;
+    r->result.expected_crc = expected_crc;
 
     const int64_t align = config_.alignment;
     char* base = static_cast<char*>(buffer);
@@ -177,17 +224,24 @@ int64_t AioEngine::submit(AioOp op, void* buffer, int64_t nbytes, const std::str
 
     std::vector<Chunk> chunks;
     if (open_error == 0) {
+        auto add = [&](int fd, int64_t pos, int64_t len) {
+            chunks.push_back({r, fd, base + pos, len, offset + pos, static_cast<int64_t>(chunks.size())});
+        };
         for (int64_t pos = 0; pos < nbytes; pos += config_.block_size) {
             const int64_t len = std::min(config_.block_size, nbytes - pos);
             if (pos + len <= direct_bytes) {
-                chunks.push_back({r, r->fd_direct, base + pos, len, offset + pos});
+                add(r->fd_direct, pos, len);
             } else if (pos < direct_bytes) {  // block straddles the aligned end: split it
-                chunks.push_back({r, r->fd_direct, base + pos, direct_bytes - pos, offset + pos});
-                chunks.push_back({r, r->fd_buffered, base + direct_bytes, pos + len - direct_bytes,
-                                  offset + direct_bytes});
+                add(r->fd_direct, pos, direct_bytes - pos);
+                add(r->fd_buffered, direct_bytes, pos + len - direct_bytes);
             } else {
-                chunks.push_back({r, r->fd_buffered, base + pos, len, offset + pos});
+                add(r->fd_buffered, pos, len);
             }
+        }
+        if (checksum) {
+            r->chunk_crc.assign(chunks.size(), 0);
+            r->chunk_len.reserve(chunks.size());
+            for (const Chunk& c : chunks) r->chunk_len.push_back(c.nbytes);
         }
     } else {
         r->fail(open_error, false, offset);
@@ -202,6 +256,11 @@ int64_t AioEngine::submit(AioOp op, void* buffer, int64_t nbytes, const std::str
     if (chunks.empty()) {  // failed to open, or zero bytes: complete at once
         if (r->fd_direct >= 0) ::close(r->fd_direct);
         if (r->fd_buffered >= 0) ::close(r->fd_buffered);
+        if (checksum && open_error == 0) {  // zero bytes: the CRC of nothing
+            r->result.checksummed = true;
+            r->result.crc32c = 0;
+            check_expected(r->result);
+        }
         impl_->finished.emplace(id, r->result);
         lock.unlock();
         impl_->completed.notify_all();

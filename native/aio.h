@@ -15,6 +15,14 @@
 // Files are opened per request (created with mode 0600 for writes, never
 // truncated) and closed when it completes. At most `queue_depth` requests are
 // outstanding; submit() blocks while that many are.
+//
+// Checksums (optional, per request): the I/O thread that moves a chunk also
+// computes its CRC32C (crc32c.h), right before pwrite or right after pread, so
+// checksumming runs in parallel on the I/O threads while the data is at hand
+// and costs no extra pass over the buffer afterwards. When the request
+// completes, the chunk CRCs are combined in file order into the CRC32C of the
+// whole request; a read given an expected CRC is marked as a mismatch when
+// they differ (the caller decides what that means).
 #pragma once
 
 #include <cstddef>
@@ -44,6 +52,10 @@ struct AioResult {
     bool eof = false;        // a read reached the end of the file early
     int64_t error_offset = -1;  // file offset of the failing chunk
     bool direct = false;     // whether any of it went through O_DIRECT
+    bool checksummed = false;      // a CRC32C was asked for and computed (no I/O error)
+    uint32_t crc32c = 0;           // CRC32C of the request's bytes, when checksummed
+    int64_t expected_crc = -1;     // what a read was expected to hold, -1 when not given
+    bool checksum_mismatch = false;  // checksummed, expected_crc given, and they differ
 };
 
 class AioEngine {
@@ -54,8 +66,11 @@ class AioEngine {
     AioEngine& operator=(const AioEngine&) = delete;
 
     // Queue a request and return its id. Never fails for I/O reasons: a path
-    // that cannot be opened completes at once with its errno.
-    int64_t submit(AioOp op, void* buffer, int64_t nbytes, const std::string& path, int64_t offset);
+    // that cannot be opened completes at once with its errno. `checksum`: compute
+    // the CRC32C of the bytes moved; `expected_crc` (0..2^32-1, reads only, implies
+    // checksum): compare it with the CRC of the bytes read.
+    int64_t submit(AioOp op, void* buffer, int64_t nbytes, const std::string& path, int64_t offset,
+                   bool checksum = false, int64_t expected_crc = -1);
 
     // Block until request `id` completes, and collect it.
     AioResult wait(int64_t id);

@@ -1,5 +1,5 @@
-// Thin pybind11 binding over the native kernels; see cpu_adam.h, aio.h and
-// bandwidth.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
+// Thin pybind11 binding over the native kernels; see cpu_adam.h, crc32c.h,
+// aio.h and bandwidth.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
 // lengths, so nothing here links against libtorch. Every call that touches
 // memory or files releases the GIL.
 #include <pybind11/pybind11.h>
@@ -12,6 +12,7 @@
 #include "aio.h"
 #include "bandwidth.h"
 #include "cpu_adam.h"
+#include "crc32c.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -60,7 +61,7 @@ class AlignedBuffer {
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zkernel native core: CPU Adam, async file I/O, bandwidth probes";
-    m.def("abi_version", []() { return 2; });
+    m.def("abi_version", []() { return 3; });  // zkernel/native.py ABI_VERSION
 
     // -- thread pool -------------------------------------------------------
     m.def("pool_threads", &zk::pool_threads);
@@ -98,6 +99,27 @@ PYBIND11_MODULE(_native, m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("grad_scale"), py::arg("step"), py::arg("adamw"), py::arg("threads") = 0, release_gil());
     m.def(
+        "adam_rollback",
+        [](std::uintptr_t param, std::uintptr_t grad, zk::GradDtype grad_dtype, std::uintptr_t exp_avg,
+           std::uintptr_t exp_avg_sq, std::int64_t n, double lr, double beta1, double beta2, double eps,
+           double weight_decay, double grad_scale, std::int64_t step, bool adamw, int threads) {
+            zk::AdamHyper h;
+            h.lr = lr;
+            h.beta1 = beta1;
+            h.beta2 = beta2;
+            h.eps = eps;
+            h.weight_decay = weight_decay;
+            h.grad_scale = grad_scale;
+            h.step = step;
+            h.adamw = adamw;
+            zk::adam_rollback(ptr<float>(param), ptr<void>(grad), grad_dtype, ptr<float>(exp_avg),
+                              ptr<float>(exp_avg_sq), n, h, threads);
+        },
+        py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("n"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("grad_scale"), py::arg("step"), py::arg("adamw"), py::arg("threads") = 0,
+        release_gil());
+    m.def(
         "convert_f32",
         [](std::uintptr_t src, std::uintptr_t dst, zk::OutDtype dst_dtype, std::int64_t n, int threads) {
             zk::convert_f32(ptr<const float>(src), ptr<void>(dst), dst_dtype, n, threads);
@@ -107,6 +129,18 @@ PYBIND11_MODULE(_native, m) {
     m.def("simd_path", &zk::simd_path);
     m.def("best_simd_path", &zk::best_simd_path);
     m.def("set_simd_path", &zk::set_simd_path, py::arg("name"));
+
+    // -- CRC32C ------------------------------------------------------------
+    m.def(
+        "crc32c",
+        [](std::uintptr_t data, std::int64_t n, std::uint32_t crc, int threads) {
+            return zk::crc32c_parallel(crc, ptr<const void>(data), n, threads);
+        },
+        py::arg("data"), py::arg("n"), py::arg("crc") = 0, py::arg("threads") = 0, release_gil());
+    m.def("crc32c_combine", &zk::crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"));
+    m.def("crc32c_path", &zk::crc32c_path);
+    m.def("best_crc32c_path", &zk::best_crc32c_path);
+    m.def("set_crc32c_path", &zk::set_crc32c_path, py::arg("name"));
 
     // -- bandwidth probes --------------------------------------------------
     m.def(
@@ -137,7 +171,11 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("error", &zk::AioResult::error)
         .def_readonly("eof", &zk::AioResult::eof)
         .def_readonly("error_offset", &zk::AioResult::error_offset)
-        .def_readonly("direct", &zk::AioResult::direct);
+        .def_readonly("direct", &zk::AioResult::direct)
+        .def_readonly("checksummed", &zk::AioResult::checksummed)
+        .def_readonly("crc32c", &zk::AioResult::crc32c)
+        .def_readonly("expected_crc", &zk::AioResult::expected_crc)
+        .def_readonly("checksum_mismatch", &zk::AioResult::checksum_mismatch);
 
     py::class_<zk::AioEngine>(m, "AioEngine")
         .def(py::init([](std::int64_t block_size, int threads, int queue_depth, bool direct,
@@ -155,11 +193,11 @@ PYBIND11_MODULE(_native, m) {
         .def(
             "submit",
             [](zk::AioEngine& e, zk::AioOp op, std::uintptr_t buffer, std::int64_t nbytes,
-               const std::string& path, std::int64_t offset) {
-                return e.submit(op, ptr<void>(buffer), nbytes, path, offset);
+               const std::string& path, std::int64_t offset, bool checksum, std::int64_t expected_crc) {
+                return e.submit(op, ptr<void>(buffer), nbytes, path, offset, checksum, expected_crc);
             },
             py::arg("op"), py::arg("buffer"), py::arg("nbytes"), py::arg("path"), py::arg("offset"),
-            release_gil())
+            py::kw_only(), py::arg("checksum") = false, py::arg("expected_crc") = -1, release_gil())
         .def("wait", &zk::AioEngine::wait, py::arg("id"), release_gil())
         .def("wait_any", &zk::AioEngine::wait_any, release_gil())
         .def("wait_all", &zk::AioEngine::wait_all, release_gil())

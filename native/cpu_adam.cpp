@@ -309,6 +309,135 @@ ZK_AVX2 void convert_avx2_range(const float* src, void* dst, int64_t begin, int6
 }
 
 // ---------------------------------------------------------------------------
+// Rollback: adam_step run backwards (cpu_adam.h)
+// ---------------------------------------------------------------------------
+//
+// [Note: rollback error]
+// The rollback recomputes d and the update q = step_size * m / d bit for bit
+// (same v, same m, same fp32 operations), so what it cannot give back is only
+// what the step's own roundings threw away:
+//   p: p_new = round(p_old * decay - q); adding q back and multiplying by
+//      1 / decay leaves |error| <= about 2 ulp of max(|p_old|, |p_new|).
+//   m: m_new = beta1 * m_old + w * g rounded once or twice; (m_new - w * g) /
+//      beta1 recovers m_old to about 2 ulp of max(|m_old|, |m_new|, |w g|) / beta1.
+//      Where |w g| >> |m_old| (the first step, a gradient spike) that is many
+//      ulps of m_old itself: the bits were never stored.
+//   v: likewise to about 2 ulp of max(v_old, v_new) / beta2, clamped at 0
+//      (v_new - (1 - beta2) g^2 can round below 0 when v_old is ~0).
+// The redo that follows a rollback adds beta1 * m_old and beta2 * v_old back,
+// so these errors land in the redone state at the ulp level of the undone
+// step's values: a redo with a smaller grad_scale (clipping) matches a direct
+// step to ~1e-7 of max|p| after a realistic history, ~2e-7 after a gradient
+// 100x its history's scale, ~2e-5 after one 1000x (tests/test_adam_rollback.py).
+//
+// State that started from zeros (the first step; rows of an embedding no step
+// has touched) is the worst case of the above, since any residue is infinitely
+// larger than the true 0, and a redo with a small clip coefficient magnifies
+// it. Such a step left m == round((1 - beta1) g) and v == round((1 - beta2) g * g)
+// exactly, so where the rollback finds exactly that it restores 0 (any true
+// value was then below an ulp of the step's own term, the bound above). With
+// AdamW this makes rollback + redo of a fresh state match the direct step to
+// ~1e-7; with Adam's L2 term the gradient depends on the restored p, which can
+// be an ulp off, and elements where grad * scale and weight_decay * p cancel
+// keep errors up to ~5e-3 of max|p| after a 1000x smaller redo.
+//
+// The three constant divisions (by decay, beta1, beta2) are multiplications
+// by reciprocals rounded once from double: at most half an ulp more error than
+// dividing, and the rollback keeps pace with memory (dividing made it 1.2-1.3x
+// the time of a step on one AVX2 core; see bench/adam_rollback.py).
+//
+// One source for every ISA: the loop is branch-free (the decay mode and the
+// grad dtype are template parameters), and compiled under each path's target
+// attribute GCC vectorises it with that path's width. IEEE operations without
+// contraction (-ffp-contract=off) round the same at every width, so all paths
+// are bit-identical, as adam_step's are.
+
+enum class DecayMode : int { NONE = 0, L2 = 1, DECOUPLED = 2 };
+
+struct RollbackCoeffs {
+    float grad_scale;
+    float weight_decay;
+    float one_minus_beta1;   // w, the weight the step's lerp gave g
+    float one_minus_beta2;
+    float bc2_sqrt;
+    float eps;
+    float step_size;
+    // Reciprocals of the step's factors, rounded once from double.
+    float inv_decay;         // 1 / (1 - lr * wd), the step's AdamW factor
+    float inv_beta1;         // 1 / (1 - w), the weight the step gave m
+    float inv_beta2;
+    bool beta1_zero;         // the factors themselves are 0: nothing to invert
+    bool beta2_zero;
+    bool decay_zero;
+};
+
+RollbackCoeffs make_rollback_coeffs(const Coeffs& c, const AdamHyper& h) {
+    RollbackCoeffs r{};
+    r.grad_scale = c.grad_scale;
+    r.weight_decay = c.weight_decay;
+    r.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+    r.one_minus_beta2 = c.one_minus_beta2;
+    r.bc2_sqrt = c.bc2_sqrt;
+    r.eps = c.eps;
+    r.step_size = c.step_size;
+    const float beta1 = static_cast<float>(1.0 - static_cast<double>(r.one_minus_beta1));
+    r.beta1_zero = beta1 == 0.0f;
+    r.beta2_zero = c.beta2 == 0.0f;
+    r.decay_zero = c.decay == 0.0f;
+    r.inv_beta1 = static_cast<float>(1.0 / beta1);
+    r.inv_beta2 = static_cast<float>(1.0 / c.beta2);
+    r.inv_decay = static_cast<float>(1.0 / c.decay);
+    return r;
+}
+
+template <bool kBf16Grad, int kDecay>
+__attribute__((always_inline)) inline void rollback_loop(const Buffers& b, const RollbackCoeffs& r,
+                                                         int64_t begin, int64_t end) {
+    float* __restrict param = b.param;
+    float* __restrict exp_avg = b.exp_avg;
+    float* __restrict exp_avg_sq = b.exp_avg_sq;
+    const void* grad = b.grad;
+    const float grad_scale = r.grad_scale, weight_decay = r.weight_decay, inv_decay = r.inv_decay;
+    const float one_minus_beta1 = r.one_minus_beta1, inv_beta1 = r.inv_beta1;
+    const float one_minus_beta2 = r.one_minus_beta2, inv_beta2 = r.inv_beta2;
+    const float bc2_sqrt = r.bc2_sqrt, eps = r.eps, step_size = r.step_size;
+    for (int64_t i = begin; i < end; ++i) {
+        const float m = exp_avg[i];
+        const float v = exp_avg_sq[i];
+        const float d = std::sqrt(v) / bc2_sqrt + eps;
+        float p = param[i] + (step_size * m) / d;
+        if constexpr (kDecay == static_cast<int>(DecayMode::DECOUPLED)) p = p * inv_decay;
+        float g = load_grad<kBf16Grad>(grad, i) * grad_scale;
+        if constexpr (kDecay == static_cast<int>(DecayMode::L2)) g = std::fma(p, weight_decay, g);
+        // The step's own rounded gradient terms: equal to m and v exactly when it
+        // started from zeros ([Note: rollback error]).
+        const float wg = one_minus_beta1 * g;
+        const float tg = one_minus_beta2 * g;
+        const float m_old = (m == wg ? 0.0f : std::fma(-one_minus_beta1, g, m)) * inv_beta1;
+        const float v_old = (v == tg * g ? 0.0f : std::fma(-tg, g, v)) * inv_beta2;
+        param[i] = p;
+        exp_avg[i] = m_old;
+        exp_avg_sq[i] = v_old < 0.0f ? 0.0f : v_old;  // NaN stays NaN
+    }
+}
+
+template <bool kBf16Grad, int kDecay>
+void rollback_scalar_range(const Buffers& b, const RollbackCoeffs& r, int64_t begin, int64_t end) {
+    rollback_loop<kBf16Grad, kDecay>(b, r, begin, end);
+}
+
+template <bool kBf16Grad, int kDecay>
+ZK_AVX2 void rollback_avx2_range(const Buffers& b, const RollbackCoeffs& r, int64_t begin, int64_t end) {
+    rollback_loop<kBf16Grad, kDecay>(b, r, begin, end);
+}
+
+template <bool kBf16Grad, int kDecay>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c,prefer-vector-width=512")))
+void rollback_avx512_range(const Buffers& b, const RollbackCoeffs& r, int64_t begin, int64_t end) {
+    rollback_loop<kBf16Grad, kDecay>(b, r, begin, end);
+}
+
+// ---------------------------------------------------------------------------
 // Dispatch
 // ---------------------------------------------------------------------------
 
@@ -344,6 +473,26 @@ AdamRange pick_adam(Path path, OutDtype out) {
         case OutDtype::BF16: return pick_adam<kBf16Grad, static_cast<int>(OutDtype::BF16)>(path);
         case OutDtype::F16: return pick_adam<kBf16Grad, static_cast<int>(OutDtype::F16)>(path);
         default: return pick_adam<kBf16Grad, static_cast<int>(OutDtype::NONE)>(path);
+    }
+}
+
+using RollbackRange = void (*)(const Buffers&, const RollbackCoeffs&, int64_t, int64_t);
+
+template <bool kBf16Grad, int kDecay>
+RollbackRange pick_rollback(Path path) {
+    switch (path) {
+        case Path::AVX512: return rollback_avx512_range<kBf16Grad, kDecay>;
+        case Path::AVX2: return rollback_avx2_range<kBf16Grad, kDecay>;
+        default: return rollback_scalar_range<kBf16Grad, kDecay>;
+    }
+}
+
+template <bool kBf16Grad>
+RollbackRange pick_rollback(Path path, DecayMode mode) {
+    switch (mode) {
+        case DecayMode::L2: return pick_rollback<kBf16Grad, static_cast<int>(DecayMode::L2)>(path);
+        case DecayMode::DECOUPLED: return pick_rollback<kBf16Grad, static_cast<int>(DecayMode::DECOUPLED)>(path);
+        default: return pick_rollback<kBf16Grad, static_cast<int>(DecayMode::NONE)>(path);
     }
 }
 
@@ -394,6 +543,29 @@ void adam_step(float* param, const void* grad, GradDtype grad_dtype, float* exp_
     const AdamRange range = grad_dtype == GradDtype::BF16 ? pick_adam<true>(path, out_dtype)
                                                           : pick_adam<false>(path, out_dtype);
     run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(buffers, coeffs, begin, end); });
+}
+
+void adam_rollback(float* param, const void* grad, GradDtype grad_dtype, float* exp_avg, float* exp_avg_sq,
+                   int64_t n, const AdamHyper& hyper, int threads) {
+    if (hyper.step < 1) throw std::invalid_argument("adam_rollback: step must be >= 1");
+    const Coeffs coeffs = make_coeffs(hyper);
+    const RollbackCoeffs r = make_rollback_coeffs(coeffs, hyper);
+    if (r.beta1_zero)
+        throw std::invalid_argument("adam_rollback: beta1 is 0 (in fp32), so the step overwrote exp_avg with the "
+                                    "gradient and the old value cannot be recovered");
+    if (r.beta2_zero)
+        throw std::invalid_argument("adam_rollback: beta2 is 0 (in fp32), so the step overwrote exp_avg_sq with the "
+                                    "squared gradient and the old value cannot be recovered");
+    if (coeffs.decoupled && r.decay_zero)
+        throw std::invalid_argument("adam_rollback: 1 - lr * weight_decay is 0 (in fp32), so the step's decoupled "
+                                    "weight decay zeroed the parameters and they cannot be recovered");
+    if (n <= 0) return;
+    const DecayMode mode = coeffs.l2 ? DecayMode::L2 : coeffs.decoupled ? DecayMode::DECOUPLED : DecayMode::NONE;
+    const Buffers buffers{param, grad, exp_avg, exp_avg_sq, nullptr};
+    const Path path = static_cast<Path>(g_path.load());
+    const RollbackRange range = grad_dtype == GradDtype::BF16 ? pick_rollback<true>(path, mode)
+                                                              : pick_rollback<false>(path, mode);
+    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(buffers, r, begin, end); });
 }
 
 void convert_f32(const float* src, void* dst, OutDtype dst_dtype, int64_t n, int threads) {

@@ -45,6 +45,28 @@ void adam_step(float* param, const void* grad, GradDtype grad_dtype, float* exp_
                float* exp_avg_sq, void* out, OutDtype out_dtype, int64_t n,
                const AdamHyper& hyper, int threads);
 
+// Undo one adam_step in place: given the `param`, `exp_avg`, `exp_avg_sq` that
+// adam_step left, the same `grad` buffer and the same hyperparameters (`step`
+// is the count of the step being undone), restore the values from before it,
+// to within a few ulps (see cpu_adam.cpp, [Note: rollback error]). The forward
+// math run backwards, per element:
+//
+//   d  = sqrt(v) / sqrt(1 - beta2^step) + eps      (bit-identical to the step's)
+//   p  = p + (lr / (1 - beta1^step) * m) / d
+//   p  = p / (1 - lr * weight_decay)               AdamW only
+//   g  = grad * grad_scale (+ weight_decay * p)    the L2 term from the restored p
+//   m  = (m - (1 - beta1) * g) / beta1
+//   v  = max(0, (v - (1 - beta2) * g * g) / beta2)
+//
+// except that m and v are restored to exact zeros where the step left exactly
+// its own rounded gradient term, i.e. where it started from zeros.
+//
+// Throws std::invalid_argument when the step cannot be undone: beta1 or beta2
+// is 0 (in fp32), or AdamW's 1 - lr * weight_decay is 0. A step whose inputs
+// were not finite left NaN/inf that no rollback recovers.
+void adam_rollback(float* param, const void* grad, GradDtype grad_dtype, float* exp_avg, float* exp_avg_sq,
+                   int64_t n, const AdamHyper& hyper, int threads);
+
 // Round n fp32 values to bf16 / fp16 (round to nearest even), multi-threaded.
 void convert_f32(const float* src, void* dst, OutDtype dst_dtype, int64_t n, int threads);
 

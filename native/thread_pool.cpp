@@ -204,15 +204,18 @@ class Pool {
     void loop(int index) {
         uint64_t seen = generation_.load();
         for (;;) {
-            uint64_t g;
+            uint64_t g = seen;
             {
                 std::unique_lock<std::mutex> lock(mutex_);
                 ++sleepers_;
-                wake_.wait(lock, [&] { return (g = generation_.load()) != seen; });
+                // quit_ too: a worker that reads its first `seen` only after stop()
+                // bumped the generation would otherwise sleep through it (and a
+                // resize right after the pool's creation would join it forever).
+                wake_.wait(lock, [&] { return quit_.load() || (g = generation_.load()) != seen; });
                 --sleepers_;
             }
-            seen = g;
             if (quit_.load()) return;
+            seen = g;
             // busy_ before open_, and the caller's open_ = false before its busy_ check
             // (all seq_cst): either the caller waits for this helper or the helper
             // sees the loop closed and touches none of its state.

@@ -174,3 +174,24 @@ def test_missing_extension_names_the_build_step(monkeypatch):
     with pytest.raises(native.NativeExtensionError, match=r"pip install -e \."):
         native.simd_path()
     assert not native.available()
+
+
+def test_resizing_the_pool_right_after_it_starts_does_not_hang():
+    """A worker that had not yet read the pool's generation slept through stop() and was joined forever."""
+    import subprocess
+    import sys
+
+    code = "from zkernel import native\nnative.set_threads(1)\nnative.set_threads(3)\nnative.set_threads(2)\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # hung every time before the fix
+
+
+def test_stale_extension_names_the_rebuild(monkeypatch):
+    import sys
+    import types
+
+    stale = types.ModuleType("zkernel._native")
+    stale.abi_version = lambda: native.ABI_VERSION - 1
+    monkeypatch.setitem(sys.modules, "zkernel._native", stale)
+    monkeypatch.setattr(native, "_module", None)
+    with pytest.raises(native.NativeExtensionError, match="out of date .*rebuild it"):
+        native.simd_path()

@@ -21,13 +21,23 @@ naming the file, the operation and the offsets; a read that hits the end of the
 file raises `EOFError`. A failed request does not affect any other. Files are
 created with mode 0600 and never truncated; `preallocate` reserves a file's
 blocks ahead of time (faster first writes than a growing file).
+
+Checksums: ``submit_write(..., checksum=True)`` and ``submit_read(...,
+checksum=True)`` have the I/O threads compute the CRC32C of each chunk they
+move (right before pwrite, right after pread: in parallel, while the data is at
+hand), and `wait` returns the CRC32C of the whole request, equal to
+`zkernel.native.crc32c` of its buffer. ``submit_read(..., expect_crc=crc)``
+also compares: a read whose bytes do not match raises `ChecksumError` (an
+`OSError` with errno EIO) naming the file and the byte range, so a swap file
+altered on disk is never trained on. The caller keeps each region's CRC from
+its write and passes it to the read.
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -36,7 +46,7 @@ from zkernel import native
 
 log = structlog.get_logger("zkernel")
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_THREADS", "AioHandle", "aligned_empty", "preallocate"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_THREADS", "AioHandle", "ChecksumError", "aligned_empty", "preallocate"]
 
 ALIGNMENT = 4096
 # Measured on virtio ext4 (bench/aio.py): 8-32 threads and 1-4 MiB blocks all sit at fio's
@@ -100,22 +110,32 @@ def preallocate(path: str | os.PathLike, nbytes: int) -> None:
         raise OSError(err, f"{os.strerror(err)} (preallocating {nbytes} bytes)", os.fspath(path))
 
 
-def _address_and_size(buffer: Any, writable: bool) -> tuple[int, int]:
-    if isinstance(buffer, torch.Tensor):
-        if buffer.device.type != "cpu":
-            raise ValueError(f"aio buffers must be on CPU, got a tensor on {buffer.device}")
-        if not buffer.is_contiguous():
-            raise ValueError("aio buffers must be contiguous")
-        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise ValueError("aio buffers must be C-contiguous")
-    if writable and view.readonly:
-        raise ValueError("cannot read into a read-only buffer")
-    import numpy as np
+class ChecksumError(OSError):
+    """A read's bytes do not have the CRC32C they were written with (errno EIO).
 
-    array = np.frombuffer(view.cast("B"), dtype=np.uint8)
-    return array.__array_interface__["data"][0], view.nbytes
+    ``filename`` is the file; ``offset`` and ``nbytes`` the byte range read;
+    ``expected`` and ``actual`` the CRC32C values.
+    """
+
+    def __init__(self, path: str, offset: int, nbytes: int, expected: int, actual: int) -> None:
+        where = f"offsets {offset}..{offset + nbytes - 1}" if nbytes else f"offset {offset}"
+        super().__init__(
+            errno_mod.EIO,
+            f"CRC32C mismatch reading {nbytes} bytes at {where}: expected {expected:#010x}, "
+            f"read {actual:#010x} (the file changed on disk since it was written)",
+            path,
+        )
+        self.offset = offset
+        self.nbytes = nbytes
+        self.expected = expected
+        self.actual = actual
+
+    def __reduce__(self):  # pickles across processes (OSError's default passes the wrong arguments)
+        return type(self), (self.filename, self.offset, self.nbytes, self.expected, self.actual)
+
+
+def _address_and_size(buffer: Any, writable: bool) -> tuple[int, int]:
+    return native.buffer_address(buffer, writable=writable, what="aio buffers")
 
 
 def _raise_for(result: Any) -> None:
@@ -133,6 +153,15 @@ def _raise_for(result: Any) -> None:
             f"({what}, failing at offset {result.error_offset})",
             result.path,
         )
+    if result.checksum_mismatch:
+        raise ChecksumError(result.path, result.offset, result.nbytes, result.expected_crc, result.crc32c)
+
+
+class _Completed(NamedTuple):
+    """A collected request: its id and, when it was checksummed, its CRC32C."""
+
+    request: int
+    crc32c: int | None
 
 
 class AioHandle:
@@ -175,49 +204,90 @@ class AioHandle:
 
     # -- submission --------------------------------------------------------
 
-    def submit_read(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
-        """Start reading ``len(buffer)`` bytes of ``path`` at ``offset`` into ``buffer``; return its id."""
-        return self._submit(native.load().AioOp.READ, buffer, path, offset)
+    def submit_read(
+        self,
+        buffer: Any,
+        path: str | os.PathLike,
+        offset: int = 0,
+        *,
+        checksum: bool = False,
+        expect_crc: int | None = None,
+    ) -> int:
+        """Start reading ``len(buffer)`` bytes of ``path`` at ``offset`` into ``buffer``; return its id.
 
-    def submit_write(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> int:
-        """Start writing ``buffer`` to ``path`` at ``offset`` (created 0600 if missing); return its id."""
-        return self._submit(native.load().AioOp.WRITE, buffer, path, offset)
+        ``checksum``: compute the CRC32C of the bytes read (`wait` returns it).
+        ``expect_crc``: the CRC32C these bytes were written with (implies
+        ``checksum``); collecting the request raises `ChecksumError` if they differ.
+        """
+        expected = -1
+        if expect_crc is not None:
+            expected = int(expect_crc)
+            if not 0 <= expected <= 0xFFFFFFFF:
+                raise ValueError(f"expect_crc must be a CRC32C value in 0..2**32-1, got {expect_crc}")
+        return self._submit(native.load().AioOp.READ, buffer, path, offset, checksum, expected)
 
-    def _submit(self, op: Any, buffer: Any, path: str | os.PathLike, offset: int) -> int:
+    def submit_write(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, checksum: bool = False) -> int:
+        """Start writing ``buffer`` to ``path`` at ``offset`` (created 0600 if missing); return its id.
+
+        ``checksum``: compute the CRC32C of the bytes written (`wait` returns it);
+        keep it to pass as ``expect_crc`` when reading them back.
+        """
+        return self._submit(native.load().AioOp.WRITE, buffer, path, offset, checksum, -1)
+
+    def _submit(
+        self, op: Any, buffer: Any, path: str | os.PathLike, offset: int, checksum: bool, expected_crc: int
+    ) -> int:
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
         address, nbytes = _address_and_size(buffer, writable=op == native.load().AioOp.READ)
-        request = self._engine.submit(op, address, nbytes, os.fspath(path), int(offset))
+        request = self._engine.submit(
+            op, address, nbytes, os.fspath(path), int(offset), checksum=bool(checksum), expected_crc=expected_crc
+        )
         self._buffers[request] = buffer
         return request
 
     # -- completion --------------------------------------------------------
 
-    def wait(self, request: int) -> None:
-        """Block until ``request`` completes; raise its error if it failed."""
-        self._collect(self._engine.wait(request))
+    def wait(self, request: int) -> int | None:
+        """Block until ``request`` completes; raise its error if it failed.
+
+        Returns the CRC32C of the request's bytes when it was submitted with
+        ``checksum`` or ``expect_crc``, else None.
+        """
+        return self._collect(self._engine.wait(request)).crc32c
 
     def wait_any(self) -> int:
         """Block until any uncollected request completes; return its id (or raise its error)."""
-        return self._collect(self._engine.wait_any())
+        return self._collect(self._engine.wait_any()).request
 
-    def wait_all(self) -> None:
+    def wait_any_with_crc(self) -> tuple[int, int | None]:
+        """`wait_any`, also returning the request's CRC32C (None when it was not checksummed)."""
+        completed = self._collect(self._engine.wait_any())
+        return completed.request, completed.crc32c
+
+    def wait_all(self) -> dict[int, int]:
         """Block until every outstanding request completes; raise the first failure, if any.
 
         All requests are collected either way; further failures are attached to
-        the raised exception as notes.
+        the raised exception as notes. Returns the CRC32C of each checksummed
+        request collected, by id (empty when none asked for one).
         """
         failures: list[BaseException] = []
+        crcs: dict[int, int] = {}
         for result in self._engine.wait_all():
             try:
-                self._collect(result)
+                completed = self._collect(result)
             except (OSError, EOFError) as exc:
                 failures.append(exc)
+            else:
+                if completed.crc32c is not None:
+                    crcs[completed.request] = completed.crc32c
         if failures:
             first = failures[0]
             for other in failures[1:]:
                 first.add_note(f"also failed: {other}")
             raise first
+        return crcs
 
     def done(self, request: int) -> bool:
         """Whether ``request`` has completed (poll; it stays uncollected until waited for)."""
@@ -228,22 +298,35 @@ class AioHandle:
         """Requests submitted and not yet collected."""
         return self._engine.pending()
 
-    def _collect(self, result: Any) -> int:
+    def _collect(self, result: Any) -> _Completed:
         self._buffers.pop(result.id, None)
         if result.error or result.eof:
             log.debug("zkernel.aio.failed", path=result.path, offset=result.offset, errno=result.error)
+        elif result.checksum_mismatch:
+            log.warning(
+                "zkernel.aio.checksum_mismatch", path=result.path, offset=result.offset, nbytes=result.nbytes,
+                expected=result.expected_crc, actual=result.crc32c,
+            )
         _raise_for(result)
-        return result.id
+        return _Completed(result.id, result.crc32c if result.checksummed else None)
 
     # -- synchronous helpers ------------------------------------------------
 
-    def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> None:
-        """Read into ``buffer`` and wait."""
-        self.wait(self.submit_read(buffer, path, offset))
+    def read(
+        self,
+        buffer: Any,
+        path: str | os.PathLike,
+        offset: int = 0,
+        *,
+        checksum: bool = False,
+        expect_crc: int | None = None,
+    ) -> int | None:
+        """Read into ``buffer`` and wait; the CRC32C when asked for (see `submit_read`)."""
+        return self.wait(self.submit_read(buffer, path, offset, checksum=checksum, expect_crc=expect_crc))
 
-    def write(self, buffer: Any, path: str | os.PathLike, offset: int = 0) -> None:
-        """Write ``buffer`` and wait."""
-        self.wait(self.submit_write(buffer, path, offset))
+    def write(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, checksum: bool = False) -> int | None:
+        """Write ``buffer`` and wait; the CRC32C when asked for (see `submit_write`)."""
+        return self.wait(self.submit_write(buffer, path, offset, checksum=checksum))
 
     def close(self) -> None:
         """Wait for outstanding requests (errors are discarded) and release the I/O threads."""

@@ -15,17 +15,26 @@ from __future__ import annotations
 
 import importlib
 import types
+from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
     "NativeExtensionError",
+    "adam_rollback",
     "adam_step",
+    "best_crc32c_path",
     "best_simd_path",
+    "buffer_address",
     "convert_f32",
+    "crc32c",
+    "crc32c_combine",
+    "crc32c_path",
     "load",
     "probe_adam_pattern",
     "probe_copy",
+    "set_crc32c_path",
     "set_simd_path",
     "set_threads",
     "simd_path",
@@ -39,8 +48,13 @@ BUILD_HINT = (
 )
 
 
+# The extension's abi_version() this module was written against; bumped when
+# native/bindings.cpp gains or changes functions, so a stale build is named as such.
+ABI_VERSION = 3
+
+
 class NativeExtensionError(ImportError):
-    """The compiled extension `zkernel._native` is missing or does not load."""
+    """The compiled extension `zkernel._native` is missing, does not load, or is out of date."""
 
 
 _module: types.ModuleType | None = None
@@ -56,6 +70,12 @@ def load() -> types.ModuleType:
             raise NativeExtensionError(
                 f"zkernel's native extension zkernel._native is not available ({err}); {BUILD_HINT}"
             ) from err
+        built = _native.abi_version()
+        if built != ABI_VERSION:
+            raise NativeExtensionError(
+                f"zkernel's native extension zkernel._native is out of date (ABI {built}, this checkout needs "
+                f"{ABI_VERSION}): rebuild it; {BUILD_HINT}"
+            )
         _module = _native
     return _module
 
@@ -141,6 +161,94 @@ def adam_step(
     )
 
 
+def _fp32(x: float) -> float:
+    """``x`` rounded to fp32, as the kernel rounds its hyperparameters."""
+    return float(np.float32(x))
+
+
+def adam_rollback(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    adamw: bool = True,
+    threads: int | None = None,
+) -> None:
+    """Undo one `adam_step` in place, in one pass: ``param``, ``exp_avg`` and ``exp_avg_sq`` go back to
+    their values before it, to within a few ulps.
+
+    Pass what the step got: the same ``grad`` (not modified since) and the same
+    hyperparameters, ``step`` being the count of the step undone (the caller
+    decrements its own counter). Used for speculative steps: a step started
+    before the global gradient norm was known is rolled back and redone when
+    clipping or an fp16 overflow applies. Only a step whose gradients were
+    finite can be undone (NaN/inf reached the state); check a group's gradients
+    before stepping it speculatively.
+
+    Raises ValueError when the step cannot be undone, because it overwrote
+    state: ``betas[0] == 0`` (exp_avg became the gradient), ``betas[1] == 0``
+    (exp_avg_sq became its square) or, with ``adamw``, ``lr * weight_decay == 1``
+    (the decay zeroed the parameters); callers then do not speculate.
+
+    Accuracy ([Note: rollback error] in native/cpu_adam.cpp): p within about
+    2 ulp of max(|p_before|, |p_after|); m within about 2 ulp of
+    max(|m_before|, |m_after|, (1 - beta1)|g|) / beta1; v likewise with
+    (1 - beta2) g^2 and beta2; exact zeros where the step started from zeros
+    (the first step, untouched embedding rows). A redo after the rollback
+    matches the direct step to ~1e-7 of max|p| unless the gradient was far
+    above its history (~2e-5 at 1000x) or, with Adam's L2 term, on a first step.
+    """
+    native = load()
+    n = param.numel()
+    _check_cpu_contiguous("param", param, (torch.float32,), n)
+    _check_cpu_contiguous("grad", grad, (torch.float32, torch.bfloat16), n)
+    _check_cpu_contiguous("exp_avg", exp_avg, (torch.float32,), n)
+    _check_cpu_contiguous("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count of the step being undone), got {step}")
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    if _fp32(1.0 - _fp32(1.0 - beta1)) == 0.0:
+        raise ValueError(
+            f"cannot roll back a step with beta1={beta1}: it replaced exp_avg by the gradient, "
+            "so the old exp_avg is gone (do not step speculatively with beta1 == 0)"
+        )
+    if _fp32(beta2) == 0.0:
+        raise ValueError(
+            f"cannot roll back a step with beta2={beta2}: it replaced exp_avg_sq by the squared gradient, "
+            "so the old exp_avg_sq is gone (do not step speculatively with beta2 == 0)"
+        )
+    if adamw and weight_decay != 0.0 and _fp32(1.0 - float(lr) * float(weight_decay)) == 0.0:
+        raise ValueError(
+            f"cannot roll back an AdamW step with lr * weight_decay = {float(lr) * float(weight_decay)}: "
+            "its decay factor 1 - lr * weight_decay is 0, so the step zeroed the parameters "
+            "(do not step speculatively with lr * weight_decay == 1)"
+        )
+    native.adam_rollback(
+        param.data_ptr(),
+        grad.data_ptr(),
+        native.GradDtype.BF16 if grad.dtype == torch.bfloat16 else native.GradDtype.F32,
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        n,
+        lr=float(lr),
+        beta1=beta1,
+        beta2=beta2,
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        grad_scale=float(grad_scale),
+        step=int(step),
+        adamw=bool(adamw),
+        threads=int(threads or 0),
+    )
+
+
 def convert_f32(src: torch.Tensor, dst: torch.Tensor, *, threads: int | None = None) -> None:
     """``dst.copy_(src)`` for fp32 ``src`` into bf16/fp16 ``dst`` (round to nearest even), multi-threaded."""
     native = load()
@@ -197,3 +305,81 @@ def set_threads(n: int) -> None:
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     load().set_pool_threads(int(n))
+
+
+# -- CRC32C -------------------------------------------------------------------
+
+
+def buffer_address(buffer: Any, *, writable: bool = False, what: str = "buffers") -> tuple[int, int]:
+    """(address, nbytes) of a contiguous CPU tensor or a C-contiguous buffer-protocol object.
+
+    ``writable``: refuse read-only buffers (for reads into them). ``what`` names
+    the argument in the errors.
+    """
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise ValueError(f"{what} must be on CPU, got a tensor on {buffer.device}")
+        if not buffer.is_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    try:
+        view = memoryview(buffer)
+    except TypeError as err:
+        raise TypeError(
+            f"{what} must be a CPU tensor or support the buffer protocol, got {type(buffer).__name__}"
+        ) from err
+    if not view.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError(f"cannot read into a read-only buffer ({what})")
+    array = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return array.__array_interface__["data"][0], view.nbytes
+
+
+def _check_crc(name: str, value: int) -> int:
+    value = int(value)
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise ValueError(f"{name} must be a CRC32C value in 0..2**32-1, got {value}")
+    return value
+
+
+def crc32c(data: Any, seed: int = 0, *, threads: int | None = None) -> int:
+    """CRC32C (Castagnoli, as SSE4.2's crc32 instruction computes it) of ``data``'s bytes.
+
+    ``data``: a contiguous CPU tensor of any dtype (its bytes in memory order)
+    or a C-contiguous buffer-protocol object (bytes, bytearray, memoryview,
+    numpy array). ``seed``: the CRC32C of the bytes before, so
+    ``crc32c(b, seed=crc32c(a)) == crc32c(a + b)``; 0 to start.
+    ``crc32c(b"123456789") == 0xE3069283``. Runs on the SSE4.2 instruction
+    (three interleaved lanes) where the CPU has it, else slicing-by-8 tables;
+    inputs over 1 MiB are split over the native thread pool (``threads``; None:
+    all) and the pieces' CRCs combined.
+    """
+    native = load()
+    address, nbytes = buffer_address(data, what="crc32c data")
+    return native.crc32c(address, nbytes, _check_crc("seed", seed), int(threads or 0))
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` (no data needed)."""
+    if len_b < 0:
+        raise ValueError(f"len_b must be >= 0, got {len_b}")
+    return load().crc32c_combine(_check_crc("crc_a", crc_a), _check_crc("crc_b", crc_b), int(len_b))
+
+
+def crc32c_path() -> str:
+    """The path `crc32c` uses now: ``"sse4.2"`` or ``"table"``."""
+    return load().crc32c_path()
+
+
+def best_crc32c_path() -> str:
+    """The fastest CRC32C path this CPU supports."""
+    return load().best_crc32c_path()
+
+
+def set_crc32c_path(name: str) -> None:
+    """Force ``"sse4.2"`` or ``"table"`` (for tests); ``"auto"`` restores the best."""
+    try:
+        load().set_crc32c_path(name)
+    except Exception as err:  # pybind maps std::invalid_argument to ValueError
+        raise ValueError(str(err)) from err
