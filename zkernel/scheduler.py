@@ -214,20 +214,21 @@ class Scheduler:
                 i += step
                 if nxt.gathered:
                     continue
-                if self._update_pending(nxt):
-                    break  # its step still runs on the host; later groups wait behind it too
-                self._wait_update(nxt)  # done on the host: only a stream dependency is left
                 if ahead < gather_bytes:
-                    # Shards uploaded from the host: prefetched gathers wait for their upload on the
-                    # gather stream. Shards already on the device: gathers launch in compute order.
+                    # A prefetched gather is a collective: whether it is issued must not depend on
+                    # timing (every rank issues the same gathers in the same order), so it waits
+                    # for the group's update and its upload rather than skip it.
+                    self._wait_update(nxt)
                     on_device = tier.on_compute_device
                     with contextlib.nullcontext() if on_device else self.streams.prefetch_context():
-                        if tier.to_device(nxt, consume=True, block=False):
-                            self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
-                elif ahead < device_bytes:
-                    tier.to_device(nxt, consume=False, block=False)
-                else:
-                    tier.prefetch_host(nxt)
+                        tier.to_device(nxt, consume=True, block=True)
+                        self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
+                elif not self._update_pending(nxt):  # rank-local stages: skip what is not ready
+                    self._wait_update(nxt)
+                    if ahead < device_bytes:
+                        tier.to_device(nxt, consume=False, block=False)
+                    else:
+                        tier.prefetch_host(nxt)
                 ahead += self._group_bytes[nxt.index]
 
     # -- backward ---------------------------------------------------------------

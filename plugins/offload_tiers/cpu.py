@@ -184,8 +184,9 @@ class CpuTier(OptimizerTier):
         first = not reduced.accumulate or not slot.landed
         slot.landed = True
         if not self.cuda:
+            # The window's last landing completes at once: the host worker may step the group now.
             self._pending.append((slot, reduced, first))
-            while len(self._pending) > 1:
+            while len(self._pending) > (0 if final else 1):
                 self._complete(*self._pending.popleft())
             return
         d2h = self.streams.d2h
