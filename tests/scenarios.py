@@ -178,3 +178,19 @@ def user_access(config: dict, steps: int, accum: int, micro: int, seed: int) -> 
         kept = model.block[2].weight.detach()
     after = {"kept": kept.float().cpu().clone(), "released": model.block[2].weight.numel()}
     return {"losses": losses, "values": values, "released_sizes": released_sizes, **after}
+
+
+def user_program(debug: bool) -> None:
+    """A user's training program, as written by someone who never heard of structlog.
+
+    With ``debug`` it asks for everything with ``logging.basicConfig(level=DEBUG)``;
+    without, it configures no logging at all and zkernel must print nothing.
+    """
+    import logging
+
+    if debug:
+        logging.basicConfig(level=logging.DEBUG)
+    torch.manual_seed(0)
+    cfg = {"partitioner": "zero2", "optimizer": {"name": "cpu_adam", "lr": 1e-3}, "partitioner_options": {"bucket_size": 300}}
+    engine = zkernel.initialize(TrickyNet(), cfg)
+    _train_steps(engine, steps=2, accum=1, micro=2, seed=3)

@@ -29,12 +29,12 @@ import errno as errno_mod
 import os
 from typing import Any
 
-import structlog
 import torch
 
 from zkernel import native
+from zkernel.logs import get_logger
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_THREADS", "AioHandle", "aligned_empty", "preallocate"]
 

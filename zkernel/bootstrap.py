@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import structlog
 import torch
 from torch import nn
 
@@ -13,6 +12,7 @@ from zkernel.config import Config, load_config
 from zkernel.distributed import init_distributed
 from zkernel.engine import Engine
 from zkernel.groups import ParamGroup
+from zkernel.logs import get_logger
 from zkernel.plugin_manager import (
     collect_components,
     get_plugin_manager,
@@ -21,7 +21,7 @@ from zkernel.plugin_manager import (
 )
 from zkernel.runtime import RuntimeContext
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,9 +1,9 @@
 """The ``zkernel`` command: ``plugins``, ``demo``, ``config``.
 
 The CLI is a front-end, so unlike the library it prints to stdout and
-configures structlog (`configure_logging`): console text for people or JSON
-lines (``--log-json``), INFO and above unless ``-v``, to stderr, with the
-rank bound through `structlog.contextvars` in multi-process runs.
+configures logging (`configure_logging`): zkernel's events as console text for
+people or JSON lines (``--log-json``), INFO and above unless ``-v``, to
+stderr, with the rank bound through `structlog.contextvars` in multi-process runs.
 """
 
 from __future__ import annotations
@@ -19,34 +19,52 @@ from typing import Any
 
 import structlog
 
+from zkernel.logs import get_logger
+
 # Set by torchrun in every process it starts.
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+# Name of the stderr handler `configure_logging` puts on the ``zkernel`` logger.
+_HANDLER_NAME = "zkernel.cli"
 
 
 def configure_logging(*, json_output: bool = False, verbose: bool = False, rank: int | None = None) -> None:
-    """Configure structlog for a front-end process (the library itself never does this)."""
+    """Show zkernel's events on stderr, for a front-end process (the library itself never does this).
+
+    Configures structlog for the standard library (see [Note: library logging]
+    in `zkernel.logs`) and gives the ``zkernel`` logger one stderr handler that
+    renders console text or JSON lines, at INFO, or DEBUG when ``verbose``.
+    Calling it again replaces that handler.
+    """
     level = logging.DEBUG if verbose else logging.INFO
-    processors: list[Any] = [
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True) if json_output else structlog.processors.TimeStamper(fmt="%H:%M:%S"),
     ]
     if json_output:
-        processors += [
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(),
-        ]
+        rendering: list[Any] = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     else:
-        processors += [
-            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
-            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
-        ]
+        rendering = [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
     structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *rendering],
+            foreign_pre_chain=shared,
+        )
+    )
+    logger = logging.getLogger("zkernel")
+    for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+        logger.removeHandler(old)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # the program's root handlers, if any, would print each event twice
     structlog.contextvars.clear_contextvars()
     if rank is not None:
         structlog.contextvars.bind_contextvars(rank=rank)
@@ -142,7 +160,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "-m", "zkernel.demo",
         *forwarded,
     ]  # fmt: skip
-    structlog.get_logger("zkernel.cli").info(
+    get_logger("zkernel.cli").info(
         "zkernel.demo.launch", nproc=nproc, device="cuda" if gpu else "cpu"
     )
     try:

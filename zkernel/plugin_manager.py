@@ -20,13 +20,13 @@ from typing import Any
 
 import attrs
 import pluggy
-import structlog
 
 from zkernel import hookspecs
 from zkernel.config import Config, ConfigError, build_options, section_keys
+from zkernel.logs import get_logger
 from zkernel.registry import Component, ComponentRegistry, Family
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 ENTRY_POINT_GROUP = "zkernel"
 DISTRIBUTION = "zkernel"
@@ -77,11 +77,11 @@ class InstalledPlugins:
 
 
 def new_plugin_manager(trace: bool = False) -> pluggy.PluginManager:
-    """An empty manager with zkernel's specs, tracing to structlog when asked."""
+    """An empty manager with zkernel's specs, tracing to the ``zkernel.trace`` logger when asked."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     if trace or os.environ.get(TRACE_ENV, "") not in ("", "0"):
-        writer_log = structlog.get_logger("zkernel.trace")
+        writer_log = get_logger("zkernel.trace")
         pm.trace.root.setwriter(lambda text: writer_log.debug("zkernel.hook.trace", msg=text.rstrip()))
         pm.enable_tracing()
     return pm

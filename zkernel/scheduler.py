@@ -34,15 +34,15 @@ import contextlib
 import weakref
 from collections.abc import Sequence
 
-import structlog
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zkernel.groups import ParamGroup, Phase
+from zkernel.logs import get_logger
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 
 class _ReleasedParamGuard(TorchFunctionMode):

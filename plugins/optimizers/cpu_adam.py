@@ -21,12 +21,12 @@ CPU tensors and ``step``, a 0-dim fp32 tensor, the same keys and types as the
 from __future__ import annotations
 
 import attrs
-import structlog
 import torch
 
 from zkernel import hookimpl, native
+from zkernel.logs import get_logger
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 
 def _threads(value):
