@@ -168,11 +168,18 @@ def collect_components(installed: InstalledPlugins) -> ComponentRegistry:
     return registry
 
 
-def _require(registry: ComponentRegistry, family: Family, key: str, name: str) -> Component:
+def _require(registry: ComponentRegistry, family: Family, key: str, name: str, blocked: Sequence[str] = ()) -> Component:
     component = registry.get(family, name)
     if component is None:
         installed = ", ".join(registry.names(family)) or "(none)"
-        raise ConfigError(f"{key} {name!r} is not installed; installed: {installed}")
+        hint = f"; plugins blocked by blocked_plugins or {BLOCKED_ENV} might offer it: {', '.join(blocked)}" if blocked else ""
+        raise ConfigError(
+            f"{key} {name!r} is not installed; installed: {installed}{hint}. No loaded plugin offers "
+            f"the {family.value} {name!r}: a plugin offers one from its `{_REGISTRATION_HOOKS[family]}(registry)` "
+            f"hook with `registry.add({name!r}, factory)`, and is loaded from the entry-point group "
+            f"{ENTRY_POINT_GROUP!r} of an installed package, from `zkernel.initialize(..., plugins=[module])`, "
+            "or from the config key `plugins` (`zkernel plugins` lists every installed component)"
+        )
     return component
 
 
@@ -191,10 +198,11 @@ class Selection:
 
 def resolve_components(registry: ComponentRegistry, config: Config) -> Selection:
     """Resolve every component name in ``config``, or raise `ConfigError` listing what is installed."""
-    partitioner = _require(registry, Family.PARTITIONER, "partitioner", config.partitioner)
-    optimizer = _require(registry, Family.OPTIMIZER, "optimizer.name", config.optimizer.name)
-    opt_tier = _require(registry, Family.OFFLOAD_TIER, "offload.optimizer", config.offload.optimizer)
-    par_tier = _require(registry, Family.OFFLOAD_TIER, "offload.params", config.offload.params)
+    blocked = [*config.blocked_plugins, *(n.strip() for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip())]
+    partitioner = _require(registry, Family.PARTITIONER, "partitioner", config.partitioner, blocked)
+    optimizer = _require(registry, Family.OPTIMIZER, "optimizer.name", config.optimizer.name, blocked)
+    opt_tier = _require(registry, Family.OFFLOAD_TIER, "offload.optimizer", config.offload.optimizer, blocked)
+    par_tier = _require(registry, Family.OFFLOAD_TIER, "offload.params", config.offload.params, blocked)
     tier_cls = opt_tier.options_cls if config.offload.optimizer != "none" else par_tier.options_cls
     return Selection(
         partitioner=partitioner,

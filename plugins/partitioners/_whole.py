@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zkernel.config import integer
 from zkernel.groups import ParamGroup
 
 from ._flat import FlatLayout, flatten_into, split_buckets, split_trainable, unique_named_params
@@ -25,7 +26,7 @@ class BucketOptions:
     """``partitioner_options`` of none, zero1 and zero2."""
 
     # Elements per bucket: the unit of gradient reduction and of the optimizer step.
-    bucket_size: int = attrs.field(default=25_000_000, validator=attrs.validators.gt(0))
+    bucket_size: int = attrs.field(default=25_000_000, validator=integer(minimum=1))
 
 
 @attrs.define(eq=False)
