@@ -210,21 +210,35 @@ def config_from_dict(raw: Mapping[str, Any]) -> Config:
         raise ConfigError(str(exc)) from exc
 
 
+def _from_mapping(raw: Any) -> Config:
+    from zkernel.deepspeed_config import from_deepspeed_config, is_deepspeed_config
+
+    return from_deepspeed_config(raw) if is_deepspeed_config(raw) else config_from_dict(raw)
+
+
 def load_config(source: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
-    """Load a `Config` from a `Config`, a dict, or a path to a .json or .toml file."""
+    """Load a `Config` from a `Config`, a dict, or a path to a .json or .toml file.
+
+    A DeepSpeed config (dict or .json) is recognised and mapped by
+    `zkernel.deepspeed_config.from_deepspeed_config`.
+    """
     if source is None:
         return Config()
     if isinstance(source, Config):
         return source
     if isinstance(source, Mapping):
-        return config_from_dict(source)
+        return _from_mapping(source)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         suffix = path.suffix.lower()
         if suffix == ".json":
-            return config_from_dict(json.loads(path.read_text()))
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+            return _from_mapping(raw)
         if suffix == ".toml":
             try:
                 import tomllib
@@ -235,7 +249,7 @@ def load_config(source: Config | Mapping[str, Any] | str | os.PathLike | None) -
             return config_from_dict(tomllib.loads(path.read_text()))
         raise ConfigError(f"config file {str(path)!r} must end in .json or .toml")
     raise ConfigError(
-        f"config must be a zkernel.Config, a dict or a path to .json/.toml, got {type(source).__name__}"
+        f"config must be a zkernel.Config, a dict or a path to .json/.toml (zkernel's or DeepSpeed's), got {type(source).__name__}"
     )
 
 
