@@ -194,3 +194,31 @@ def user_program(debug: bool) -> None:
     cfg = {"partitioner": "zero2", "optimizer": {"name": "cpu_adam", "lr": 1e-3}, "partitioner_options": {"bucket_size": 300}}
     engine = zkernel.initialize(TrickyNet(), cfg)
     _train_steps(engine, steps=2, accum=1, micro=2, seed=3)
+
+
+def small_gpt():
+    """The demo GPT, small: the model of the estimator's accuracy test (tests/test_estimator.py)."""
+    from zkernel.demo.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=65, seq_len=32, d_model=64, n_layers=2, n_heads=4))
+
+
+def memory_after_step(model_name: str, configs: list[dict]) -> list[dict]:
+    """For each config: memory_report after one backward (gradients at their peak) and after the step."""
+    world, rank = _world_rank()
+    out = []
+    for cfg in configs:
+        torch.manual_seed(0)
+        engine = zkernel.initialize(small_gpt() if model_name == "gpt" else TrickyNet(), cfg)
+        g = torch.Generator().manual_seed(rank)
+        if model_name == "gpt":
+            idx = torch.randint(0, 65, (2, 32), generator=g)
+            loss = engine(idx, idx)
+        else:
+            tokens = torch.randint(0, 29, (2, 6), generator=g)
+            loss = engine(tokens, tokens)
+        engine.backward(loss)
+        after_backward = engine.memory_report()
+        engine.step()
+        out.append({"backward": after_backward, "step": engine.memory_report()})
+    return out

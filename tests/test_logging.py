@@ -111,33 +111,33 @@ _PROGRAM = textwrap.dedent(
     import sys
     from tests.harness import run_ranks
     from tests.scenarios import user_program
-    run_ranks(2, user_program, sys.argv[1] == "debug")
+    run_ranks(2, user_program, False)
+    for stream in (sys.stdout, sys.stderr):
+        print("=== now with logging.basicConfig(level=DEBUG)", file=stream, flush=True)
+    run_ranks(2, user_program, True)
     """
 )
 
 
-def _run_user_program(mode: str) -> subprocess.CompletedProcess:
+def test_a_plain_program_on_two_ranks_prints_nothing_unless_it_asks():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZKERNEL_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run(
-        [sys.executable, "-c", _PROGRAM, mode], capture_output=True, text=True, timeout=180, cwd=REPO, env=env
+    result = subprocess.run(
+        [sys.executable, "-c", _PROGRAM], capture_output=True, text=True, timeout=240, cwd=REPO, env=env
     )
+    assert result.returncode == 0, result.stderr
+    marker = "=== now with logging.basicConfig(level=DEBUG)\n"
+    quiet_out, loud_out = result.stdout.split(marker)
+    quiet_err, loud_err = result.stderr.split(marker)
+    assert quiet_out == "" and quiet_err == "", (quiet_out, quiet_err)
 
-
-def test_a_plain_program_on_two_ranks_prints_nothing_unless_it_asks():
-    quiet = _run_user_program("quiet")
-    assert quiet.returncode == 0, quiet.stderr
-    assert quiet.stdout == "" and quiet.stderr == "", (quiet.stdout, quiet.stderr)
-
-    loud = _run_user_program("debug")
-    assert loud.returncode == 0, loud.stderr
-    assert loud.stdout == "", loud.stdout
-    lines = loud.stderr.splitlines()
+    assert loud_out == "", loud_out
+    lines = loud_err.splitlines()
     for rank in (0, 1):
-        assert f"DEBUG:zkernel:zkernel.dist.init backend=gloo rank={rank} world_size=2" in lines, loud.stderr
+        assert f"DEBUG:zkernel:zkernel.dist.init backend=gloo rank={rank} world_size=2" in lines, loud_err
         assert any(line.startswith("INFO:zkernel:zkernel.initialized") and f"rank={rank}" in line for line in lines)
         # Per-step context bound by the engine (structlog.contextvars) reaches the stdlib record.
         assert any(
             line.startswith("DEBUG:zkernel:zkernel.cpu_adam.state_created") and f"rank={rank} step=0" in line
             for line in lines
-        ), loud.stderr
+        ), loud_err

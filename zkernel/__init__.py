@@ -34,7 +34,7 @@ def __getattr__(name):
 
         return from_deepspeed_config
     if name == "estimate":
-        from zkernel.estimate import estimate
+        from zkernel.estimator import estimate
 
         return estimate
     if name == "Engine":
