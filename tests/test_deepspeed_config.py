@@ -212,6 +212,13 @@ def test_values_that_cannot_be_honoured_are_errors_naming_the_key(raw, message):
     assert message in str(info.value)
 
 
+def test_settings_of_a_disabled_precision_are_listed_not_errors():
+    raw = {"fp16": {"enabled": False, "loss_scale": 128}, "bf16": {"enabled": False, "bf16_optimizer_states": True}, "optimizer": {"type": "AdamW"}}
+    config, warning, _ = mapped(raw)
+    assert config.precision == "fp32"
+    assert warning["ignored"] == ["fp16.loss_scale=128 (fp16 is not enabled)", "bf16.bf16_optimizer_states (bf16 is not enabled)"]
+
+
 def test_initialize_and_load_config_recognise_a_deepspeed_file(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({**ZERO1, **TRAINING}))

@@ -263,7 +263,9 @@ def _precision(reader: _Reader, out: dict[str, Any]) -> str:
     precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
     out["precision"] = precision
     static = reader.number("fp16.loss_scale")
-    if static is not None and static > 0:
+    if static is not None and static > 0 and not fp16:
+        reader.unmapped.append(f"fp16.loss_scale={static!r} (fp16 is not enabled)")
+    elif static is not None and static > 0:
         raise ConfigError(
             f"DeepSpeed config key fp16.loss_scale {static!r} asks for a static loss scale; zkernel has only "
             "dynamic loss scaling: valid: 0 (dynamic), with fp16.initial_scale_power for its start"
@@ -277,12 +279,14 @@ def _precision(reader: _Reader, out: dict[str, Any]) -> str:
     hysteresis = reader.integer("fp16.hysteresis")
     if hysteresis is not None and hysteresis != 1:
         reader.unmapped.append(f"fp16.hysteresis={hysteresis} (the loss scale backs off on every overflow)")
-    for key, what in (
-        ("fp16.fp16_master_weights_and_grads", "fp16"),
-        ("bf16.bf16_master_weights_and_grads", "bf16"),
-        ("bf16.bf16_optimizer_states", "bf16"),
+    for key, what, enabled in (
+        ("fp16.fp16_master_weights_and_grads", "fp16", fp16),
+        ("bf16.bf16_master_weights_and_grads", "bf16", bf16),
+        ("bf16.bf16_optimizer_states", "bf16", bf16),
     ):
-        if reader.boolean(key):
+        if reader.boolean(key) and not enabled:
+            reader.unmapped.append(f"{key} ({what} is not enabled)")
+        elif reader.boolean(key):
             raise ConfigError(
                 f"DeepSpeed config key {key} is true, but zkernel keeps master weights, gradients and "
                 f"optimizer state in fp32, never {what}; valid: false"
