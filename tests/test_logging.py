@@ -15,7 +15,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from zkernel.cli import configure_logging
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from zkernel import native
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 log = get_logger()
 

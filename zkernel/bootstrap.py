@@ -12,7 +12,7 @@ from zkernel.config import Config, load_config
 from zkernel.distributed import init_distributed
 from zkernel.engine import Engine
 from zkernel.groups import ParamGroup
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 from zkernel.plugin_manager import (
     collect_components,
     get_plugin_manager,

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 # Set by torchrun in every process it starts.
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
@@ -31,7 +31,7 @@ def configure_logging(*, json_output: bool = False, verbose: bool = False, rank:
     """Show zkernel's events on stderr, for a front-end process (the library itself never does this).
 
     Configures structlog for the standard library (see [Note: library logging]
-    in `zkernel.logs`) and gives the ``zkernel`` logger one stderr handler that
+    in `zkernel.log`) and gives the ``zkernel`` logger one stderr handler that
     renders console text or JSON lines, at INFO, or DEBUG when ``verbose``.
     Calling it again replaces that handler.
     """

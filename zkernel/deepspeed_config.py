@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from zkernel.config import Config, ConfigError, config_from_dict
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 log = get_logger()
 

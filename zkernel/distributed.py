@@ -9,7 +9,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 log = get_logger()
 

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
 from zkernel.groups import ParamGroup, Phase, StepOptions
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 from zkernel.loss_scale import DynamicLossScaler
 from zkernel.scheduler import Scheduler
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 log = get_logger()
 

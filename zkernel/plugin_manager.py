@@ -23,7 +23,7 @@ import pluggy
 
 from zkernel import hookspecs
 from zkernel.config import Config, ConfigError, build_options, section_keys
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 from zkernel.registry import Component, ComponentRegistry, Family
 
 log = get_logger()

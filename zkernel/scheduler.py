@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zkernel.groups import ParamGroup, Phase
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 log = get_logger()
 

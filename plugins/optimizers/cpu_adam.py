@@ -25,7 +25,7 @@ import torch
 
 from zkernel import hookimpl, native
 from zkernel.config import boolean, integer
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 log = get_logger()
 

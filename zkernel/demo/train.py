@@ -30,7 +30,7 @@ import torch.distributed as dist
 import zkernel
 from zkernel.demo.corpus import load_corpus, sample_batch
 from zkernel.demo.gpt import GPT, GPTConfig
-from zkernel.logs import get_logger
+from zkernel.log import get_logger
 
 log = get_logger("zkernel.demo")
 
