@@ -20,7 +20,7 @@ def tiny():
     [
         ({"partitioner": "zero4"}, ["partitioner 'zero4' is not installed", "installed: none, zero1, zero2, zero3"]),
         ({"optimizer": {"name": "lamb"}}, ["optimizer.name 'lamb' is not installed", "adamw", "cpu_adam"]),
-        ({"offload": {"optimizer": "tape"}}, ["offload.optimizer 'tape' is not installed", "installed: none"]),
+        ({"offload": {"optimizer": "tape"}}, ["offload.optimizer 'tape' is not installed", "installed: cpu, none"]),
         ({"partitionr": "zero1"}, ["unknown config key 'partitionr'", "partitioner", "precision"]),
         ({"optimizer": {"lrr": 1.0}}, ["optimizer.lrr", "lr, betas, eps, weight_decay", "implementation", "decoupled_weight_decay"]),
         ({"partitioner": "zero1", "partitioner_options": {"bucket": 3}}, ["partitioner_options.bucket", "bucket_size"]),

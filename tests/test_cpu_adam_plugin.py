@@ -100,7 +100,7 @@ def test_master_off_cpu_is_a_clear_error():
     group = _group(torch.empty(8, device="meta"), torch.empty(8, device="meta"))
     options = StepOptions(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     # The message names what is wrong (where the shard lives) and the valid alternative.
-    with pytest.raises(RuntimeError, match=r'cpu_adam steps master shards that live on the CPU.*on meta.*use optimizer name "adamw"'):
+    with pytest.raises(RuntimeError, match=r'cpu_adam steps master shards on the CPU.*keeps its master shard on meta.*offload.optimizer = "cpu"'):
         cpu_adam.CpuAdam(_context()).zkernel_step_optimizer(group=group, options=options)
 
 

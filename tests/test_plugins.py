@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zkernel
-from zkernel.groups import Phase
+from zkernel.tiers import OptimizerTier
 from zkernel.hookspecs import hookimpl
 from zkernel.plugin_manager import collect_components, get_plugin_manager, list_components
 from zkernel.registry import Family
@@ -33,23 +33,53 @@ class SignSGD:
         return True
 
 
-class RecordingTier:
-    """A tier that records every step-phase fetch and release it sees."""
+class RecordingTier(OptimizerTier):
+    """A complete third-party optimizer tier: state where the master is, events recorded."""
 
     events: list = []
 
     def __init__(self, context, role) -> None:
-        self.role = role
+        assert role == "optimizer"
+        self.landing: dict[int, torch.Tensor] = {}
 
-    @hookimpl(tryfirst=True)
-    def zkernel_fetch_params(self, group, phase, boundary):
-        if phase is Phase.STEP:
-            RecordingTier.events.append(("fetch", self.role, group.name))
+    def demand(self, numel, state, compute_dtype):
+        return {}
 
-    @hookimpl(trylast=True)
-    def zkernel_release_params(self, group, phase, boundary):
-        if phase is Phase.STEP:
-            RecordingTier.events.append(("release", self.role, group.name))
+    def adopt(self, group, master, state):
+        group.master = master.clone()
+        group.optim_state = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in state}
+        group.copy_out = group.param_shard
+        self.landing[group.index] = torch.zeros_like(group.master)
+        RecordingTier.events.append(("adopt", group.name))
+
+    def land(self, group, reduced, final):
+        if reduced.work is not None:
+            reduced.work.wait()
+        landing = self.landing[group.index]
+        landing.add_(reduced.tensor) if reduced.accumulate else landing.copy_(reduced.tensor)
+        RecordingTier.events.append(("land", group.name, final))
+
+    def flush(self):
+        pass
+
+    def grad_sq_norm(self, groups):
+        return [float(self.landing[g.index].pow(2).sum()) for g in groups]
+
+    def steps_on_host(self, group):
+        return False
+
+    def acquire(self, group):
+        group.grad = self.landing[group.index]
+        RecordingTier.events.append(("acquire", group.name))
+
+    def release(self, group):
+        RecordingTier.events.append(("release", group.name))
+
+    def end_window(self, group):
+        group.grad = None
+
+    def read_master(self, group):
+        return group.master
 
 
 class ThirdPartyPlugin:
@@ -80,8 +110,9 @@ def test_plugin_in_code_supplies_optimizer_and_tier():
     assert optimizer.calls == len(engine.trainable_groups) == 1
     # sign SGD moves every weight by exactly lr
     assert torch.allclose((model.weight.detach() - before).abs(), torch.full_like(before, 0.125))
-    assert ("fetch", "optimizer", "bucket0") in RecordingTier.events
-    assert ("release", "optimizer", "bucket0") in RecordingTier.events
+    assert RecordingTier.events == [
+        ("adopt", "bucket0"), ("land", "bucket0", True), ("acquire", "bucket0"), ("release", "bucket0")
+    ]
     # an installed but unselected component never joins the run
     names = [n for n, _ in engine.plugin_manager.list_name_plugin()]
     assert "optimizer:adamw" not in names and "optimizer:sign_sgd" in names

@@ -36,10 +36,13 @@ def test_per_rank_bytes_follow_zero_accounting(world):
 
         check("none", "optimizer_state", 2 * full)
         check("none", "params", full)
-        check("none", "grads", full)
+        check("none", "grads", full, when="backward")
+        check("none", "grads", 0, slack=0)  # freed after the step, as zero_grad(set_to_none=True)
         check("zero1", "optimizer_state", 2 * shard)
         check("zero1", "params", full)
-        check("zero1", "grads", full + shard)
+        # The whole local gradient is reduce-scattered at the boundary; only the shard reaches the step.
+        check("zero1", "grads", shard, when="backward")
+        check("zero1", "grads", 0, slack=0)
         check("zero2", "optimizer_state", 2 * shard)
         check("zero2", "params", full)
         check("zero2", "grads", shard, when="backward")

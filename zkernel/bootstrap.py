@@ -1,25 +1,25 @@
-"""`initialize`: config -> plugins -> selected components -> partitioned model -> `Engine`."""
+"""`initialize`: config -> plugins -> selected components -> partitioned, placed model -> `Engine`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
-from zkernel.config import Config, load_config
-from zkernel.distributed import init_distributed
-from zkernel.engine import Engine
-from zkernel.groups import ParamGroup
+from zkernel import lifecycle
+from zkernel.config import Config, ConfigError, load_config
+from zkernel.distributed import init_distributed, local_world_size
+from zkernel.engine import Engine, EngineParts
+from zkernel.groups import OptimizerDeclaration, ParamGroup
 from zkernel.log import get_logger
-from zkernel.plugin_manager import (
-    collect_components,
-    get_plugin_manager,
-    new_plugin_manager,
-    resolve_components,
-)
+from zkernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager, resolve_components
 from zkernel.runtime import RuntimeContext
+from zkernel.streams import Streams
+from zkernel.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
 
 log = get_logger()
 
@@ -56,54 +56,144 @@ def _check_groups(module: nn.Module, groups: list[ParamGroup], partitioner: str)
         )
 
 
+def _component(obj: Any, interface: type, key: str, name: str) -> Any:
+    if not isinstance(obj, interface):
+        raise TypeError(
+            f"{key} {name!r} built a {type(obj).__name__}, which does not implement "
+            f"zkernel.tiers.{interface.__name__}"
+        )
+    return obj
+
+
+class _Placer:
+    """Places each group the partitioner yields in the tiers, checking capacity before the first."""
+
+    def __init__(self, hook, optimizer_tier: OptimizerTier, params_tier: ParamsTier, model: nn.Module, context) -> None:
+        self.hook = hook
+        self.optimizer_tier = optimizer_tier
+        self.params_tier = params_tier
+        self.context = context
+        self.trainable_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.total_numel = sum(p.numel() for p in model.parameters())
+        self.can_rollback = True
+        self._checked = False
+
+    def place(self, groups: Iterable[ParamGroup]) -> list[ParamGroup]:
+        placed = []
+        for group in groups:
+            if not self._checked:
+                self._check_capacity(group)
+            if group.param_shard is not None:
+                group.param_shard = self.params_tier.adopt(group, group.param_shard)
+            if group.requires_grad:
+                if group.master is None:
+                    raise RuntimeError(f"partitioner gave trainable group {group.name!r} no initial master")
+                declaration = self._declaration(group.master.numel())
+                self.can_rollback &= declaration.can_rollback
+                self.optimizer_tier.adopt(group, group.master, declaration.state)
+            placed.append(group)
+        return placed
+
+    def _declaration(self, numel: int) -> OptimizerDeclaration:
+        declared = self.hook.zkernel_declare_optimizer(numel=numel)
+        return declared if declared is not None else OptimizerDeclaration(state=(), can_rollback=False)
+
+    def _check_capacity(self, first: ParamGroup) -> None:
+        """Capacity check from the model's size and the partitioner's sharding, before any placement."""
+        self._checked = True
+        ctx = self.context
+        sharded = first.grad_is_shard or (first.param_shard is not None and first.param_shard.numel() < first.numel)
+        shards = ctx.world_size if sharded else 1
+        declaration = self._declaration(max(1, -(-self.trainable_numel // shards)))
+        demands: dict[Resource, int] = {}
+        parts = (
+            self.optimizer_tier.demand(-(-self.trainable_numel // shards), declaration.state, ctx.compute_dtype),
+            self.params_tier.demand(-(-self.total_numel // shards), ctx.compute_dtype),
+        )
+        for part in parts:
+            for resource, nbytes in part.items():
+                demands[resource] = demands.get(resource, 0) + nbytes
+        nvme = ctx.config.offload.nvme_path
+        check_capacity(demands, Capacity.measure(ctx.device, nvme), local_world_size(ctx.dist))
+
+
 def initialize(
     model: nn.Module,
     config: Config | Mapping[str, Any] | str | None = None,
     *,
     plugins: Sequence[Any] = (),
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> Engine:
     """Wrap ``model`` for training under ``config`` (dict, .json/.toml path or `Config`).
 
     ``plugins`` are extra plugin objects or modules with ``@zkernel.hookimpl``
     functions; their components are selectable by name like the builtins.
-    Every rank of a torchrun job must call this with the same model and config.
+    ``init_fn(module)`` initialises one module's own parameters when zero3
+    materialises a model built on the meta device (default: the module's
+    ``reset_parameters()``). Every rank of a torchrun job must call this with
+    the same model and config. The model belongs to the engine until
+    `Engine.close`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"zkernel.initialize expects a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(config)
     installed = get_plugin_manager(plugins, config=cfg)
     selection = resolve_components(collect_components(installed), cfg)
+    lifecycle.claim(model, f"partitioner {cfg.partitioner!r}")
+    try:
+        return _build(model, cfg, selection, init_fn)
+    except BaseException:
+        lifecycle.release(model)
+        raise
+
+
+def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     dist_info = init_distributed()
+    if dist_info.created_group:
+        lifecycle.own_process_group()
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     compute_dtype = COMPUTE_DTYPES[cfg.precision]
-
-    def context(options: Any = None) -> RuntimeContext:
-        return RuntimeContext(config=cfg, dist=dist_info, compute_dtype=compute_dtype, options=options)
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zkernel-host")
+    base = RuntimeContext(
+        config=cfg,
+        dist=dist_info,
+        compute_dtype=compute_dtype,
+        streams=Streams.for_device(dist_info.device),
+        host_worker=worker,
+        init_fn=init_fn,
+    )
+    optimizer = selection["optimizer.name"].build(base)
+    optimizer_tier = _component(
+        selection["offload.optimizer"].build(base), OptimizerTier, "offload.optimizer", cfg.offload.optimizer
+    )
+    params_tier = _component(
+        selection["offload.params"].build(base), ParamsTier, "offload.params", cfg.offload.params
+    )
+    placement = PlacementInfo(
+        masters_on_compute_device=optimizer_tier.masters_on_compute_device,
+        params_on_compute_device=params_tier.on_compute_device,
+    )
+    partition_context = attrs.evolve(base, placement=placement)
+    partitioner = selection["partitioner"].build(partition_context)
 
     runtime = new_plugin_manager(trace=cfg.trace_hooks)
-    components = {
-        f"partitioner:{selection.partitioner.name}": selection.partitioner.factory(
-            context(selection.partitioner_options)
-        ),
-        f"optimizer:{selection.optimizer.name}": selection.optimizer.factory(
-            context(selection.optimizer_options)
-        ),
-        f"tier:{selection.optimizer_tier.name}:optimizer": selection.optimizer_tier.factory(
-            context(selection.tier_options), "optimizer"
-        ),
-        f"tier:{selection.params_tier.name}:params": selection.params_tier.factory(
-            context(selection.tier_options), "params"
-        ),
-    }
-    for name, component in components.items():
-        runtime.register(component, name=name)
+    runtime.register(partitioner, name=f"partitioner:{cfg.partitioner}")
+    runtime.register(optimizer, name=f"optimizer:{cfg.optimizer.name}")
+    runtime.register(optimizer_tier, name=f"tier:{cfg.offload.optimizer}:optimizer")
+    if params_tier is not optimizer_tier:
+        runtime.register(params_tier, name=f"tier:{cfg.offload.params}:params")
     runtime.check_pending()
 
+    original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
     _move_buffers(model, dist_info.device, compute_dtype)
-    groups = runtime.hook.zkernel_partition_params(module=model, context=context(selection.partitioner_options))
-    if groups is None:
+    produced = runtime.hook.zkernel_partition_params(
+        module=model, context=attrs.evolve(partition_context, options=selection["partitioner"].options)
+    )
+    if produced is None:
         raise RuntimeError(f"partitioner {cfg.partitioner!r} returned no parameter groups")
+    placer = _Placer(runtime.hook, optimizer_tier, params_tier, model, partition_context)
+    groups = placer.place(produced)
     _check_groups(model, groups, cfg.partitioner)
     log.info(
         "zkernel.initialized",
@@ -112,10 +202,23 @@ def initialize(
         device=str(dist_info.device),
         partitioner=cfg.partitioner,
         optimizer=cfg.optimizer.name,
+        offload_optimizer=cfg.offload.optimizer,
+        offload_params=cfg.offload.params,
         precision=cfg.precision,
         groups=len(groups),
     )
-    return Engine(model, cfg, dist_info, runtime, groups, compute_dtype)
+    parts = EngineParts(
+        runtime_pm=runtime,
+        groups=groups,
+        compute_dtype=compute_dtype,
+        optimizer_tier=optimizer_tier,
+        params_tier=params_tier,
+        worker=worker,
+        can_rollback=placer.can_rollback and bool(groups),
+        speculate=getattr(optimizer_tier, "speculate", "never"),
+        original_dtypes=original_dtypes,
+    )
+    return Engine(model, cfg, dist_info, parts)
 
 
 def consolidate(directory) -> dict[str, torch.Tensor]:

@@ -94,7 +94,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if source.distribution and source.version:
             dist = f"{source.distribution} {source.version}"
         rows.append(
-            (component.family.value, component.name, source.name, source.origin, dist, component.description)
+            (component.family.label, component.name, source.name, source.origin, dist, component.description)
         )
     print(_table(("FAMILY", "NAME", "PLUGIN", "ORIGIN", "DISTRIBUTION", "DESCRIPTION"), rows))
     return 0

@@ -87,6 +87,15 @@ def _options(value: Any) -> Mapping[str, Any]:
     return dict(value)
 
 
+def _mapping(key: str):
+    def convert(value: Any) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a table (mapping), got {type(value).__name__}")
+        return dict(value)
+
+    return convert
+
+
 @attrs.frozen(kw_only=True)
 class OptimizerConfig:
     """``[optimizer]``: which optimizer and its hyperparameters.
@@ -107,14 +116,16 @@ class OptimizerConfig:
 
 @attrs.frozen(kw_only=True)
 class OffloadConfig:
-    """``[offload]``: the storage tier of optimizer state and of parameters."""
+    """``[offload]``: the storage tier of optimizer state and of parameters, each with its own options."""
 
     optimizer: str = attrs.field(default="none", validator=_name("offload.optimizer"))
     params: str = attrs.field(default="none", validator=_name("offload.params"))
     nvme_path: Path | None = attrs.field(
         default=None, converter=attrs.converters.optional(Path)
     )
-    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
+    # Options of the tier selected for each role, validated against that tier's own class.
+    optimizer_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_mapping("offload.optimizer_options"))
+    params_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_mapping("offload.params_options"))
 
 
 @attrs.frozen(kw_only=True)
@@ -165,6 +176,14 @@ class Config:
 _SECTIONS = {"optimizer": OptimizerConfig, "offload": OffloadConfig}
 
 
+def config_value(config: Config, dotted: str) -> Any:
+    """The value at a dotted path of ``config`` (``"offload.optimizer"``)."""
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def section_keys(section: str) -> tuple[str, ...]:
     """The keys a section takes itself, before any component's options."""
     return tuple(_field_names(_SECTIONS[section]))
@@ -175,17 +194,24 @@ def _field_names(cls: type) -> list[str]:
 
 
 def _build_section(key: str, cls: type, raw: Any) -> Any:
+    """A section from a mapping; keys it does not know are its component's options where it has
+    ``options`` (``[optimizer]``), else errors."""
     if isinstance(raw, cls):
         return raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{key} must be a table (mapping), got {type(raw).__name__}")
     known = set(_field_names(cls))
     kwargs = {k: v for k, v in raw.items() if k in known}
-    options = {k: v for k, v in raw.items() if k not in known}
-    if "options" in raw:
-        options.update(raw["options"])
-        options.pop("options", None)
-    return cls(**kwargs, options=options)
+    extra = {k: v for k, v in raw.items() if k not in known}
+    if "options" not in {a.name for a in attrs.fields(cls)}:
+        if extra:
+            raise ConfigError(
+                f"unknown config key {key}.{sorted(extra)[0]}; valid: {', '.join(_field_names(cls))}"
+            )
+        return cls(**kwargs)
+    if "options" in extra:
+        extra.update(extra.pop("options"))
+    return cls(**kwargs, options=extra)
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> Config:

@@ -23,6 +23,8 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str | None  # None when no process group is used (world size 1)
+    # Whether zkernel created the process group (then it also destroys it: `zkernel.lifecycle`).
+    created_group: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -34,6 +36,11 @@ def _compute_device(local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def local_world_size(info: DistInfo) -> int:
+    """Ranks on this machine (they share its host memory and disks)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
 
 
 def init_distributed(timeout_s: float = 600.0) -> DistInfo:
@@ -57,7 +64,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     if backend == "nccl":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
-    info = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    info = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, created_group=True)
     log.debug("zkernel.dist.init", rank=info.rank, world_size=info.world_size, backend=backend)
     return info
 

@@ -7,72 +7,123 @@ scale); partitioners average over ranks when they reduce. So the applied
 gradient is the mean over every sample of the global batch, as with DDP and
 DeepSpeed, when the loss is a per-sample mean.
 
-The optimizer phase at a boundary: fetch(STEP) for every trainable group
-(reductions finish, tiers bring state in), the global gradient norm from the
-groups' gradient shards (one all-reduce of a scalar when shards are
-partitioned), then step every group with one coefficient that folds the loss
-unscale and the clip factor, then release(STEP) (publish parameters, zero
-accumulators, write state back). An fp16 overflow anywhere shows up as a
-non-finite global norm on every rank, so all ranks skip together.
+The optimizer phase is `zkernel.step_pipeline.StepPipeline` (see its notes):
+gradients are handed to the optimizer tier as they are reduced during
+backward, the global norm is known when a boundary backward ends, and groups
+step one by one (on the host worker thread where the tier keeps them on the
+host), the step's coefficient folding the loss unscale and the clip factor.
+An fp16 overflow anywhere shows up as a non-finite global norm on every rank,
+so all ranks skip together.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import structlog
+import attrs
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from zkernel import lifecycle
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
 from zkernel.groups import ParamGroup, Phase, StepOptions
 from zkernel.log import get_logger
 from zkernel.loss_scale import DynamicLossScaler
 from zkernel.scheduler import Scheduler
+from zkernel.step_pipeline import StepPipeline
+from zkernel.tiers import OptimizerTier, ParamsTier
 
 log = get_logger()
 
 _MEMORY_CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
 
 
-class Engine:
-    """Wraps a model: call it like the model, then `backward` and `step`."""
+@attrs.frozen(kw_only=True)
+class EngineParts:
+    """What `zkernel.initialize` built for an engine."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        config: Config,
-        dist_info: DistInfo,
-        runtime_pm,
-        groups: list[ParamGroup],
-        compute_dtype: torch.dtype,
-    ) -> None:
+    runtime_pm: Any
+    groups: list[ParamGroup]
+    compute_dtype: torch.dtype
+    optimizer_tier: OptimizerTier
+    params_tier: ParamsTier
+    worker: ThreadPoolExecutor
+    can_rollback: bool
+    speculate: str
+    # (parameter name, dtype at initialize), to give the parameters back at close.
+    original_dtypes: tuple[tuple[str, torch.dtype], ...]
+
+
+class Engine:
+    """Wraps a model: call it like the model, then `backward` and `step`; `close` when done."""
+
+    def __init__(self, module: nn.Module, config: Config, dist_info: DistInfo, parts: EngineParts) -> None:
         self._module = module
         self.config = config
         self.dist = dist_info
-        self.plugin_manager = runtime_pm
-        self.hook = runtime_pm.hook
-        self.groups = groups
-        self.trainable_groups = [g for g in groups if g.requires_grad]
-        self.compute_dtype = compute_dtype
-        self.scheduler = Scheduler(self.hook, groups, config.prefetch_bytes)
+        self.plugin_manager = parts.runtime_pm
+        self.hook = parts.runtime_pm.hook
+        self.groups = parts.groups
+        self.trainable_groups = [g for g in self.groups if g.requires_grad]
+        self.compute_dtype = parts.compute_dtype
+        self.optimizer_tier = parts.optimizer_tier
+        self.params_tier = parts.params_tier
+        self._original_dtypes = parts.original_dtypes
+        self._worker = parts.worker
         self.loss_scaler = (
             DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window)
             if config.precision == "fp16"
             else None
         )
-        self.lr = config.optimizer.lr
+        opt = config.optimizer
+        hook = self.hook
+        self.pipeline = StepPipeline(
+            hook,
+            parts.optimizer_tier,
+            self.groups,
+            distributed=dist_info.distributed,
+            worker=parts.worker,
+            can_rollback=parts.can_rollback,
+            hyper=StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
+            publish=lambda group: _publish(hook, scheduler_ref, group),
+            speculate=parts.speculate,
+        )
+        self.scheduler = Scheduler(
+            hook,
+            self.groups,
+            config.prefetch_bytes,
+            on_reduced=self.pipeline.land,
+            wait_update=self.pipeline.wait_update,
+            update_pending=self.pipeline.update_pending,
+        )
+        scheduler_ref = weakref.ref(self.scheduler)
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._guard = None  # active released-parameter guard, from forward to end of backward
+        self._closed = False
+        # The finalizer must not reach the engine or the model (it would keep them alive):
+        # hook handles hold their hooks weakly, and tiers keep no reference to groups.
+        self._finalizer = weakref.finalize(
+            self,
+            _abandon,
+            id(self),
+            [weakref.ref(m) for m in module.modules()],
+            list(self.scheduler.handles),
+            parts.optimizer_tier,
+            parts.params_tier,
+            parts.worker,
+        )
+        lifecycle.register_cleanup(id(self), self._finalizer)
 
     # -- public API -----------------------------------------------------------
 
@@ -84,6 +135,15 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.dist.device
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step (may be changed between steps)."""
+        return self.pipeline.hyper.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.pipeline.hyper = attrs.evolve(self.pipeline.hyper, lr=float(value))
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -98,6 +158,7 @@ class Engine:
         (a regulariser on a weight, say) may read parameters too, as long as
         every rank does the same reads.
         """
+        self._check_open()
         args, kwargs = tree_map(self._prepare_input, (args, kwargs))
         self.scheduler.begin_forward(self.is_accumulation_boundary)
         self._enter_guard()
@@ -121,45 +182,64 @@ class Engine:
         storage of their own, so tensors taken from them stay valid after the
         block; writes to them are not propagated to the shards.
         """
+        self._check_open()
+        self.pipeline.wait_all()
         groups = [g for g in self.scheduler.bound if not g.gathered]
         with self.scheduler.plugin_call():
             for group in groups:
-                self.hook.zkernel_fetch_params(group=group, phase=Phase.USER, boundary=False)
+                self.hook.zkernel_fetch_params(group=group, phase=Phase.USER)
         try:
             yield self._module
         finally:
             with self.scheduler.plugin_call():
                 for group in groups:
-                    self.hook.zkernel_release_params(group=group, phase=Phase.USER, boundary=False)
+                    self.hook.zkernel_release_params(group=group, phase=Phase.USER)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
+        self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
+        boundary = self.is_accumulation_boundary
         scale = 1.0 / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
-        self.scheduler.begin_backward(self.is_accumulation_boundary)
+        unscale = self._unscale()
+        known = None if self._needs_norm() else unscale
+        self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
+        self.scheduler.begin_backward(boundary)
         try:
             with torch.profiler.record_function("zkernel::backward"):
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
+            norm = self.pipeline.end_backward(boundary, need_norm=self._needs_norm())
         finally:
             self._exit_guard()
+        if boundary:
+            self._coefficient = (self._coefficient_from(norm),)
 
     def step(self) -> None:
         """Count a micro-batch; at an accumulation boundary apply the optimizer and zero gradients."""
+        self._check_open()
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
         if not boundary:
             return
-        with torch.profiler.record_function("zkernel::step"), structlog.contextvars.bound_contextvars(
-            rank=self.dist.rank, step=self.global_steps
-        ):
-            self._optimizer_step()
+        if self._coefficient is None:  # no backward in this window: step on what landed (zeros)
+            self.pipeline.begin_backward(True, known=None, speculative=None)
+            self._coefficient = (self._coefficient_from(self.pipeline.end_backward(True, self._needs_norm())),)
+        (coefficient,), self._coefficient = self._coefficient, None
+        with torch.profiler.record_function("zkernel::step"), log_context(self.dist.rank, self.global_steps):
+            if coefficient is None:
+                self.skipped_steps += 1
+                if self.loss_scaler is not None:
+                    log.info("zkernel.step.skipped", reason="fp16 overflow", loss_scale=self.loss_scaler.scale)
+            self.pipeline.step(coefficient)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(coefficient is None)
         self.global_steps += 1
 
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -169,17 +249,53 @@ class Engine:
         """
         seen: set[tuple[str, int]] = set()
         report: dict[str, dict[str, int]] = {c: defaultdict(int) for c in _MEMORY_CATEGORIES}
-        for group in self.groups:
-            for contribution in self.hook.zkernel_memory_tensors(group=group):
-                for category in _MEMORY_CATEGORIES:
-                    for t in (contribution or {}).get(category, ()):
-                        storage = t.untyped_storage()
-                        key = (str(t.device), storage.data_ptr())
-                        if key in seen or storage.nbytes() == 0:
-                            continue
-                        seen.add(key)
-                        report[category][str(t.device)] += storage.nbytes()
+        contributions = [
+            c for group in self.groups for c in self.hook.zkernel_memory_tensors(group=group) if c
+        ]
+        for category in _MEMORY_CATEGORIES:
+            for contribution in contributions:
+                for t in contribution.get(category, ()):
+                    storage = t.untyped_storage()
+                    key = (str(t.device), storage.data_ptr())
+                    if key in seen or storage.nbytes() == 0:
+                        continue
+                    seen.add(key)
+                    report[category][str(t.device)] += storage.nbytes()
         return {c: dict(v) for c, v in report.items()}
+
+    def close(self) -> None:
+        """Give the model back and free everything the engine holds (collective: call on every rank).
+
+        Pending updates finish; every parameter gets its whole, current value
+        (the fp32 master for trainable ones) in storage of its own, in the dtype
+        it had at `zkernel.initialize`; hooks come off the model; tiers free
+        their memory and swap files; the host worker stops. The module can then
+        be trained on its own or wrapped by a new engine. Closing twice is a no-op.
+        """
+        if self._closed:
+            return
+        self._exit_guard()
+        self.pipeline.wait_all()
+        with self.scheduler.plugin_call():
+            for group in self.groups:
+                master = self.optimizer_tier.read_master(group) if group.requires_grad else None
+                self.hook.zkernel_restore_params(group=group, master=master)
+        with torch.no_grad():
+            for name, dtype in self._original_dtypes:
+                param = self._module.get_parameter(name)
+                if param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+        self._closed = True
+        self._finalizer.detach()
+        lifecycle.unregister_cleanup(id(self))
+        _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
+        lifecycle.release(self._module)
+        lifecycle.destroy_owned_process_group()
+        log.debug("zkernel.engine.closed", rank=self.dist.rank)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def save_checkpoint(self, directory) -> None:
         raise NotImplementedError(
@@ -192,6 +308,10 @@ class Engine:
         )
 
     # -- internals --------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this zkernel engine is closed; initialize a new one to train again")
 
     def _enter_guard(self) -> None:
         if self._guard is None:
@@ -211,63 +331,51 @@ class Engine:
             return value.to(device=self.device, dtype=self.compute_dtype)
         return value.to(self.device)
 
-    def _optimizer_step(self) -> None:
-        for group in self.trainable_groups:
-            self.hook.zkernel_fetch_params(group=group, phase=Phase.STEP, boundary=True)
-        coefficient, overflow = self._gradient_coefficient()
-        if overflow:
-            self.skipped_steps += 1
-            log.info("zkernel.step.skipped", reason="fp16 overflow", loss_scale=self.loss_scaler.scale)
-        else:
-            options = StepOptions(
-                lr=self.lr,
-                betas=self.config.optimizer.betas,
-                eps=self.config.optimizer.eps,
-                weight_decay=self.config.optimizer.weight_decay,
-                grad_scale=coefficient,
-            )
-            for group in self.trainable_groups:
-                stepped = self.hook.zkernel_step_optimizer(group=group, options=options)
-                if not stepped:
-                    raise RuntimeError(
-                        f"no optimizer stepped group {group.name!r}: the selected optimizer "
-                        f"{self.config.optimizer.name!r} returned nothing from zkernel_step_optimizer"
-                    )
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
-        for group in self.trainable_groups:
-            self.hook.zkernel_release_params(group=group, phase=Phase.STEP, boundary=True)
+    def _needs_norm(self) -> bool:
+        return self.config.gradient_clipping > 0 or self.loss_scaler is not None
 
-    def _gradient_coefficient(self) -> tuple[float, bool]:
-        """(unscale x clip coefficient, fp16 overflow) from the global gradient norm."""
-        unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        need_norm = self.config.gradient_clipping > 0 or self.loss_scaler is not None
-        if not need_norm:
-            return unscale, False
-        norm = self._global_grad_norm() * unscale
+    def _unscale(self) -> float:
+        return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _coefficient_from(self, norm: float | None) -> float | None:
+        """The step's gradient coefficient (unscale x clip) from the global norm; None to skip (overflow)."""
+        unscale = self._unscale()
+        if norm is None:
+            return unscale
+        norm *= unscale
         self.last_grad_norm = norm
-        if self.loss_scaler is not None and not math.isfinite(norm):
-            return unscale, True
-        clip = 1.0
+        if not math.isfinite(norm):
+            if self.loss_scaler is None:
+                log.warning("zkernel.step.nonfinite", step=self.global_steps, norm=norm, action="skipped")
+            return None
         max_norm = self.config.gradient_clipping
-        if max_norm > 0:
-            clip = min(1.0, max_norm / (norm + 1e-6))
-        return unscale * clip, False
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        return unscale * clip
 
-    def _global_grad_norm(self) -> float:
-        sharded, whole = [], []
-        for group in self.trainable_groups:
-            (sharded if group.grad_is_shard else whole).append(group.grad)
-        totals = []
-        for grads, reduce in ((sharded, True), (whole, False)):
-            if not grads:
-                continue
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            for norm in torch._foreach_norm(grads):
-                sq += norm.to(self.device, torch.float32) ** 2
-            if reduce and self.dist.distributed:
-                dist.all_reduce(sq)
-            totals.append(sq)
-        if not totals:
-            return 0.0
-        return float(torch.stack(totals).sum().sqrt())
+
+def log_context(rank: int, step: int):
+    import structlog
+
+    return structlog.contextvars.bound_contextvars(rank=rank, step=step)
+
+
+def _publish(hook, scheduler_ref, group: ParamGroup) -> None:
+    scheduler = scheduler_ref()
+    with scheduler.plugin_call() if scheduler is not None else contextlib.nullcontext():
+        hook.zkernel_publish_params(group=group)
+
+
+def _free(handles, optimizer_tier, params_tier, worker) -> None:
+    for handle in handles:
+        handle.remove()
+    worker.shutdown(wait=True)
+    optimizer_tier.close()
+    if params_tier is not optimizer_tier:
+        params_tier.close()
+
+
+def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker) -> None:
+    """Finalizer of an engine dropped without close (or alive at exit): local clean-up only."""
+    lifecycle.unregister_cleanup(key)
+    lifecycle.abandon(module_refs)
+    _free(handles, optimizer_tier, params_tier, worker)

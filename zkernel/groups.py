@@ -1,9 +1,9 @@
-"""The unit of dispatch: a group of parameters, and the values that cross hooks."""
+"""The unit of dispatch: a group of parameters, and the values that cross hooks and threads."""
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -15,8 +15,6 @@ class Phase(enum.Enum):
 
     FORWARD = "forward"
     BACKWARD = "backward"
-    GRADIENTS = "gradients"
-    STEP = "step"
     # User code reads the parameters (`Engine.gathered_parameters`): tensors handed
     # out must stay valid after the release.
     USER = "user"
@@ -27,9 +25,17 @@ class ParamGroup:
     """Parameters that are fetched, released, reduced and stepped together.
 
     Built by the partitioner in `zkernel_partition_params`. The kernel reads
-    ``params``, ``module`` and ``requires_grad`` to install hooks, and
-    ``master``/``grad``/``grad_is_shard`` to compute the gradient norm; the
-    optimizer reads ``master``, ``grad``, ``optim_state`` and ``copy_out``.
+    ``params``, ``module`` and ``requires_grad`` to install hooks. The buffers of
+    a trainable group have owners (DESIGN.md, "Placement"):
+
+    * the partitioner sets ``param_shard`` (the compute-dtype shard this rank
+      gathers from, or None when it gathers by casting a master that lives on
+      the compute device) and hands the initial fp32 ``master`` values over;
+    * the optimizer tier then places ``master``, allocates ``optim_state`` from
+      the optimizer's declaration, owns the landing buffer of ``grad``, and sets
+      ``copy_out``;
+    * the optimizer reads ``master``, ``grad``, ``optim_state`` and ``copy_out``.
+
     Everything under ``layout`` belongs to the partitioner that made the group.
     """
 
@@ -44,13 +50,15 @@ class ParamGroup:
     gathered: bool = True
     # This rank's fp32 slice that the optimizer updates in place.
     master: torch.Tensor | None = None
-    # Gradient for ``master``, same numel; complete once Phase.STEP was fetched.
+    # Gradient for ``master``, same numel; complete once the window's last gradient landed.
     grad: torch.Tensor | None = None
     # True when ``grad`` is this rank's shard of the global gradient (so the
     # global norm needs an all-reduce); False when every rank holds it whole.
     grad_is_shard: bool = False
     # Low-precision tensor that receives the updated ``master``, or None.
     copy_out: torch.Tensor | None = None
+    # Compute-dtype shard the partitioner publishes from after a step (see the class docstring).
+    param_shard: torch.Tensor | None = None
     optim_state: dict[str, Any] = attrs.field(factory=dict)
     layout: Any = None
 
@@ -58,6 +66,50 @@ class ParamGroup:
     def numel(self) -> int:
         """Elements of all parameters in the group, unsharded."""
         return sum(p.numel() for p in self.params) if self.layout is None else self.layout.numel
+
+
+class ReducedGradient(NamedTuple):
+    """A gradient shard the partitioner reduced, handed to the optimizer tier.
+
+    Returned by `zkernel_reduce_gradients`; the tier must not read ``tensor``
+    before ``work`` completed (``work.wait()``: on NCCL a stream dependency, on
+    gloo a host wait) and must keep ``keepalive`` referenced until then.
+    """
+
+    tensor: torch.Tensor  # fp32, same numel as the group's master, on the compute device
+    work: Any  # a collective's handle, or None when ``tensor`` is ready in stream order
+    accumulate: bool  # add to the window's earlier contributions; False for the window's first
+    keepalive: Any = None  # the collective's inputs
+
+
+@attrs.frozen
+class StateSpec:
+    """One tensor of optimizer state, declared up front (`zkernel_optimizer_state`)."""
+
+    name: str
+    dtype: torch.dtype
+    # () for a scalar (e.g. a step count), (numel,) for per-element state.
+    shape: tuple[int, ...]
+
+    @property
+    def per_element(self) -> bool:
+        return self.shape != ()
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@attrs.frozen
+class OptimizerDeclaration:
+    """What an optimizer declares up front for a group (`zkernel_declare_optimizer`)."""
+
+    state: tuple[StateSpec, ...]
+    # Whether `zkernel_rollback_optimizer` can undo a step (enables speculative steps).
+    can_rollback: bool = False
 
 
 @attrs.frozen(kw_only=True)

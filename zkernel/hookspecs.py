@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
-    from zkernel.groups import ParamGroup, Phase, StepOptions
+    from zkernel.groups import OptimizerDeclaration, ParamGroup, Phase, ReducedGradient, StepOptions
     from zkernel.registry import ComponentRegistry
     from zkernel.runtime import RuntimeContext
 
@@ -63,7 +65,10 @@ def zkernel_register_offload_tiers(registry: ComponentRegistry) -> None:
 
     Called like `zkernel_register_partitioners`. A tier factory is called as
     ``factory(context, role)`` where ``role`` is ``"optimizer"`` or
-    ``"params"``; one object per selected role joins the runtime manager.
+    ``"params"`` (``context.options``: that role's ``offload.<role>_options``)
+    and returns a `zkernel.tiers.OptimizerTier` or `zkernel.tiers.ParamsTier`
+    respectively; the kernel calls its methods, and the object also joins the
+    runtime manager.
 
     All implementations are called; results are ignored.
     """
@@ -87,21 +92,26 @@ def zkernel_register_optimizers(registry: ComponentRegistry) -> None:
 
 
 @hookspec(firstresult=True)
-def zkernel_partition_params(
-    module: torch.nn.Module, context: RuntimeContext
-) -> list[ParamGroup] | None:
+def zkernel_partition_params(module: torch.nn.Module, context: RuntimeContext) -> Iterable[ParamGroup] | None:
     """Decide who owns which slice of params, grads and optimizer state.
 
-    Called by `zkernel.initialize` once, on every rank, after the module was
-    moved to the compute device (ZeRO-3 partitioners get the module as built,
-    possibly already sharded by `zkernel.partitioned_init`).
+    Called by `zkernel.initialize` once, on every rank, after the module's
+    buffers were moved to the compute device (parameters may still be on the
+    meta device, for ZeRO-3 to materialise one unit at a time).
 
     :param module: the user's model.
-    :param context: rank, world size, device, config, process group.
-    :return: the parameter groups, in registration order, with
-        ``master``, ``grad`` and ``copy_out`` set up for the step (see
-        `zkernel.groups.ParamGroup`). Every trainable parameter is in exactly
-        one trainable group.
+    :param context: rank, world size, device, config, process group, and
+        ``context.placement`` (whether masters and parameter shards stay on the
+        compute device, see `zkernel.tiers.PlacementInfo`).
+    :return: the parameter groups in registration order, possibly lazily (a
+        generator): `initialize` places each yielded group in the tiers before
+        asking for the next, so a partitioner holds at most one group's
+        initial fp32 master on the compute device at a time. A trainable group
+        comes with ``master`` set to its initial fp32 values (this rank's
+        slice; it may be a view of ``param_shard``) and ``param_shard`` set to
+        the compute-dtype slice the partitioner publishes from after a step
+        (None when it gathers by casting a master that stays on the compute
+        device). Every trainable parameter is in exactly one trainable group.
 
     Stops at the first non-None result.
     """
@@ -113,28 +123,24 @@ def zkernel_partition_params(
 
 
 @hookspec
-def zkernel_fetch_params(group: ParamGroup, phase: Phase, boundary: bool) -> None:
-    """Make what ``phase`` needs of ``group`` present on the compute device, and wait for it.
+def zkernel_fetch_params(group: ParamGroup, phase: Phase) -> None:
+    """Make ``group``'s parameters whole on the compute device, and wait for it.
 
     Called by the scheduler on every rank:
 
     * ``Phase.FORWARD`` from the forward pre-hook of ``group.module`` (and from
       the scheduler's guard when a released parameter is used outside its own
-      module): make the parameters whole.
+      module);
     * ``Phase.BACKWARD`` when the first gradient reaches ``group.module``'s
-      outputs: make the parameters whole again for the backward.
-    * ``Phase.STEP`` for every trainable group at an accumulation boundary,
-      before the gradient norm and the optimizer step: finish outstanding
-      gradient reductions; bring the master shard, its gradient and optimizer
-      state to where the optimizer runs.
-    * ``Phase.USER`` from `Engine.gathered_parameters`, on every rank, for groups
-      whose parameters are not whole: make them whole in storage of their own,
-      so views the user keeps stay valid after the release.
+      outputs;
+    * ``Phase.USER`` from `Engine.gathered_parameters`, for groups whose
+      parameters are not whole: make them whole in storage of their own, so
+      views the user keeps stay valid after the release.
 
-    :param boundary: True when the current micro-batch ends an accumulation window.
+    Before the call the kernel has waited for any pending update of
+    ``group.param_shard`` (a step still running on the host).
 
-    All implementations are called. Tiers run first (``tryfirst``), so data is
-    brought up the hierarchy before the partitioner all-gathers it.
+    All implementations are called.
     """
 
 
@@ -143,35 +149,75 @@ def zkernel_prefetch_params(group: ParamGroup, phase: Phase) -> None:
     """Start bringing ``group``'s parameters in for ``phase`` without waiting.
 
     Called by the scheduler's prefetcher for the groups that follow the running
-    one in the traced module order, within ``prefetch_bytes``. A later
-    `zkernel_fetch_params` for the same group and phase must find the started
-    transfer and wait only for it.
+    one in the traced module order, within ``prefetch_bytes``, skipping groups
+    whose update is still running on the host. A later `zkernel_fetch_params`
+    for the same group and phase must find the started transfer and wait only
+    for it.
 
     All implementations are called.
     """
 
 
 @hookspec
-def zkernel_release_params(group: ParamGroup, phase: Phase, boundary: bool) -> None:
-    """Give back what ``phase`` no longer needs of ``group``.
+def zkernel_release_params(group: ParamGroup, phase: Phase) -> None:
+    """Drop ``group``'s gathered parameters when ``phase`` no longer needs them.
 
-    Called by the scheduler on every rank:
+    Called by the scheduler on every rank: ``Phase.FORWARD`` from the forward
+    post-hook of ``group.module``, ``Phase.BACKWARD`` once every trainable
+    parameter of the group received its gradient in this backward (or at the
+    end of backward for groups without gradients), ``Phase.USER`` at the end of
+    `Engine.gathered_parameters`. A partitioner whose parameters stay whole
+    does nothing.
 
-    * ``Phase.FORWARD`` from the forward post-hook of ``group.module``: drop
-      gathered copies (ZeRO-3) unless the partitioner keeps them.
-    * ``Phase.BACKWARD`` once every trainable parameter of the group received
-      its gradient in this backward (or at the end of backward for groups
-      without gradients): drop gathered copies.
-    * ``Phase.GRADIENTS`` right after ``Phase.BACKWARD``, for trainable groups:
-      reduce the gradients to their owners (all-reduce, reduce-scatter),
-      possibly asynchronously, accumulate into ``group.grad`` and offload them.
-      ``boundary`` tells whether the reduction may be deferred.
-    * ``Phase.STEP`` after the optimizer step (or its skip) at a boundary:
-      publish the updated parameters to the compute copies, zero the gradient
-      accumulators, write optimizer state back to its tier.
-    * ``Phase.USER`` at the end of `Engine.gathered_parameters`.
+    All implementations are called.
+    """
 
-    All implementations are called. Tiers run last (``trylast``).
+
+@hookspec(firstresult=True)
+def zkernel_reduce_gradients(group: ParamGroup, boundary: bool) -> ReducedGradient | None:
+    """Reduce ``group``'s gradients to their owners, possibly asynchronously.
+
+    Called by the scheduler on every rank for every trainable group, in the
+    same order on all ranks, once all its parameters got their gradients in a
+    backward (or at the end of backward): take each parameter's ``.grad``
+    (None counts as zeros) and drop it.
+
+    :param boundary: True when this backward ends an accumulation window.
+    :return: this rank's reduced shard with its collective's handle (see
+        `zkernel.groups.ReducedGradient`), which the kernel hands to the
+        optimizer tier; or None when the partitioner keeps accumulating locally
+        and reduces at the boundary (then it must return the window's whole
+        gradient at the boundary, with ``accumulate=False``).
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec
+def zkernel_publish_params(group: ParamGroup) -> None:
+    """Make an updated ``group.param_shard`` visible to the parameters (ZeRO-1/2: all-gather).
+
+    Called by the engine on every rank after a step updated the group, in the
+    same order on all ranks, for groups without a ``module`` (whose parameters
+    stay whole); the current stream already waits for the shard's upload.
+    Module-bound groups gather from their shard at their next fetch instead.
+
+    All implementations are called.
+    """
+
+
+@hookspec
+def zkernel_restore_params(group: ParamGroup, master: torch.Tensor | None) -> None:
+    """Give ``group``'s parameters their whole values in storage of their own, for good.
+
+    Called by `Engine.close` on every rank for every group, in the same order on
+    all ranks (the call may be collective). ``master`` is this rank's current
+    fp32 master (on any device) for trainable groups, None for frozen ones; the
+    parameters take the master's values (frozen ones their compute-dtype
+    values) on the compute device; the engine then casts each parameter back to
+    the dtype it had when `initialize` was called.
+
+    All implementations are called.
     """
 
 
@@ -181,23 +227,53 @@ def zkernel_release_params(group: ParamGroup, phase: Phase, boundary: bool) -> N
 
 
 @hookspec(firstresult=True)
+def zkernel_declare_optimizer(numel: int) -> OptimizerDeclaration | None:
+    """Declare the state the selected optimizer keeps for a group of ``numel`` elements.
+
+    Called by `zkernel.initialize` once per trainable group, before the group
+    is placed, so the optimizer tier can allocate (pin, or give swap space to)
+    the state up front; it is then handed to every step as
+    ``group.optim_state``, zero-initialised. An optimizer that declares nothing
+    gets an empty dict it may fill lazily on tiers that keep state in memory.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
 def zkernel_step_optimizer(group: ParamGroup, options: StepOptions) -> bool | None:
     """Apply one optimizer update to ``group.master`` from ``group.grad``.
 
     Called by the engine at an accumulation boundary for every trainable group
-    whose gradients are finite, on every rank, over the shard this rank owns,
-    on the device where ``group.master`` lives.
+    whose step is not skipped, on every rank, over the shard this rank owns, on
+    the device where ``group.master`` lives (the host worker thread runs it for
+    groups the tier keeps on the host; the main thread otherwise).
 
     :param group: ``master`` (fp32, updated in place), ``grad`` (same numel,
-        fp32 or bf16, *not* yet multiplied by ``options.grad_scale``),
-        ``optim_state`` (the optimizer's own dict, kept per group),
-        ``copy_out`` (None, or a low-precision tensor of the same numel that
-        must receive the updated values rounded to its dtype).
+        fp32 or bf16, *not* yet multiplied by ``options.grad_scale``; read
+        only), ``optim_state`` (the declared state), ``copy_out`` (None, or a
+        low-precision tensor of the same numel that must receive the updated
+        values rounded to its dtype).
     :param options: hyperparameters for this step and the gradient
         coefficient (unscale times clip).
     :return: True once stepped.
 
     Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def zkernel_rollback_optimizer(group: ParamGroup, options: StepOptions) -> bool | None:
+    """Undo the last `zkernel_step_optimizer` of ``group``, made with ``options``.
+
+    Called by the engine's step pipeline, in the thread that steps the group,
+    when a speculative step turns out wrong (the gradient had to be clipped, or
+    an fp16 overflow skips the step), with the same gradient still in
+    ``group.grad``. Only called for optimizers that declared
+    ``can_rollback``. ``copy_out`` need not be rewritten (a redo or the
+    unchanged shard follows).
+
+    :return: True once rolled back. Stops at the first non-None result.
     """
 
 

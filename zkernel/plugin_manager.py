@@ -22,9 +22,9 @@ import attrs
 import pluggy
 
 from zkernel import hookspecs
-from zkernel.config import Config, ConfigError, build_options, section_keys
+from zkernel.config import Config, ConfigError, build_options, config_value, section_keys
 from zkernel.log import get_logger
-from zkernel.registry import Component, ComponentRegistry, Family
+from zkernel.registry import Component, ComponentRegistry, Family, Slot
 
 log = get_logger()
 
@@ -41,16 +41,10 @@ BUILTIN_PLUGINS = {
     "partitioner_zero2": "zkernel_plugins.partitioners.zero2",
     "partitioner_zero3": "zkernel_plugins.partitioners.zero3",
     "tier_device": "zkernel_plugins.offload_tiers.device",
+    "tier_cpu": "zkernel_plugins.offload_tiers.cpu",
     "optimizer_adamw": "zkernel_plugins.optimizers.adamw",
     "optimizer_cpu_adam": "zkernel_plugins.optimizers.cpu_adam",
 }
-
-_REGISTRATION_HOOKS = {
-    Family.PARTITIONER: "zkernel_register_partitioners",
-    Family.OFFLOAD_TIER: "zkernel_register_offload_tiers",
-    Family.OPTIMIZER: "zkernel_register_optimizers",
-}
-
 
 @attrs.frozen
 class PluginSource:
@@ -161,62 +155,58 @@ def get_plugin_manager(
 def collect_components(installed: InstalledPlugins) -> ComponentRegistry:
     """Ask every installed plugin for its components, each with a registry bound to its name."""
     registry = ComponentRegistry()
-    for family, hook_name in _REGISTRATION_HOOKS.items():
-        caller = getattr(installed.pm.hook, hook_name)
+    for family in Family:
+        caller = getattr(installed.pm.hook, family.hook)
         for impl in caller.get_hookimpls():
             impl.function(registry=registry.bind(family, impl.plugin_name))
     return registry
 
 
-def _require(registry: ComponentRegistry, family: Family, key: str, name: str, blocked: Sequence[str] = ()) -> Component:
-    component = registry.get(family, name)
-    if component is None:
-        installed = ", ".join(registry.names(family)) or "(none)"
-        hint = f"; plugins blocked by blocked_plugins or {BLOCKED_ENV} might offer it: {', '.join(blocked)}" if blocked else ""
-        raise ConfigError(
-            f"{key} {name!r} is not installed; installed: {installed}{hint}. No loaded plugin offers "
-            f"the {family.value} {name!r}: a plugin offers one from its `{_REGISTRATION_HOOKS[family]}(registry)` "
-            f"hook with `registry.add({name!r}, factory)`, and is loaded from the entry-point group "
-            f"{ENTRY_POINT_GROUP!r} of an installed package, from `zkernel.initialize(..., plugins=[module])`, "
-            "or from the config key `plugins` (`zkernel plugins` lists every installed component)"
-        )
-    return component
-
-
 @attrs.frozen
-class Selection:
-    """The components one config selects, with their validated options."""
+class Selected:
+    """One resolved `Slot`: the component config names there and its validated options."""
 
-    partitioner: Component
-    partitioner_options: Any
-    optimizer: Component
-    optimizer_options: Any
-    optimizer_tier: Component
-    params_tier: Component
-    tier_options: Any
+    slot: Slot
+    component: Component
+    options: Any
+
+    def build(self, context: Any) -> Any:
+        """Call the component's factory with ``context`` (whose ``options`` are set to ours)."""
+        return self.component.factory(attrs.evolve(context, options=self.options), *self.slot.factory_args)
 
 
-def resolve_components(registry: ComponentRegistry, config: Config) -> Selection:
-    """Resolve every component name in ``config``, or raise `ConfigError` listing what is installed."""
+def _not_installed(registry: ComponentRegistry, family: Family, key: str, name: str, config: Config) -> ConfigError:
+    """What is installed for ``key``, which blocked plugins might offer ``name``, and how a plugin offers one."""
+    installed = ", ".join(registry.names(family)) or "(none)"
     blocked = [*config.blocked_plugins, *(n.strip() for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip())]
-    partitioner = _require(registry, Family.PARTITIONER, "partitioner", config.partitioner, blocked)
-    optimizer = _require(registry, Family.OPTIMIZER, "optimizer.name", config.optimizer.name, blocked)
-    opt_tier = _require(registry, Family.OFFLOAD_TIER, "offload.optimizer", config.offload.optimizer, blocked)
-    par_tier = _require(registry, Family.OFFLOAD_TIER, "offload.params", config.offload.params, blocked)
-    tier_cls = opt_tier.options_cls if config.offload.optimizer != "none" else par_tier.options_cls
-    return Selection(
-        partitioner=partitioner,
-        partitioner_options=build_options(
-            "partitioner_options", partitioner.options_cls, config.partitioner_options
-        ),
-        optimizer=optimizer,
-        optimizer_options=build_options(
-            "optimizer", optimizer.options_cls, config.optimizer.options, section_keys("optimizer")
-        ),
-        optimizer_tier=opt_tier,
-        params_tier=par_tier,
-        tier_options=build_options("offload", tier_cls, config.offload.options, section_keys("offload")),
+    hint = f"; plugins blocked by blocked_plugins or {BLOCKED_ENV} might offer it: {', '.join(blocked)}" if blocked else ""
+    return ConfigError(
+        f"{key} {name!r} is not installed; installed: {installed}{hint}. No loaded plugin offers "
+        f"the {family.label} {name!r}: a plugin offers one from its `{family.hook}(registry)` "
+        f"hook with `registry.add({name!r}, factory)`, and is loaded from the entry-point group "
+        f"{ENTRY_POINT_GROUP!r} of an installed package, from `zkernel.initialize(..., plugins=[module])`, "
+        "or from the config key `plugins` (`zkernel plugins` lists every installed component)"
     )
+
+
+def resolve_components(registry: ComponentRegistry, config: Config) -> dict[str, Selected]:
+    """Resolve every slot of every family, keyed by the slot's config key.
+
+    Raises `ConfigError` naming the key and what is installed for a name no
+    plugin offers, and for options the component does not take.
+    """
+    selection = {}
+    for family in Family:
+        for slot in family.slots:
+            name = config_value(config, slot.key)
+            component = registry.get(family, name)
+            if component is None:
+                raise _not_installed(registry, family, slot.key, name, config)
+            common = section_keys(slot.section) if slot.section else ()
+            owner = slot.section or slot.options  # where the user wrote the options
+            options = build_options(owner, component.options_cls, config_value(config, slot.options), common)
+            selection[slot.key] = Selected(slot, component, options)
+    return selection
 
 
 def list_components(installed: InstalledPlugins) -> Iterable[tuple[Component, PluginSource]]:

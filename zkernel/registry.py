@@ -1,4 +1,15 @@
-"""Named components offered by plugins, by family."""
+"""Families of selectable components, declared once, and the registry plugins fill.
+
+[Note: declaring a family] A family (partitioner, optimizer, offload tier, ...)
+is one `Family` member whose `FamilySpec` says which registration hook offers
+its components and which config keys select them (a `Slot` each: the dotted key
+holding the component's name, the dotted key holding its options, and any extra
+arguments its factory takes). `zkernel.plugin_manager` collects components by
+walking the families, `resolve_components` resolves every slot, and
+`zkernel.bootstrap.initialize` builds every selected component from the
+resolved slots, so adding a family means: its hook spec in `zkernel.hookspecs`,
+its section in `zkernel.config`, and one member here.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +20,56 @@ from typing import Any
 import attrs
 
 
-class Family(enum.Enum):
-    """Families of selectable components, each fed by one registration hook."""
+@attrs.frozen
+class Slot:
+    """One config selection of a family's component."""
 
-    PARTITIONER = "partitioner"
-    OFFLOAD_TIER = "offload tier"
-    OPTIMIZER = "optimizer"
+    # Dotted config path of the selected name, e.g. "offload.optimizer".
+    key: str
+    # Dotted config path of the component's own options (a mapping), e.g. "offload.optimizer_options".
+    options: str
+    # Dotted config path of the section whose own keys sit beside the options (named in errors), or "".
+    section: str = ""
+    # Extra positional arguments of the factory after the context, e.g. the tier's role.
+    factory_args: tuple[Any, ...] = ()
+
+
+@attrs.frozen
+class FamilySpec:
+    label: str  # as `zkernel plugins` prints it
+    hook: str  # the registration hook that offers components of this family
+    slots: tuple[Slot, ...]
+
+
+class Family(enum.Enum):
+    """Families of selectable components (see [Note: declaring a family])."""
+
+    PARTITIONER = FamilySpec(
+        "partitioner", "zkernel_register_partitioners", (Slot("partitioner", "partitioner_options"),)
+    )
+    OFFLOAD_TIER = FamilySpec(
+        "offload tier",
+        "zkernel_register_offload_tiers",
+        (
+            Slot("offload.optimizer", "offload.optimizer_options", factory_args=("optimizer",)),
+            Slot("offload.params", "offload.params_options", factory_args=("params",)),
+        ),
+    )
+    OPTIMIZER = FamilySpec(
+        "optimizer", "zkernel_register_optimizers", (Slot("optimizer.name", "optimizer.options", "optimizer"),)
+    )
+
+    @property
+    def label(self) -> str:
+        return self.value.label
+
+    @property
+    def hook(self) -> str:
+        return self.value.hook
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return self.value.slots
 
 
 @attrs.frozen
@@ -65,7 +120,7 @@ class ComponentRegistry:
         existing = self._components[self._family].get(name)
         if existing is not None:
             raise ValueError(
-                f"{self._family.value} {name!r} is offered twice: by plugin "
+                f"{self._family.label} {name!r} is offered twice: by plugin "
                 f"{existing.plugin_name!r} and by plugin {self._plugin_name!r}; "
                 "block one of them with `blocked_plugins`"
             )

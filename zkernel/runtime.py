@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -9,6 +11,8 @@ import torch
 
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
+from zkernel.streams import Streams
+from zkernel.tiers import PlacementInfo
 
 
 @attrs.frozen(kw_only=True)
@@ -21,6 +25,14 @@ class RuntimeContext:
     compute_dtype: torch.dtype
     # The selected component's own validated options (None when it takes none).
     options: Any = None
+    # Side streams for transfers (see [Note: streams and events]).
+    streams: Streams = attrs.field(factory=Streams)
+    # The engine's one host worker thread (see [Note: tier threads] in zkernel.tiers).
+    host_worker: ThreadPoolExecutor | None = None
+    # Where the tiers keep masters and parameter shards (set for the partitioner).
+    placement: PlacementInfo | None = None
+    # Initialises one module's own parameters when a meta-device model is materialised.
+    init_fn: Callable[[torch.nn.Module], None] | None = None
 
     @property
     def rank(self) -> int:

@@ -15,8 +15,15 @@ made whole around that module's forward and backward:
   that ran before it.
 * once every trainable parameter of the group got its gradient
   (post-accumulate-grad hooks, which fire once per backward even for a module
-  called twice) -> release(BACKWARD), then release(GRADIENTS).
-* `finish_backward` releases what is left (frozen groups, unused parameters).
+  called twice) -> release(BACKWARD), then the gradient handoff:
+  ``zkernel_reduce_gradients`` and, with its result, the ``on_reduced``
+  callback (the engine's step pipeline hands it to the optimizer tier).
+* `finish_backward` reduces what is left (unused parameters) and releases
+  every module-bound group, which also drops prefetches nobody consumed.
+
+Before any fetch the scheduler waits for the group's pending update (a step
+still running on the host, see `zkernel.step_pipeline`); the prefetcher skips
+groups whose update is still running.
 
 [Note: guard] A parameter used outside its own module's forward (a tied
 embedding reused as the output head, a weight read in a parent's forward) is
@@ -32,14 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from zkernel.groups import ParamGroup, Phase
+from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
 
 log = get_logger()
@@ -70,8 +77,20 @@ class _ReleasedParamGuard(TorchFunctionMode):
 class Scheduler:
     """Installs module and gradient hooks over ``groups`` and fires lifecycle hooks."""
 
-    def __init__(self, hook, groups: Sequence[ParamGroup], prefetch_bytes: int) -> None:
+    def __init__(
+        self,
+        hook,
+        groups: Sequence[ParamGroup],
+        prefetch_bytes: int,
+        *,
+        on_reduced: Callable[[ParamGroup, ReducedGradient, bool], None],
+        wait_update: Callable[[ParamGroup], None],
+        update_pending: Callable[[ParamGroup], bool],
+    ) -> None:
         self.hook = hook
+        self._on_reduced = on_reduced
+        self._wait_update = wait_update
+        self._update_pending = update_pending
         self.groups = list(groups)
         self._group_by_index = {g.index: g for g in self.groups}
         self.prefetch_bytes = prefetch_bytes
@@ -91,6 +110,7 @@ class Scheduler:
         self._reduced: set[int] = set()
         self._boundary = True
         self.in_hook = False
+        self.handles: list = []
         self._install()
 
     # -- installation ---------------------------------------------------------
@@ -98,13 +118,14 @@ class Scheduler:
     def _install(self) -> None:
         modules = {id(g.module): g.module for g in self.bound}
         for module in modules.values():
-            module.register_forward_pre_hook(self._pre_forward)
-            module.register_forward_hook(self._post_forward)
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(module.register_forward_hook(self._post_forward))
         for group in self.groups:
             if not group.requires_grad:
                 continue
             for p in group.params:
-                p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group)))
+
 
     def forward_guard(self) -> TorchFunctionMode | None:
         return _ReleasedParamGuard(self) if self.bound else None
@@ -140,11 +161,12 @@ class Scheduler:
 
     def _fetch(self, group: ParamGroup, phase: Phase) -> None:
         with torch.profiler.record_function("zkernel::fetch"), self.plugin_call():
-            self.hook.zkernel_fetch_params(group=group, phase=phase, boundary=self._boundary)
+            self._wait_update(group)
+            self.hook.zkernel_fetch_params(group=group, phase=phase)
 
     def _release(self, group: ParamGroup, phase: Phase) -> None:
         with self.plugin_call():
-            self.hook.zkernel_release_params(group=group, phase=phase, boundary=self._boundary)
+            self.hook.zkernel_release_params(group=group, phase=phase)
 
     @contextlib.contextmanager
     def plugin_call(self):
@@ -167,7 +189,8 @@ class Scheduler:
         with self.plugin_call():
             while 0 <= i < len(self.trace) and budget > 0:
                 nxt = self.trace[i]
-                if not nxt.gathered:
+                if not nxt.gathered and not self._update_pending(nxt):
+                    self._wait_update(nxt)  # done on the host: only a stream dependency is left
                     self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
                 budget -= self._group_bytes[nxt.index]
                 i += step
@@ -202,8 +225,10 @@ class Scheduler:
     def _group_grads_ready(self, group: ParamGroup) -> None:
         if group.module is not None and group.index not in self.external:
             self._release(group, Phase.BACKWARD)
-        with torch.profiler.record_function("zkernel::reduce"):
-            self._release(group, Phase.GRADIENTS)
+        with torch.profiler.record_function("zkernel::reduce"), self.plugin_call():
+            reduced = self.hook.zkernel_reduce_gradients(group=group, boundary=self._boundary)
+            if reduced is not None:
+                self._on_reduced(group, reduced, self._boundary)
         self._reduced.add(group.index)
 
     def begin_backward(self, boundary: bool) -> None:
@@ -231,8 +256,7 @@ class Scheduler:
 
     def _release_gathered(self) -> None:
         for group in self.bound:
-            if group.gathered:
-                self._release(group, Phase.BACKWARD)
+            self._release(group, Phase.BACKWARD)
 
     def _end_trace(self) -> None:
         if self.trace_done or not self._recording:

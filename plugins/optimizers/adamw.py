@@ -2,9 +2,11 @@
 
 One `torch.optim.AdamW` functional call per group (the shard is one flat fp32
 tensor), using the fused kernel where the device supports it, foreach
-otherwise. The gradient coefficient (unscale times clip) is applied to the
-gradient in place first; the fp32 result is copied into ``group.copy_out``
-when the partitioner asked for a low-precision copy.
+otherwise, on the GPU or on the CPU (with an offloaded master: a valid, slower
+choice than ``cpu_adam``). The gradient is multiplied by the step's
+coefficient (unscale times clip) into a temporary, never in place, so a step
+can be rolled back from the same gradient; the fp32 result is copied into
+``group.copy_out`` when the tier asked for a low-precision copy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from torch.optim import adamw as torch_adamw
 
 from zkernel import hookimpl
 from zkernel.config import boolean, choice
+
+from ._adam_state import adam_declaration
 
 
 @attrs.frozen(kw_only=True)
@@ -37,45 +41,51 @@ class TorchAdamW:
     def __init__(self, context) -> None:
         self.options = context.options or AdamWOptions()
 
-    def _flags(self, device: torch.device) -> dict[str, bool]:
-        impl = self.options.implementation
-        if impl == "auto":
-            impl = "fused" if _fused_supported(device) else "foreach"
-        return {"fused": impl == "fused", "foreach": impl == "foreach"}
+    @hookimpl
+    def zkernel_declare_optimizer(self, numel):
+        return adam_declaration(numel, can_rollback=False)
 
     @hookimpl
     def zkernel_step_optimizer(self, group, options) -> bool:
-        master, grad = group.master, group.grad
-        if grad.dtype != master.dtype or grad.device != master.device:
-            grad = grad.to(device=master.device, dtype=master.dtype)
-        if options.grad_scale != 1.0:
-            grad.mul_(options.grad_scale)  # the partitioner zeroes group.grad after the step
-        state = group.optim_state
-        if not state:
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-        beta1, beta2 = options.betas
-        adam = torch_adamw.adamw if self.options.decoupled_weight_decay else _adam
-        adam(
-            [master],
-            [grad],
-            [state["exp_avg"]],
-            [state["exp_avg_sq"]],
-            [],
-            [state["step"]],
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=options.lr,
-            weight_decay=options.weight_decay,
-            eps=options.eps,
-            maximize=False,
-            **self._flags(master.device),
-        )
-        if group.copy_out is not None:
-            group.copy_out.copy_(master)
+        torch_adam_step(group, options, self.options.implementation, self.options.decoupled_weight_decay)
         return True
+
+
+def torch_adam_step(group, options, implementation: str = "auto", decoupled: bool = True) -> None:
+    """One torch Adam/AdamW update of ``group.master`` (any device), ``group.grad`` read only."""
+    master, grad = group.master, group.grad
+    if grad.dtype != master.dtype or grad.device != master.device:
+        grad = grad.to(device=master.device, dtype=master.dtype)
+    if options.grad_scale != 1.0:
+        grad = grad * options.grad_scale
+    state = group.optim_state
+    if not state:  # a tier that does not allocate declared state
+        state["exp_avg"] = torch.zeros_like(master)
+        state["exp_avg_sq"] = torch.zeros_like(master)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+    if implementation == "auto":
+        implementation = "fused" if _fused_supported(master.device) else "foreach"
+    beta1, beta2 = options.betas
+    adam = torch_adamw.adamw if decoupled else _adam
+    adam(
+        [master],
+        [grad],
+        [state["exp_avg"]],
+        [state["exp_avg_sq"]],
+        [],
+        [state["step"]],
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=options.lr,
+        weight_decay=options.weight_decay,
+        eps=options.eps,
+        maximize=False,
+        fused=implementation == "fused",
+        foreach=implementation == "foreach",
+    )
+    if group.copy_out is not None:
+        group.copy_out.copy_(master)
 
 
 def _adam(*args, **kwargs):

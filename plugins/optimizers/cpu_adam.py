@@ -9,9 +9,8 @@ when there is one. That pass moves about 28 bytes per parameter (bf16 in and
 out), against about 48 for torch's sequence of upcast, scale, fused AdamW and
 down-cast. ``group.grad`` is only read, never scaled in place.
 
-When ``copy_out`` lives on a GPU, the kernel rounds into a page-locked CPU
-staging tensor kept per group, which is then copied to the GPU without blocking;
-the copy's CUDA event is waited on before that staging tensor is written again.
+A group whose master the tier keeps on the GPU (the GPU share of an
+offloaded optimizer) is stepped with torch's fused AdamW there: the same math.
 
 State per group (``group.optim_state``): ``exp_avg`` and ``exp_avg_sq`` fp32
 CPU tensors and ``step``, a 0-dim fp32 tensor, the same keys and types as the
@@ -26,6 +25,9 @@ import torch
 from zkernel import hookimpl, native
 from zkernel.config import boolean, integer
 from zkernel.log import get_logger
+
+from ._adam_state import adam_declaration
+from .adamw import torch_adam_step
 
 log = get_logger()
 
@@ -46,17 +48,22 @@ class CpuAdam:
     def __init__(self, context) -> None:
         self.options = (context.options if context is not None else None) or CpuAdamOptions()
         native.load()  # fail at selection time, naming the build step, if unbuilt
-        # Per group index: (page-locked CPU staging tensor, CUDA event of its last upload).
-        self._staging: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+
+    @hookimpl
+    def zkernel_declare_optimizer(self, numel):
+        return adam_declaration(numel, can_rollback=False)
 
     @hookimpl
     def zkernel_step_optimizer(self, group, options) -> bool:
         master = group.master
+        if master.device.type == "cuda":
+            torch_adam_step(group, options, "auto", self.options.decoupled_weight_decay)
+            return True
         if master.device.type != "cpu":
             raise RuntimeError(
-                f"cpu_adam steps master shards that live on the CPU, but group {group.name!r} keeps "
-                f"its master shard on {master.device} (no CPU offload tier is installed yet); "
-                "use optimizer name \"adamw\" to step on the device"
+                f"cpu_adam steps master shards on the CPU (natively) or on a GPU (with torch's fused "
+                f"AdamW), but group {group.name!r} keeps its master shard on {master.device}; "
+                'use offload.optimizer = "cpu" or optimizer name "adamw"'
             )
         grad = group.grad
         if grad.device.type != "cpu":
@@ -68,45 +75,23 @@ class CpuAdam:
             state["step"] = torch.zeros((), dtype=torch.float32)
             log.debug("zkernel.cpu_adam.state_created", group=group.name, numel=master.numel())
         step = state["step"]
-        if isinstance(step, torch.Tensor):
-            step.add_(1)
-            step_count = int(step.item())
-        else:
-            state["step"] = step_count = int(step) + 1
-
-        target = group.copy_out
-        out = target
-        if target is not None and target.device.type != "cpu":
-            out = self._staging_for(group.index, target)
+        step.add_(1)
         native.adam_step(
             master,
             grad,
             state["exp_avg"],
             state["exp_avg_sq"],
-            step=step_count,
+            step=int(step.item()),
             lr=options.lr,
             betas=options.betas,
             eps=options.eps,
             weight_decay=options.weight_decay,
             grad_scale=options.grad_scale,
             adamw=self.options.decoupled_weight_decay,
-            copy_out=out,
+            copy_out=group.copy_out,
             threads=self.options.threads,
         )
-        if out is not target:
-            target.copy_(out, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._staging[group.index] = (out, event)
         return True
-
-    def _staging_for(self, index: int, target: torch.Tensor) -> torch.Tensor:
-        staging, event = self._staging.get(index, (None, None))
-        if staging is None or staging.numel() != target.numel() or staging.dtype != target.dtype:
-            staging = torch.empty(target.numel(), dtype=target.dtype, pin_memory=True)
-        elif event is not None:
-            event.synchronize()  # the previous upload from it must be done before we overwrite it
-        return staging
 
 
 @hookimpl

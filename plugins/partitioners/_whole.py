@@ -2,13 +2,17 @@
 
 Parameters are cut into buckets (reverse registration order, ``bucket_size``
 elements each); each bucket becomes one `ParamGroup` whose parameters are views
-of one flat compute-dtype buffer (see [Note: flat layout] in `_flat`). The
-fp32 master is that buffer itself (or this rank's slice of it) in fp32 runs,
-and a separate fp32 copy in bf16/fp16 runs, written back through
-``group.copy_out``.
+of one flat compute-dtype buffer (see [Note: flat layout] in `_flat`). Rank
+``r`` owns slice ``r`` of it (the whole buffer without sharding): that slice is
+the group's ``param_shard``, which the optimizer's result reaches and which the
+partitioner all-gathers after a step. The initial fp32 master is that slice
+itself in fp32 runs and an fp32 copy of it otherwise; the optimizer tier
+decides where the master then lives.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import attrs
 import torch
@@ -18,7 +22,7 @@ from torch import nn
 from zkernel.config import integer
 from zkernel.groups import ParamGroup
 
-from ._flat import FlatLayout, flatten_into, split_buckets, split_trainable, unique_named_params
+from ._flat import FlatLayout, all_gather_flat, flatten_into, split_buckets, split_trainable, unique_named_params
 
 
 @attrs.frozen(kw_only=True)
@@ -35,22 +39,14 @@ class WholeState:
 
     flat: FlatLayout
     full: torch.Tensor  # compute dtype, ``padded`` elements; parameters are views of it
-    grad_full: torch.Tensor | None = None  # fp32 full gradient (persistent or transient)
-    grad_shard: torch.Tensor | None = None  # fp32 owned slice of the reduced gradient
-    work: list = attrs.field(factory=list)  # outstanding collectives
-    pending: list = attrs.field(factory=list)  # callbacks to run once ``work`` is done
+    # fp32 whole gradient accumulated locally over the window (none, zero1), or None.
+    grad_full: torch.Tensor | None = None
+    # Whether this window already handed a gradient to the optimizer tier (zero2).
+    contributed: bool = False
 
     @property
     def numel(self) -> int:
         return self.flat.numel
-
-    def finish(self) -> None:
-        for work in self.work:
-            work.wait()
-        for callback in self.pending:
-            callback()
-        self.work.clear()
-        self.pending.clear()
 
 
 def _move_frozen(frozen: list[tuple[str, nn.Parameter]], device, dtype) -> None:
@@ -58,10 +54,8 @@ def _move_frozen(frozen: list[tuple[str, nn.Parameter]], device, dtype) -> None:
         p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype)
 
 
-def build_whole_groups(
-    module: nn.Module, context, shards: int, bucket_numel: int
-) -> list[ParamGroup]:
-    """Flatten the trainable parameters into bucket groups sharded ``shards`` ways.
+def build_whole_groups(module: nn.Module, context, shards: int, bucket_numel: int) -> Iterator[ParamGroup]:
+    """Flatten the trainable parameters into bucket groups sharded ``shards`` ways, one at a time.
 
     Rank 0's values are broadcast, so every rank starts from the same model.
     """
@@ -69,53 +63,67 @@ def build_whole_groups(
     trainable, frozen = split_trainable(unique_named_params(module))
     _move_frozen(frozen, device, dtype)
     rank = context.rank if shards > 1 else 0
-    groups = []
     for index, bucket in enumerate(split_buckets(trainable, bucket_numel)):
-        names = tuple(n for n, _ in bucket)
         params = tuple(p for _, p in bucket)
         flat = FlatLayout.of(params, shards, rank)
+        full = torch.empty(flat.padded, dtype=dtype, device=device)
+        flatten_into(full, flat, [p.data for p in params])
         master_full = None
         if dtype != torch.float32:
             master_full = torch.empty(flat.padded, dtype=torch.float32, device=device)
             flatten_into(master_full, flat, [p.data.float() for p in params])
-        full = torch.empty(flat.padded, dtype=dtype, device=device)
-        flatten_into(full, flat, [p.data for p in params])
         if context.dist.distributed:
             dist.broadcast(full, src=0)
             if master_full is not None:
                 dist.broadcast(master_full, src=0)
         for p, view in zip(params, flat.views(full)):
             p.data = view
-        state = WholeState(flat=flat, full=full)
         own = flat.own if shards > 1 else slice(0, flat.padded)
-        if master_full is None:
-            master, copy_out = full[own], None
-        else:
-            master = master_full[own].clone() if shards > 1 else master_full
-            copy_out = full[own]
-        groups.append(
-            ParamGroup(
-                index=index,
-                name=f"bucket{index}",
-                params=params,
-                param_names=names,
-                requires_grad=True,
-                master=master,
-                copy_out=copy_out,
-                grad_is_shard=shards > 1,
-                layout=state,
-            )
+        param_shard = full[own]
+        master = param_shard if master_full is None else master_full[own]
+        yield ParamGroup(
+            index=index,
+            name=f"bucket{index}",
+            params=params,
+            param_names=tuple(n for n, _ in bucket),
+            requires_grad=True,
+            master=master,
+            param_shard=param_shard,
+            grad_is_shard=shards > 1,
+            layout=WholeState(flat=flat, full=full),
         )
-    return groups
+        del master_full, master
+
+
+def publish(group: ParamGroup, world: int) -> None:
+    """After a step: every rank's updated slice goes into every rank's whole parameters."""
+    if world > 1:
+        state: WholeState = group.layout
+        all_gather_flat(state.full, state.full[state.flat.own])
+
+
+def gather_master(flat: FlatLayout, master: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
+    """The whole fp32 flat buffer from every rank's master slice (collective when sharded)."""
+    shard = master.to(device=device, dtype=torch.float32)
+    if world == 1 or flat.shards == 1:
+        return shard
+    full = torch.empty(flat.padded, dtype=torch.float32, device=device)
+    all_gather_flat(full, shard)
+    return full
+
+
+def restore(group: ParamGroup, master: torch.Tensor | None, device: torch.device, world: int) -> None:
+    """Give the parameters their fp32 master values in storage of their own (`Engine.close`)."""
+    if master is None:
+        return
+    full = gather_master(group.layout.flat, master, device, world)
+    for p, view in zip(group.params, group.layout.flat.views(full)):
+        p.data = view.clone()
 
 
 def memory_of(group: ParamGroup) -> dict[str, list[torch.Tensor]]:
     state: WholeState = group.layout
-    report = {
+    return {
         "params": [state.full],
-        "grads": [t for t in (state.grad_full, state.grad_shard) if t is not None],
-        "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
+        "grads": [state.grad_full] if state.grad_full is not None else [],
     }
-    if group.copy_out is not None:
-        report["master_weights"] = [group.master]
-    return report

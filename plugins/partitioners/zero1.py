@@ -4,20 +4,19 @@ Algorithm. Parameters stay whole on every rank, flattened into buckets, and
 each rank owns one contiguous 1/N slice of every bucket. Gradients accumulate
 whole and locally in an fp32 flat buffer over the micro-batches of an
 accumulation window (no communication off the boundary); at the boundary each
-bucket is averaged by an asynchronous reduce-scatter, so every rank
-receives the averaged gradient of its own slice. The optimizer updates only
-that slice (state for 1/N of the model), and the updated slices are
-all-gathered back into every rank's whole parameters. With one rank the slice
-is the whole bucket and no collective runs.
+bucket is averaged by an asynchronous reduce-scatter, so every rank hands only
+the averaged gradient of its own slice to the optimizer tier. The optimizer
+updates only that slice (state for 1/N of the model), and the updated slices
+are all-gathered back into every rank's whole parameters. With one rank the
+slice is the whole bucket and no collective runs.
 """
 
 from __future__ import annotations
 
 from zkernel import hookimpl
-from zkernel.groups import Phase
 
-from ._flat import all_gather_flat, gather_grads, reduce_scatter_mean
-from ._whole import BucketOptions, build_whole_groups, memory_of
+from ._reduce import reduce_at_boundary
+from ._whole import BucketOptions, build_whole_groups, memory_of, publish, restore
 
 
 class Zero1:
@@ -29,32 +28,19 @@ class Zero1:
 
     @hookimpl
     def zkernel_partition_params(self, module, context):
-        world = context.world_size
-        groups = build_whole_groups(module, context, shards=world, bucket_numel=self.options.bucket_size)
-        for group in groups:
-            state = group.layout
-            state.grad_full = state.full.new_zeros(state.flat.padded, dtype=group.master.dtype)
-            state.grad_shard = state.grad_full[state.flat.own] if world == 1 else group.master.new_zeros(state.flat.shard_size)
-            group.grad = state.grad_shard
-        return groups
+        return build_whole_groups(module, context, shards=context.world_size, bucket_numel=self.options.bucket_size)
 
     @hookimpl
-    def zkernel_release_params(self, group, phase, boundary):
-        state = group.layout
-        world = self.context.world_size
-        if phase is Phase.GRADIENTS:
-            gather_grads(group.params, state.flat, state.grad_full, accumulate=True)
-            if boundary and world > 1:
-                state.work.append(reduce_scatter_mean(state.grad_shard, state.grad_full, async_op=True))
-        elif phase is Phase.STEP:
-            if world > 1:
-                all_gather_flat(state.full, state.full[state.flat.own])
-            state.grad_full.zero_()
+    def zkernel_reduce_gradients(self, group, boundary):
+        return reduce_at_boundary(group, self.context.world_size, boundary, scatter=True)
 
     @hookimpl
-    def zkernel_fetch_params(self, group, phase, boundary):
-        if phase is Phase.STEP:
-            group.layout.finish()
+    def zkernel_publish_params(self, group):
+        publish(group, self.context.world_size)
+
+    @hookimpl
+    def zkernel_restore_params(self, group, master):
+        restore(group, master, self.context.device, self.context.world_size)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

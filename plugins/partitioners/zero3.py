@@ -21,14 +21,16 @@ only its storage is freed (``resize_(0)``) and re-allocated and re-filled
 before backward; saved views see the re-gathered values. Writes into the
 buffer keep its version counter, since the values they restore are the ones
 autograd saved.
-* release(GRADIENTS): as ZeRO-2, the unit's gradients are reduce-scattered
-  asynchronously into this rank's fp32 gradient shard.
-* step: the optimizer updates the fp32 master shard. In fp32 runs the master
-  *is* the slice that is gathered; in bf16/fp16 runs no compute-dtype copy of
-  the slice is kept: each gather casts the master on the way in (2 bytes per
-  parameter and rank saved, for one shard-sized cast per gather). The
-  gradient shard lives from the first reduction of an accumulation window to
-  the end of its step.
+* reduce: as ZeRO-2, the unit's gradients are reduce-scattered
+  asynchronously and this rank's slice is handed to the optimizer tier.
+* step: the optimizer updates the fp32 master shard, and the updated values
+  reach the compute-dtype ``param_shard`` the next gather reads (the next
+  fetch waits for that update only). In fp32 runs with the master on the
+  compute device the master *is* the shard; in bf16/fp16 runs with master and
+  parameters on the compute device no compute-dtype shard is kept: each gather
+  casts the master on the way in (2 bytes per parameter and rank saved, for
+  one shard-sized cast per gather). With the master offloaded the shard is
+  its own slot, so a gather never reads fp32 over PCIe.
 
 Units smaller than ``persistence_threshold`` elements stay whole on every rank
 (gathering them costs more in latency than their memory is worth), all in one
@@ -54,7 +56,8 @@ from zkernel.config import choice, integer
 from zkernel.groups import ParamGroup, Phase
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
-from .zero2 import drop_grad_shard, launch_grad_reduction, take_grad_shard
+from ._reduce import reduce_every_micro_batch
+from ._whole import gather_master
 
 
 @attrs.frozen(kw_only=True)
@@ -72,30 +75,17 @@ class Zero3Options:
 
 @attrs.define(eq=False)
 class Zero3State:
-    """Per-group buffers of ZeRO-3 (``group.layout``)."""
+    """Per-group buffers of ZeRO-3 (``group.layout``); the shard itself is ``group.param_shard``."""
 
     flat: FlatLayout
-    # Compute-dtype slice this rank gathers from; None when it would only duplicate the
-    # fp32 master on the same device (bf16/fp16 runs): the gather then casts the master.
-    shard: torch.Tensor | None
     persistent: bool
     full: torch.Tensor  # flat buffer the parameters are views of; storage freed while released
     gathering: object = None  # all-gather in flight (a Work, or True when done synchronously), or None
-    grad_shard: torch.Tensor | None = None
-    work: list = attrs.field(factory=list)
-    pending: list = attrs.field(factory=list)
+    contributed: bool = False  # this window already handed a gradient to the optimizer tier
 
     @property
     def numel(self) -> int:
         return self.flat.numel
-
-    def finish(self) -> None:
-        for work in self.work:
-            work.wait()
-        for callback in self.pending:
-            callback()
-        self.work.clear()
-        self.pending.clear()
 
 
 def _materialize_unit(root: nn.Module, named, device: torch.device, seed: int):
@@ -129,7 +119,6 @@ class Zero3:
     def __init__(self, context) -> None:
         self.context = context
         self.options = context.options or Zero3Options()
-        self.in_flight: list = []
         self._empty: dict[tuple, torch.Tensor] = {}
 
     # -- partition ----------------------------------------------------------------
@@ -142,8 +131,11 @@ class Zero3:
 
     @hookimpl
     def zkernel_partition_params(self, module, context):
-        groups: list[ParamGroup] = []
+        return self._groups(module, context)
+
+    def _groups(self, module, context):
         persistent: dict[bool, list] = {True: [], False: []}
+        index = 0
         for unit_index, (unit_name, unit, named) in enumerate(module_units(module, self.options.units)):
             if any(p.is_meta for _, p in named):
                 named = _materialize_unit(module, named, context.device, self.options.init_seed + unit_index)
@@ -152,13 +144,25 @@ class Zero3:
                 if sum(p.numel() for _, p in part) < self.options.persistence_threshold:
                     persistent[trainable].extend(part)
                 elif part:
-                    groups.append(self._make_group(len(groups), unit_name, unit, part, trainable))
+                    yield self._make_group(index, unit_name, unit, part, trainable)
+                    index += 1
         # All small units share one always-whole group: one reduce-scatter, one
         # all-gather and one optimizer call per step instead of one per unit.
         for trainable in (True, False):
             if persistent[trainable]:
-                groups.append(self._make_group(len(groups), "<persistent>", None, persistent[trainable], trainable))
-        return groups
+                yield self._make_group(index, "<persistent>", None, persistent[trainable], trainable)
+                index += 1
+
+    def _casts_master(self, trainable: bool) -> bool:
+        """Whether gathers cast the fp32 master instead of reading a compute-dtype shard."""
+        placement = self.context.placement
+        return (
+            trainable
+            and self.context.compute_dtype != torch.float32
+            and placement is not None
+            and placement.masters_on_compute_device
+            and placement.params_on_compute_device
+        )
 
     def _make_group(self, index, unit_name, unit, named, trainable) -> ParamGroup:
         """One group over ``named``; ``unit`` None makes it persistent (whole on every rank)."""
@@ -179,8 +183,7 @@ class Zero3:
         if ctx.dist.distributed:
             dist.broadcast(full, src=0)
         persistent = unit is None
-        shard = full[flat.own].clone() if master is None else None
-        state = Zero3State(flat=flat, shard=shard, persistent=persistent, full=full)
+        shard = None if self._casts_master(trainable) else full[flat.own].clone()
         group = ParamGroup(
             index=index,
             name=unit_name or "<root>",
@@ -189,19 +192,20 @@ class Zero3:
             requires_grad=trainable,
             module=unit,
             grad_is_shard=True,
-            layout=state,
+            param_shard=shard,
+            layout=Zero3State(flat=flat, persistent=persistent, full=full),
         )
         self._point_at(group, full)
         if not persistent:
             self._free_full(group)
         if trainable:
-            group.master = state.shard if master is None else master
+            group.master = shard if master is None else master
         return group
 
-    @staticmethod
-    def _gather_source(group: ParamGroup) -> torch.Tensor:
-        state: Zero3State = group.layout
-        return state.shard if state.shard is not None else group.master.to(state.full.dtype)
+    def _gather_source(self, group: ParamGroup) -> torch.Tensor:
+        if group.param_shard is not None:
+            return group.param_shard
+        return group.master.to(self.context.compute_dtype)
 
     def _free_full(self, group: ParamGroup) -> None:
         self._point_at_placeholder(group)
@@ -219,16 +223,20 @@ class Zero3:
 
     # -- fetch / release ------------------------------------------------------------
 
+    def _gather_into(self, group: ParamGroup, full: torch.Tensor, async_op: bool):
+        """All-gather every rank's shard into ``full``; a Work when asynchronous, else True."""
+        if self.context.world_size == 1:
+            full.copy_(self._gather_source(group))
+            return True
+        work = all_gather_flat(full, self._gather_source(group), async_op=async_op)
+        return work if async_op else True
+
     def _start_gather(self, group: ParamGroup) -> None:
         state: Zero3State = group.layout
         full = state.full
         full.untyped_storage().resize_(full.numel() * full.element_size())
         with torch.autograd._unsafe_preserve_version_counter(full):
-            if self.context.world_size == 1:
-                full.copy_(state.shard if state.shard is not None else group.master)
-                state.gathering = True
-            else:
-                state.gathering = all_gather_flat(full, self._gather_source(group), async_op=True)
+            state.gathering = self._gather_into(group, full, async_op=True)
 
     @staticmethod
     def _drop_prefetch(state: Zero3State) -> None:
@@ -247,14 +255,8 @@ class Zero3:
                 self._start_gather(group)
 
     @hookimpl
-    def zkernel_fetch_params(self, group, phase, boundary):
+    def zkernel_fetch_params(self, group, phase):
         state: Zero3State = group.layout
-        if phase is Phase.STEP:
-            state.finish()
-            self.in_flight.clear()
-            self._drop_prefetch(state)
-            take_grad_shard(group)
-            return
         if group.gathered:
             return
         if phase is Phase.USER:
@@ -272,43 +274,52 @@ class Zero3:
         state: Zero3State = group.layout
         self._drop_prefetch(state)
         full = torch.empty(state.full.numel(), dtype=state.full.dtype, device=state.full.device)
-        if self.context.world_size == 1:
-            full.copy_(state.shard if state.shard is not None else group.master)
-        else:
-            all_gather_flat(full, self._gather_source(group))
+        self._gather_into(group, full, async_op=False)
         self._point_at(group, full)
 
     @hookimpl
-    def zkernel_release_params(self, group, phase, boundary):
+    def zkernel_release_params(self, group, phase):
         state: Zero3State = group.layout
+        if state.persistent:
+            return
         if phase is Phase.USER:
-            if not state.persistent and group.gathered:
+            if group.gathered:
                 self._point_at_placeholder(group)
-        elif phase in (Phase.FORWARD, Phase.BACKWARD):
-            if not state.persistent and group.gathered:
-                self._free_full(group)
-        elif phase is Phase.GRADIENTS:
-            launch_grad_reduction(group, self.context.world_size, self.in_flight)
-        elif phase is Phase.STEP:
-            if state.persistent:
-                with torch.autograd._unsafe_preserve_version_counter(state.full):
-                    if self.context.world_size > 1:
-                        all_gather_flat(state.full, self._gather_source(group))
-                    else:
-                        state.full.copy_(group.master)
-            drop_grad_shard(group)
+        elif group.gathered:
+            self._free_full(group)
+        elif phase is Phase.BACKWARD:
+            self._drop_prefetch(state)
+
+    @hookimpl
+    def zkernel_reduce_gradients(self, group, boundary):
+        return reduce_every_micro_batch(group, self.context.world_size, boundary)
+
+    @hookimpl
+    def zkernel_publish_params(self, group):
+        state: Zero3State = group.layout
+        if state.persistent:
+            with torch.autograd._unsafe_preserve_version_counter(state.full):
+                self._gather_into(group, state.full, async_op=False)
+
+    @hookimpl
+    def zkernel_restore_params(self, group, master):
+        state: Zero3State = group.layout
+        self._drop_prefetch(state)
+        device, world = self.context.device, self.context.world_size
+        if master is not None:
+            full = gather_master(state.flat, master, device, world)
+        else:
+            full = torch.empty(state.full.numel(), dtype=state.full.dtype, device=device)
+            self._gather_into(group, full, async_op=False)
+        for p, view in zip(group.params, state.flat.views(full)):
+            p.data = view.clone()
+        group.gathered = True
+        state.full = full.new_empty(0)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
         state: Zero3State = group.layout
-        report = {
-            "params": [t for t in (state.shard, state.full) if t is not None],
-            "grads": [state.grad_shard] if state.grad_shard is not None else [],
-            "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
-        }
-        if group.master is not None and group.master is not state.shard:
-            report["master_weights"] = [group.master]
-        return report
+        return {"params": [t for t in (group.param_shard, state.full) if t is not None]}
 
 
 @hookimpl

@@ -1,0 +1,297 @@
+"""The optimizer phase: gradient handoff, global norm, and a per-group step pipeline.
+
+[Note: step pipeline] The optimizer never runs as three barriers (fetch all,
+step all, release all). Per trainable group:
+
+1. backward: the partitioner reduces the group's gradient
+   (`zkernel_reduce_gradients`) and the kernel hands the `ReducedGradient`,
+   with its collective's handle, to the optimizer tier (`OptimizerTier.land`):
+   the tier sees a gradient only through this handoff, never by hook order.
+2. at the end of a boundary backward the tier completes its landings and the
+   global gradient norm is summed from each group's squared norm (device
+   scalars, plus host floats for gradients accumulated on the host), with one
+   all-reduce of a scalar for sharded gradients.
+3. the step of a group the tier keeps on the host runs on the engine's host
+   worker thread (acquire -> optimizer -> release), so it overlaps device work;
+   a group on the compute device steps inline. Jobs are submitted in the order
+   the next forward needs the parameters (the reverse of this backward's
+   landing order), groups whose parameters stay whole first, since they must be
+   published (all-gathered) before `Engine.step` returns; a module-bound group
+   (ZeRO-3) is published lazily: its next fetch waits for its update only.
+
+[Note: early and speculative steps] The gradient coefficient of a step is the
+loss-scale inverse times the clip factor. Without clipping and without fp16 it
+is known before backward, so a host group steps as soon as its last gradient
+lands, during backward. With clipping or fp16 it is known only after backward;
+the pipeline may then *speculate* (the SuperOffload technique): step with the
+coefficient that assumes no clipping, and, when the norm says otherwise, roll
+the step back (`zkernel_rollback_optimizer`) and redo it with the right
+coefficient, or only roll back on an fp16 overflow. Policy ``auto`` speculates
+when the previous step needed neither clipping nor a skip, so a run that clips
+every step pays no rollbacks. Only an optimizer that declared it can roll back
+is ever speculated on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from zkernel.groups import ParamGroup, ReducedGradient, StepOptions
+from zkernel.log import get_logger
+from zkernel.tiers import OptimizerTier
+
+log = get_logger()
+
+SPECULATE_POLICIES = ("auto", "always", "never")
+
+
+class StepPipeline:
+    """Lands gradients, computes the global norm, and steps and publishes groups in order."""
+
+    def __init__(
+        self,
+        hook,
+        tier: OptimizerTier,
+        groups: Sequence[ParamGroup],
+        *,
+        distributed: bool,
+        worker: ThreadPoolExecutor,
+        can_rollback: bool,
+        hyper: StepOptions,
+        publish: Callable[[ParamGroup], None],
+        speculate: str = "auto",
+    ) -> None:
+        if speculate not in SPECULATE_POLICIES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_POLICIES)}, got {speculate!r}")
+        self.hook = hook
+        self.tier = tier
+        self.trainable = [g for g in groups if g.requires_grad]
+        self.distributed = distributed
+        self.worker = worker
+        self.can_rollback = can_rollback
+        self.speculate = speculate
+        # Hyperparameters of the next step (the engine replaces it when ``engine.lr`` changes).
+        self.hyper = hyper
+        self._publish_params = publish
+        self._landing_order: list[ParamGroup] = []
+        self._landed: set[int] = set()
+        # Forward need order, refined after every boundary backward.
+        self._order: list[ParamGroup] = list(reversed(self.trainable))
+        # Host steps started during backward: group index -> (job, coefficient it used).
+        self._early: dict[int, tuple[Future, float]] = {}
+        self._early_coefficient: float | None = None
+        self._early_exact = False
+        self._speculative: float | None = None  # this window's no-clip coefficient
+        # Pending updates of parameter shards: group index -> job resolving to a CUDA event or None.
+        self._updates: dict[int, Future] = {}
+        self._last_clean = False  # the last boundary step applied no clip factor and no skip
+        self.rollbacks = 0
+        self.early_steps = 0
+
+    # -- backward (main thread, then autograd's thread) ------------------------
+
+    def begin_backward(self, boundary: bool, known: float | None, speculative: float | None) -> None:
+        """Before a backward. ``known``: the step's coefficient when it is known now;
+        ``speculative``: the coefficient to assume otherwise (see [Note: early and speculative steps])."""
+        self._landing_order = []
+        self._landed = set()
+        self._early_coefficient = None
+        self._early_exact = False
+        self._speculative = speculative
+        if not boundary:
+            return
+        if known is not None:
+            self._early_coefficient, self._early_exact = known, True
+        elif speculative is not None and self.can_rollback and self._want_speculation():
+            self._early_coefficient = speculative
+
+    def _want_speculation(self) -> bool:
+        if self.speculate == "never":
+            return False
+        return self.speculate == "always" or self._last_clean
+
+    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool) -> None:
+        """Hand a reduced gradient to the tier (called by the scheduler, in autograd's thread)."""
+        self.wait_update(group)  # the previous step must be done with the landing buffer
+        self.tier.land(group, reduced, final)
+        if not final:
+            return
+        self._landing_order.append(group)
+        self._landed.add(group.index)
+        if self._early_coefficient is not None and self.tier.steps_on_host(group):
+            job = self.worker.submit(self._host_step, group, self._step_options(self._early_coefficient))
+            self._early[group.index] = (job, self._early_coefficient)
+            self.early_steps += 1
+
+    def end_backward(self, boundary: bool, need_norm: bool) -> float | None:
+        """After a backward: complete landings; at a boundary return the global norm when asked."""
+        self.tier.flush()
+        if not boundary:
+            return None
+        landed = self._landing_order + [g for g in self.trainable if g.index not in self._landed]
+        self._order = list(reversed(landed))
+        return self._global_norm() if need_norm else None
+
+    def _global_norm(self) -> float:
+        sharded = [g for g in self.trainable if g.grad_is_shard]
+        whole = [g for g in self.trainable if not g.grad_is_shard]
+        total = 0.0
+        for groups, reduce in ((sharded, True), (whole, False)):
+            if not groups:
+                continue
+            device_parts, host_parts = [], 0.0
+            for sq in self.tier.grad_sq_norm(groups):
+                if isinstance(sq, Future):
+                    host_parts += sq.result()
+                elif isinstance(sq, torch.Tensor):
+                    device_parts.append(sq.reshape(()).float())
+                else:
+                    host_parts += float(sq)
+            part = torch.stack(device_parts).sum() if device_parts else torch.zeros(())
+            part = part + host_parts
+            if reduce and self.distributed:
+                part = self._all_reduce_scalar(part)
+            total += float(part)
+        return math.sqrt(total) if total >= 0 and math.isfinite(total) else float("inf")
+
+    @staticmethod
+    def _all_reduce_scalar(value: torch.Tensor) -> torch.Tensor:
+        # NCCL reduces on the device; gloo on the host.
+        if dist.get_backend() == "nccl":
+            value = value.to(torch.device("cuda", torch.cuda.current_device()))
+        else:
+            value = value.cpu()
+        dist.all_reduce(value)
+        return value
+
+    # -- step (main thread) ------------------------------------------------------
+
+    def step(self, coefficient: float | None) -> None:
+        """Apply (``coefficient`` set) or skip (None: fp16 overflow) the optimizer for every group.
+
+        The ``publish`` callable given at construction makes an updated group's parameters
+        visible (the partitioner's all-gather); it is called here for groups that are not
+        module-bound once their update is in, and never for a skipped step.
+        """
+        clean = coefficient is not None and (self._early_exact or coefficient == self._early_coefficient)
+        self._last_clean = coefficient is not None and (self._early_exact or coefficient == self._speculative)
+        eager = [g for g in self._order if g.module is None]
+        lazy = [g for g in self._order if g.module is not None]
+        for group in (*eager, *lazy):
+            if self.tier.steps_on_host(group):
+                self._updates[group.index] = self._submit_host(group, coefficient, clean)
+        for group in (*eager, *lazy):
+            if not self.tier.steps_on_host(group):
+                event = self._device_step(group, coefficient)
+                if coefficient is not None and group.module is None:
+                    self._publish(group, event)
+        for group in eager:
+            if self.tier.steps_on_host(group):
+                event = self._updates.pop(group.index).result()
+                if coefficient is not None:
+                    self._publish(group, event)
+        self._early.clear()
+        self._early_coefficient = None
+
+    def _submit_host(self, group: ParamGroup, coefficient: float | None, clean: bool) -> Future:
+        early = self._early.get(group.index)
+        if early is None:
+            if coefficient is None:
+                return self.worker.submit(self._host_skip, group)
+            return self.worker.submit(self._host_step, group, self._step_options(coefficient), True)
+        job, used = early
+        if clean:
+            return self.worker.submit(self._host_finish, job, group)
+        self.rollbacks += 1
+        redo = None if coefficient is None else self._step_options(coefficient)
+        return self.worker.submit(self._host_redo, job, group, self._step_options(used), redo)
+
+    def _step_options(self, coefficient: float) -> StepOptions:
+        return attrs.evolve(self.hyper, grad_scale=coefficient)
+
+    # Host jobs (worker thread). Each returns the event of the parameter-shard upload, or None.
+
+    def _host_step(self, group: ParamGroup, options: StepOptions, end_window: bool = False):
+        self.tier.acquire(group)
+        self._optimizer_step(group, options)
+        event = self.tier.release(group)
+        if end_window:
+            self.tier.end_window(group)
+        return event
+
+    def _host_finish(self, early: Future, group: ParamGroup):
+        event = early.result()
+        self.tier.end_window(group)
+        return event
+
+    def _host_redo(self, early: Future, group: ParamGroup, used: StepOptions, redo: StepOptions | None):
+        early.result()
+        self.tier.acquire(group)
+        rolled = self.hook.zkernel_rollback_optimizer(group=group, options=used)
+        if not rolled:
+            raise RuntimeError(
+                f"the optimizer declared it can roll a step back but did not roll back group {group.name!r}"
+            )
+        if redo is not None:
+            self._optimizer_step(group, redo)
+        event = self.tier.release(group)
+        self.tier.end_window(group)
+        return event
+
+    def _host_skip(self, group: ParamGroup):
+        self.tier.end_window(group)
+        return None
+
+    def _device_step(self, group: ParamGroup, coefficient: float | None):
+        event = None
+        if coefficient is not None:
+            self.tier.acquire(group)
+            self._optimizer_step(group, self._step_options(coefficient))
+            event = self.tier.release(group)
+        self.tier.end_window(group)
+        return event
+
+    def _optimizer_step(self, group: ParamGroup, options: StepOptions) -> None:
+        with torch.profiler.record_function("zkernel::optimizer_step"):
+            stepped = self.hook.zkernel_step_optimizer(group=group, options=options)
+        if not stepped:
+            raise RuntimeError(
+                f"no optimizer stepped group {group.name!r}: the selected optimizer returned nothing "
+                "from zkernel_step_optimizer"
+            )
+
+    def _publish(self, group: ParamGroup, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        self._publish_params(group)
+
+    # -- updates ------------------------------------------------------------------
+
+    def wait_update(self, group: ParamGroup) -> None:
+        """Block until ``group``'s pending update (if any) is in its parameter shard; the
+        current stream then waits for its upload."""
+        job = self._updates.pop(group.index, None)
+        if job is None:
+            return
+        event = job.result()
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def update_pending(self, group: ParamGroup) -> bool:
+        """Whether ``group`` has an update still running on the host (prefetch skips it)."""
+        job = self._updates.get(group.index)
+        return job is not None and not job.done()
+
+    def wait_all(self) -> None:
+        """Wait for every pending update and early step (before reads, checkpoints, close)."""
+        for group in self.trainable:
+            self.wait_update(group)
+        for job, _ in list(self._early.values()):
+            job.result()

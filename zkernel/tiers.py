@@ -1,0 +1,209 @@
+"""The tier interfaces: where each per-rank buffer of a group lives and how it moves.
+
+DESIGN.md "Placement": the partitioner decides who owns which slice; the tier
+selected for a buffer's role decides where that slice lives. Two roles:
+
+* ``offload.optimizer`` -> an `OptimizerTier`: the fp32 master, the optimizer
+  state and the landing buffer of the gradient, for every trainable group;
+* ``offload.params`` -> a `ParamsTier`: the compute-dtype parameter shard.
+
+A tier is a component like any other (factory ``factory(context, role)``
+registered through ``zkernel_register_offload_tiers``), so a third party's
+tier plugs in by name; the kernel calls the methods below directly (exactly
+one tier per role), and the tier object also joins the runtime plugin manager
+so it can implement hooks such as ``zkernel_memory_tensors``.
+
+[Note: tier threads] `OptimizerTier.land` is called from autograd's thread
+during backward, `grad_sq_norm` from the main thread at the end of backward,
+the step stages (`acquire`, `release`) from whichever thread steps the group:
+the main thread for groups the tier steps on the compute device, the engine's
+host worker thread for groups it steps on the host (`steps_on_host`). The
+worker is one thread running jobs in submission order, so work a tier submits
+to it from `land` (e.g. host-side accumulation) always precedes the step of
+the same group, which the kernel submits after the window's last landing.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+import torch
+
+from zkernel.config import ConfigError
+from zkernel.groups import ParamGroup, ReducedGradient, StateSpec
+
+
+class Resource(enum.Enum):
+    """What a tier's buffers consume, for the capacity check at `initialize`."""
+
+    DEVICE = "compute device memory"
+    HOST = "host memory"
+    DISK = "disk at offload.nvme_path"
+
+
+class OptimizerTier(abc.ABC):
+    """Holds the fp32 master, optimizer state and gradient landing buffer of trainable groups."""
+
+    #: True when every master this tier places stays on the compute device, so a
+    #: partitioner may gather by casting the master instead of keeping a compute-dtype shard.
+    masters_on_compute_device: bool = False
+
+    @abc.abstractmethod
+    def demand(self, numel: int, state: Sequence[StateSpec], compute_dtype: torch.dtype) -> dict[Resource, int]:
+        """Bytes this tier will allocate for ``numel`` master elements (all trainable groups of
+        this rank together) with per-element ``state``; called once by `initialize` before any
+        group is placed, for the capacity check."""
+
+    @abc.abstractmethod
+    def adopt(self, group: ParamGroup, master: torch.Tensor, state: Sequence[StateSpec]) -> None:
+        """Place a new trainable group: set ``group.master`` from ``master`` (initial fp32 values
+        on the compute device, possibly a view of ``group.param_shard``), allocate
+        ``group.optim_state`` (zeros, as declared), the gradient landing buffer and
+        ``group.copy_out``. Called by `initialize` once per group, as the partitioner builds them."""
+
+    @abc.abstractmethod
+    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool) -> None:
+        """Take a reduced gradient of ``group`` (see `ReducedGradient`); ``final`` when it is the
+        window's last. Must not block on the collective: later stages wait for it."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Complete every landing started so far (called at the end of every backward)."""
+
+    @abc.abstractmethod
+    def grad_sq_norm(self, group: ParamGroup) -> torch.Tensor | Future:
+        """The squared L2 norm of ``group``'s landed gradient for the window, as a 0-dim fp32
+        tensor on the compute device (no synchronisation) or a `Future` of a float computed on
+        the host. Called at an accumulation boundary after `flush`."""
+
+    @abc.abstractmethod
+    def steps_on_host(self, group: ParamGroup) -> bool:
+        """Whether ``group``'s optimizer step runs on the host (then on the engine's worker
+        thread, overlapping device work) rather than on the compute device."""
+
+    def prepare(self, group: ParamGroup) -> None:
+        """Start bringing ``group``'s master and state to where it steps, without waiting
+        (look-ahead of the step pipeline). Default: they are resident."""
+
+    def acquire(self, group: ParamGroup) -> None:
+        """Block until ``group.master``, ``group.grad`` and ``group.optim_state`` are ready for the
+        optimizer in the calling thread. Default: wait for nothing."""
+
+    @abc.abstractmethod
+    def release(self, group: ParamGroup) -> Any:
+        """After the optimizer updated ``group``: start writing its state back and bring the
+        updated compute-dtype values into ``group.param_shard``. Returns a CUDA event after which
+        ``param_shard`` holds them, or None when they are there in the compute stream's order."""
+
+    @abc.abstractmethod
+    def end_window(self, group: ParamGroup) -> None:
+        """After the step (or its skip): the next window's first landing starts from zero."""
+
+    @abc.abstractmethod
+    def read_master(self, group: ParamGroup) -> torch.Tensor:
+        """The current fp32 master values of ``group`` (for `Engine.close` and state dicts)."""
+
+    def close(self) -> None:
+        """Free buffers and files. Called once by `Engine.close` (and at interpreter exit)."""
+
+
+class ParamsTier(abc.ABC):
+    """Holds the compute-dtype parameter shard of every group (ZeRO-3 offloads it)."""
+
+    #: True when shards stay on the compute device.
+    on_compute_device: bool = True
+
+    @abc.abstractmethod
+    def demand(self, numel: int, compute_dtype: torch.dtype) -> dict[Resource, int]:
+        """Bytes this tier will allocate for ``numel`` shard elements (see `OptimizerTier.demand`)."""
+
+    @abc.abstractmethod
+    def adopt(self, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor:
+        """Place ``group``'s compute-dtype shard; return the tensor the partitioner keeps as
+        ``group.param_shard``. Called by `initialize` before the optimizer tier adopts."""
+
+    def close(self) -> None:
+        """Free buffers and files."""
+
+
+# ---------------------------------------------------------------------------
+# Placement: what `initialize` does with each group the partitioner yields
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PlacementInfo:
+    """What a partitioner may know about placement (``context.placement``)."""
+
+    # The fp32 master of every group stays on the compute device (no separate compute-dtype
+    # shard is needed when a gather can cast it).
+    masters_on_compute_device: bool
+    # Parameter shards stay on the compute device.
+    params_on_compute_device: bool
+
+
+@attrs.frozen
+class Capacity:
+    """Free bytes per resource, as `initialize` sees them (overridable for tests)."""
+
+    free: Mapping[Resource, int | None]
+
+    @classmethod
+    def measure(cls, device: torch.device, nvme_path: str | os.PathLike | None) -> Capacity:
+        free: dict[Resource, int | None] = {Resource.HOST: _available_host_bytes()}
+        free[Resource.DEVICE] = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        free[Resource.DISK] = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
+        return cls(free)
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# Host memory the capacity check leaves to everything else (the process, the OS, other ranks'
+# transient use): a tenth of what is available.
+HOST_MARGIN = 0.1
+
+
+def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_size_local: int) -> None:
+    """Raise `ConfigError` with the numbers when ``demands`` (per rank) exceed what is free.
+
+    Host memory and disk are shared by the ``world_size_local`` ranks of this machine.
+    """
+    short = []
+    for resource, need in demands.items():
+        free = capacity.free.get(resource)
+        if free is None or need <= 0:
+            continue
+        if resource is Resource.DEVICE:
+            total, usable = need, free
+        else:
+            total = need * world_size_local
+            usable = int(free * (1 - HOST_MARGIN)) if resource is Resource.HOST else free
+        if total > usable:
+            short.append(f"{resource.value}: needs {_gib(total)} ({_gib(need)} per rank), {_gib(usable)} usable")
+    if short:
+        raise ConfigError(
+            "the selected offload tiers do not fit: "
+            + "; ".join(short)
+            + ". Use more ranks, a partitioner that shards more (zero3), offload.optimizer = 'nvme' "
+            "with an offload.nvme_path on a larger disk, or free memory"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
