@@ -204,21 +204,24 @@ def small_gpt():
 
 
 def memory_after_step(model_name: str, configs: list[dict]) -> list[dict]:
-    """For each config: memory_report after one backward (gradients at their peak) and after the step."""
+    """For each config: memory_report after every backward of one accumulation window, and after the step."""
     world, rank = _world_rank()
     out = []
     for cfg in configs:
         torch.manual_seed(0)
         engine = zkernel.initialize(small_gpt() if model_name == "gpt" else TrickyNet(), cfg)
         g = torch.Generator().manual_seed(rank)
-        if model_name == "gpt":
-            idx = torch.randint(0, 65, (2, 32), generator=g)
-            loss = engine(idx, idx)
-        else:
-            tokens = torch.randint(0, 29, (2, 6), generator=g)
-            loss = engine(tokens, tokens)
-        engine.backward(loss)
-        after_backward = engine.memory_report()
-        engine.step()
-        out.append({"backward": after_backward, "step": engine.memory_report()})
+        backward = []
+        for _ in range(engine.config.gradient_accumulation_steps):
+            if model_name == "gpt":
+                idx = torch.randint(0, 65, (2, 32), generator=g)
+                loss = engine(idx, idx)
+            else:
+                tokens = torch.randint(0, 29, (2, 6), generator=g)
+                loss = engine(tokens, tokens)
+            engine.backward(loss)
+            backward.append(engine.memory_report())
+            engine.step()
+        out.append({"backward": backward, "step": engine.memory_report()})
+        engine.close()
     return out

@@ -212,6 +212,13 @@ def test_values_that_cannot_be_honoured_are_errors_naming_the_key(raw, message):
     assert message in str(info.value)
 
 
+def test_cpu_offload_without_pinned_memory_maps_to_the_tier_option():
+    raw = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}, "optimizer": {"type": "AdamW"}}
+    config, warning, _ = mapped(raw)
+    assert config.offload.optimizer == "cpu" and config.offload.optimizer_options == {"pin_memory": False}
+    assert warning is None
+
+
 def test_settings_of_a_disabled_precision_are_listed_not_errors():
     raw = {"fp16": {"enabled": False, "loss_scale": 128}, "bf16": {"enabled": False, "bf16_optimizer_states": True}, "optimizer": {"type": "AdamW"}}
     config, warning, _ = mapped(raw)

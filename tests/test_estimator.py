@@ -15,22 +15,40 @@ from zkernel.estimator import TransformerShape, estimate_activations, totals
 GPT_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "sequence": 32}  # = small_gpt()
 
 
-def configs() -> list[dict]:
+def configs(tiers) -> list[dict]:
     out = []
-    for precision in ("fp32", "bf16"):
-        for partitioner, options in [
-            ("none", {}),
-            ("none", {"bucket_size": 5000}),
-            ("zero1", {}),
-            ("zero1", {"bucket_size": 5001}),
-            ("zero2", {}),
-            ("zero2", {"bucket_size": 4099}),
-            ("zero3", {}),  # default threshold: every unit of this small model stays whole
-            ("zero3", {"persistence_threshold": 0}),
-            ("zero3", {"persistence_threshold": 5000}),  # the large linears sharded, the rest whole
-            ("zero3", {"persistence_threshold": 0, "units": "blocks"}),
-        ]:
-            out.append({"partitioner": partitioner, "precision": precision, "partitioner_options": options})
+    for tier in tiers:
+        for precision in ("fp32", "bf16"):
+            for partitioner, options in [
+                ("none", {}),
+                ("none", {"bucket_size": 5000}),
+                ("zero1", {}),
+                ("zero1", {"bucket_size": 5001}),
+                ("zero2", {}),
+                ("zero2", {"bucket_size": 4099}),
+                ("zero3", {}),  # default threshold: every unit of this small model stays whole
+                ("zero3", {"persistence_threshold": 0}),
+                ("zero3", {"persistence_threshold": 5000}),  # the large linears sharded, the rest whole
+                ("zero3", {"persistence_threshold": 0, "units": "blocks"}),
+            ]:
+                out.append(
+                    {
+                        "partitioner": partitioner,
+                        "precision": precision,
+                        "partitioner_options": options,
+                        "gradient_accumulation_steps": 2,
+                        "offload": {"optimizer": tier},
+                    }
+                )
+    return out
+
+
+def peak(reports: list[dict], category: str) -> dict:
+    """Per place, the most a category held over the reports."""
+    out: dict = {}
+    for report in reports:
+        for place, nbytes in report[category].items():
+            out[place] = max(out.get(place, 0), nbytes)
     return out
 
 
@@ -40,29 +58,39 @@ def assert_close(predicted: dict, measured: dict, label: str) -> None:
         assert abs(predicted[place] - nbytes) <= 0.05 * nbytes, f"{label}: predicted {predicted[place]} vs measured {nbytes}"
 
 
-def check(model, cfg, world, measured, label):
+def check(model, cfg, world, measured, label) -> bool:
+    """Within 5% per category and place; returns whether every figure is exact."""
     predicted = zkernel.estimate(model, cfg, world_size=world, device="cpu")
-    for category in ("params", "master_weights", "optimizer_state"):
-        assert_close(predicted[category], measured["step"][category], f"{label} {category}")
-    assert_close(predicted["grads"], measured["backward"]["grads"], f"{label} grads (peak)")
-    return predicted
+    wanted = {c: measured["step"][c] for c in ("params", "master_weights", "optimizer_state")}
+    wanted["grads"] = peak(measured["backward"], "grads")  # at their peak, after some backward of the window
+    for category, value in wanted.items():
+        assert_close(predicted[category], value, f"{label} {category}")
+    return predicted == wanted
 
 
 def test_estimate_matches_memory_report_on_two_ranks():
-    cfgs = configs()
+    """Every partitioner and option, fp32 and bf16, on every installed tier the placement table knows."""
+    from zkernel.config import Config
+    from zkernel.estimator import TIER_PLACEMENT, installed_tiers
+
+    tiers = [t for t in installed_tiers(Config()) if t in TIER_PLACEMENT and "optimizer" in TIER_PLACEMENT[t].serves]
+    assert "none" in tiers
+    cfgs = configs(tiers)
     zero3 = [c for c in cfgs if c["partitioner"] == "zero3"]
     gpt_results, tricky_results = run_ranks(2, _measure_both, cfgs, zero3)[0]
     with torch.device("meta"):
         meta_gpt = small_gpt()
-    exact = 0
+    inexact = []
     for cfg, measured in zip(cfgs, gpt_results):
-        label = f"gpt {cfg}"
-        from_module = check(meta_gpt, cfg, 2, measured, label)
-        assert zkernel.estimate(GPT_SHAPE, cfg, world_size=2, device="cpu") == from_module, label
-        exact += all(from_module[k] == measured["step" if k != "grads" else "backward"][k] for k in from_module)
+        if not check(meta_gpt, cfg, 2, measured, f"gpt {cfg}"):
+            inexact.append(cfg)
+        assert zkernel.estimate(GPT_SHAPE, cfg, world_size=2, device="cpu") == zkernel.estimate(
+            meta_gpt, cfg, world_size=2, device="cpu"
+        )
     for cfg, measured in zip(zero3, tricky_results):  # tied head, frozen weight, 0-dim gain, odd sizes
-        check(TrickyNet(), cfg, 2, measured, f"TrickyNet {cfg}")
-    assert exact == len(cfgs), "the builtin partitioners are modelled byte for byte"
+        if not check(TrickyNet(), cfg, 2, measured, f"TrickyNet {cfg}"):
+            inexact.append(cfg)
+    assert not inexact, f"the builtin partitioners and tiers are modelled byte for byte; not for {inexact}"
     assert meta_gpt.wte.weight.is_meta  # read, never materialised
 
 
@@ -161,16 +189,20 @@ def test_cli_tabulates_every_partitioner_and_marks_what_fits(capsys, restore_zke
     out = capsys.readouterr().out
     assert code == 0, out
     assert "1,313,722,368 parameters" in out and "8 GPU(s) x 12.00 GiB" in out, out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and line.split()[0] in ("none", "zero1", "zero2", "zero3")}
-    assert list(rows) == ["none", "zero1", "zero2", "zero3"], out
+    rows = {tuple(line.split()[:2]): line for line in out.splitlines() if line.split()[:1] and line.split()[0] in ("none", "zero1", "zero2", "zero3")}
+    offloads = list(dict.fromkeys(o for _, o in rows))
+    assert "none/none" in offloads and list(rows) == [(p, o) for p in ("none", "zero1", "zero2", "zero3") for o in offloads], out
     numbers = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50304, "sequence": 1024}
-    for partitioner, line in rows.items():
-        predicted = zkernel.estimate(numbers, {"partitioner": partitioner, "precision": "bf16"}, 8, device="cuda")
-        assert format_size(totals(predicted)["cuda"]) in line, (partitioner, line)
-    # States of none (22 GiB) exceed 12 GiB; zero1's (9.8 GiB) fit only with checkpointed activations.
-    assert rows["none"].endswith("no (cuda)")
-    assert rows["zero1"].endswith("with checkpointing")
-    assert rows["zero2"].endswith("yes") and rows["zero3"].endswith("yes")
+    for (partitioner, offload), line in rows.items():
+        cfg = {"partitioner": partitioner, "precision": "bf16", "offload": {"optimizer": offload.split("/")[0]}}
+        for place, nbytes in totals(zkernel.estimate(numbers, cfg, 8, device="cuda")).items():
+            assert format_size(nbytes) in line, (partitioner, offload, place, line)
+    # States of none (22 GiB) exceed 12 GiB; zero1's (9.2 GiB) fit only with checkpointed activations.
+    assert rows["none", "none/none"].endswith("no (cuda)")
+    assert rows["zero1", "none/none"].endswith("with checkpointing")
+    assert rows["zero2", "none/none"].endswith("yes") and rows["zero3", "none/none"].endswith("yes")
+    if ("none", "cpu/none") in rows:  # 8 ranks x 22 GiB of host memory > 64 GiB
+        assert rows["none", "cpu/none"].endswith("no (cpu)")
     assert "activations per rank, ESTIMATE" in out
 
     assert main(["estimate", "--layers", "2"]) == 2

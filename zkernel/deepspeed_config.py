@@ -225,6 +225,10 @@ def _zero(reader: _Reader, out: dict[str, Any], precision: str) -> str:
             f"differ ({optimizer_path!r}, {params_path!r}); zkernel has one offload.nvme_path: make them equal"
         )
     offload: dict[str, Any] = {"optimizer": optimizer_tier, "params": params_tier}
+    if optimizer_tier == "cpu" and reader.peek("zero_optimization.offload_optimizer.pin_memory") is False:
+        # The cpu tier pins where CUDA is available unless told not to (its pin_memory option).
+        reader.get("zero_optimization.offload_optimizer.pin_memory")
+        offload["optimizer_options"] = {"pin_memory": False}
     if optimizer_path or params_path:
         offload["nvme_path"] = optimizer_path or params_path
     out["offload"] = offload

@@ -7,8 +7,9 @@ device, ``"cpu"``, ``"nvme"``), without allocating the model: it reads
 parameter shapes only, so the model may be an ``nn.Module`` on the meta
 device, an import path ``"pkg.mod:factory"`` (called under
 ``torch.device("meta")``), or the numbers of a GPT- or Llama-like transformer
-(`TransformerShape`, or a dict of its fields). ``grads`` is its peak, right
-after backward at an accumulation boundary; the rest is the steady state
+(`TransformerShape`, or a dict of its fields). ``grads`` is its peak as
+``memory_report()`` sees it after any backward of an accumulation window (not
+the transient buckets in flight during one); the rest is the steady state
 after a step.
 
 Algorithm. The model's unique parameters are cut into the groups the
@@ -16,7 +17,7 @@ selected partitioner makes (reverse-order buckets of ``bucket_size`` elements
 for none/zero1/zero2; ZeRO-3 units by ``units`` policy, with those under
 ``persistence_threshold`` pooled in one whole group), each group's flat
 buffers are listed with their roles (`Buffer`) exactly as the builtin
-partitioners allocate them, padding to a multiple of the world size
+partitioners and tiers allocate them, padding to a multiple of the world size
 included, and `TIER_PLACEMENT` says where each role lives for the selected
 offload tiers. The builtin partitioners are modelled here, not asked: the
 accuracy test (tests/test_estimator.py) holds this file to what
@@ -56,34 +57,58 @@ class Role(enum.Enum):
 
     PARAM_FULL = "param_full"  # whole compute-dtype parameters kept on the device
     PARAM_SHARD = "param_shard"  # this rank's compute-dtype slice (ZeRO-3), owned by offload.params
+    STAGING = "staging"  # compute-dtype copy of the updated slice kept by an optimizer tier (bf16/fp16)
     MASTER = "master"  # fp32 slice the optimizer updates, owned by offload.optimizer
-    GRAD_REDUCE = "grad_reduce"  # fp32 whole gradient accumulated on the device (none, zero1)
+    GRAD_REDUCE = "grad_reduce"  # fp32 whole gradient accumulated over a window on the device (none, zero1)
     GRAD_LANDING = "grad_landing"  # fp32 gradient slice the step reads, owned by offload.optimizer
     OPTIMIZER_STATE = "optimizer_state"  # Adam moments and step counter, owned by offload.optimizer
 
 
-# Role -> (memory_report category, offload role owning it or None: always on the compute device).
+# Role -> (memory_report category, offload role owning it, or None: always on the compute device).
 _ROLES = {
     Role.PARAM_FULL: ("params", None),
     Role.PARAM_SHARD: ("params", "params"),
+    Role.STAGING: ("params", "optimizer"),
     Role.MASTER: ("master_weights", "optimizer"),
     Role.GRAD_REDUCE: ("grads", None),
     Role.GRAD_LANDING: ("grads", "optimizer"),
     Role.OPTIMIZER_STATE: ("optimizer_state", "optimizer"),
 }
 
-# [Note: placement table] Where each buffer lives, by the tier selected for the role
-# that owns it (``offload.optimizer`` owns master, gradient landing buffer and
-# optimizer state; ``offload.params`` owns the compute-dtype parameter shard).
-# ``DEVICE`` is the compute device. A tier's row is all `estimate` knows about
-# it; adding a tier (or changing one) is editing its row here.
-TIER_PLACEMENT: dict[str, dict[Role, str]] = {
-    "none": {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.PARAM_SHARD: DEVICE},
-    # fp32 master, optimizer state and the fp32 gradient landing buffer in pinned CPU memory;
-    # parameters offloaded to it keep their compute-dtype shard there.
-    "cpu": {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.PARAM_SHARD: "cpu"},
-    # master and optimizer state on NVMe, the gradient landing buffer in CPU memory.
-    "nvme": {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.PARAM_SHARD: "nvme"},
+
+@attrs.frozen
+class TierPlacement:
+    """Where a tier keeps the buffers of the roles it owns (`DEVICE`: the compute device; None: not kept)."""
+
+    serves: tuple[str, ...]  # offload roles it can be selected for: "optimizer", "params"
+    where: Mapping[Role, str | None]
+
+
+# [Note: placement table] What `estimate` knows of each tier: where it keeps each
+# buffer of the roles it owns (``offload.optimizer`` owns the fp32 master, the
+# optimizer state, the gradient landing buffer and a compute-dtype staging copy;
+# ``offload.params`` the compute-dtype parameter shard). On the device, tier
+# ``none`` adopts the reduced gradient as its landing buffer (so for none and
+# zero1 it is the window's whole gradient, counted once) and writes updates
+# straight into the parameters (no staging copy). Adding or changing a tier is
+# editing its row; tests/test_estimator.py holds each installed tier's row to
+# what ``memory_report()`` measures.
+TIER_PLACEMENT: dict[str, TierPlacement] = {
+    "none": TierPlacement(
+        ("optimizer", "params"),
+        {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: None, Role.PARAM_SHARD: DEVICE},
+    ),
+    # fp32 master, optimizer state, fp32 gradient landing buffer and the compute-dtype staging
+    # copy in (pinned) CPU memory; the compute-dtype parameter shard stays on the GPU.
+    "cpu": TierPlacement(
+        ("optimizer",),
+        {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu", Role.PARAM_SHARD: "cpu"},
+    ),
+    # master and optimizer state on NVMe, gradient landing buffer and staging copy in CPU memory.
+    "nvme": TierPlacement(
+        ("optimizer", "params"),
+        {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.STAGING: "cpu", Role.PARAM_SHARD: "nvme"},
+    ),
 }
 
 
@@ -296,37 +321,61 @@ def _slices(numel: int, shards: int) -> tuple[int, int]:
     return shard, shard * shards
 
 
-def _whole_group(numel: int, shards: int, c: int, partitioner: str, master_on_device: bool) -> list[Buffer]:
-    """none/zero1/zero2: whole compute-dtype parameters, fp32 master/gradient/state slices."""
-    shard, padded = _slices(numel, shards)
-    buffers = [Buffer(Role.PARAM_FULL, padded * c)]
-    if not (c == 4 and master_on_device):  # an fp32 master on the device is a view of the parameters
-        buffers.append(Buffer(Role.MASTER, 4 * shard))
-    if partitioner in ("none", "zero1"):
-        buffers.append(Buffer(Role.GRAD_REDUCE, 4 * padded))
-        if shards > 1:  # with one shard the landing buffer is a view of the reduced gradient
-            buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
-    else:
-        buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
-    buffers.append(Buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES))
+@attrs.frozen
+class _Placement:
+    """Where the selected tiers put the roles that change what the partitioners allocate."""
+
+    optimizer: TierPlacement
+    params: TierPlacement
+
+    def on_device(self, role: Role) -> bool:
+        owner = _ROLES[role][1]
+        return owner is None or getattr(self, owner).where[role] == DEVICE
+
+    def kept(self, role: Role) -> bool:
+        owner = _ROLES[role][1]
+        return owner is None or getattr(self, owner).where[role] is not None
+
+
+def _optimizer_buffers(shard: int, c: int, placement: _Placement) -> list[Buffer]:
+    """What the optimizer tier adds for a trainable group of ``shard`` owned elements."""
+    buffers = [Buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES)]
+    if c != 4 and placement.kept(Role.STAGING):
+        buffers.append(Buffer(Role.STAGING, shard * c))
     return buffers
 
 
-def _zero3_group(numel: int, shards: int, c: int, trainable: bool, whole: bool, master_on_device: bool) -> list[Buffer]:
-    """zero3: a compute-dtype shard unless the fp32 master on the device serves as (or casts into) it."""
+def _whole_group(numel: int, shards: int, c: int, partitioner: str, placement: _Placement) -> list[Buffer]:
+    """none/zero1/zero2: whole compute-dtype parameters, fp32 master/gradient/state slices."""
+    shard, padded = _slices(numel, shards)
+    buffers = [Buffer(Role.PARAM_FULL, padded * c)]
+    if not (c == 4 and placement.on_device(Role.MASTER)):  # an fp32 master on the device is the parameters' slice
+        buffers.append(Buffer(Role.MASTER, 4 * shard))
+    landing_adopted = placement.on_device(Role.GRAD_LANDING)
+    if partitioner in ("none", "zero1"):
+        # The window's whole gradient; a landing buffer on the device is it (none) or replaces it (zero1).
+        buffers.append(Buffer(Role.GRAD_REDUCE, 4 * padded))
+        if not landing_adopted:
+            buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+    else:
+        buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+    return buffers + _optimizer_buffers(shard, c, placement)
+
+
+def _zero3_group(numel: int, shards: int, c: int, trainable: bool, whole: bool, placement: _Placement) -> list[Buffer]:
+    """zero3: a compute-dtype shard unless gathers cast an fp32 master that lives on the device."""
     shard, padded = _slices(numel, shards)
     buffers = [Buffer(Role.PARAM_FULL, padded * c)] if whole else []
     if not trainable:
         return [*buffers, Buffer(Role.PARAM_SHARD, shard * c)]
-    if master_on_device and c == 4:
-        buffers.append(Buffer(Role.PARAM_SHARD, 4 * shard))  # the shard is the master
-    else:
-        if not master_on_device:
-            buffers.append(Buffer(Role.PARAM_SHARD, shard * c))
+    master_on_device = placement.on_device(Role.MASTER)
+    casts_master = c != 4 and master_on_device and placement.on_device(Role.PARAM_SHARD)
+    if not casts_master:
+        buffers.append(Buffer(Role.PARAM_SHARD, shard * c))
+    if not (c == 4 and master_on_device):  # an fp32 master on the device is the shard
         buffers.append(Buffer(Role.MASTER, 4 * shard))
     buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
-    buffers.append(Buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES))
-    return buffers
+    return buffers + _optimizer_buffers(shard, c, placement)
 
 
 def _partitioner_options(config: Config, partitioner: str) -> Any:
@@ -350,19 +399,20 @@ def group_buffers(
             f"estimate knows the builtin partitioners ({', '.join(PARTITIONERS)}), not {partitioner!r}"
         )
     for role, tier in (("optimizer", config.offload.optimizer), ("params", config.offload.params)):
-        if tier not in TIER_PLACEMENT:
+        if tier not in TIER_PLACEMENT or role not in TIER_PLACEMENT[tier].serves:
+            known = [name for name, row in TIER_PLACEMENT.items() if role in row.serves]
             raise ConfigError(
-                f"estimate has no placement for offload.{role} {tier!r}; known tiers: {', '.join(TIER_PLACEMENT)}"
+                f"estimate has no placement for offload.{role} {tier!r}; known: {', '.join(known)}"
             )
     options = options if options is not None else _partitioner_options(config, partitioner)
     c = _DTYPE_BYTES[config.precision]
-    master_on_device = TIER_PLACEMENT[config.offload.optimizer][Role.MASTER] == DEVICE
+    placement = _Placement(TIER_PLACEMENT[config.offload.optimizer], TIER_PLACEMENT[config.offload.params])
     params = _parameters(module)
     frozen = [p for p in params if not p.trainable]
     if partitioner != "zero3":
         shards = 1 if partitioner == "none" else world_size
         groups = [
-            _whole_group(n, shards, c, partitioner, master_on_device)
+            _whole_group(n, shards, c, partitioner, placement)
             for n in _buckets([p for p in params if p.trainable], options.bucket_size)
         ]
         # Frozen parameters stay whole on every rank, outside any group.
@@ -374,10 +424,10 @@ def group_buffers(
             if numel < options.persistence_threshold:
                 pooled[trainable] += numel
             elif numel:
-                groups.append(_zero3_group(numel, world_size, c, trainable, False, master_on_device))
+                groups.append(_zero3_group(numel, world_size, c, trainable, False, placement))
     for trainable, numel in pooled.items():
         if numel:
-            groups.append(_zero3_group(numel, world_size, c, trainable, True, master_on_device))
+            groups.append(_zero3_group(numel, world_size, c, trainable, True, placement))
     return groups
 
 
@@ -402,7 +452,7 @@ def estimate(
     for group in group_buffers(as_module(model), cfg, world_size):
         for buffer in group:
             category, owner = _ROLES[buffer.role]
-            where = DEVICE if owner is None else TIER_PLACEMENT[getattr(cfg.offload, owner)][buffer.role]
+            where = DEVICE if owner is None else TIER_PLACEMENT[getattr(cfg.offload, owner)].where[buffer.role]
             where = device if where == DEVICE else where
             by_place = report[category]
             by_place[where] = by_place.get(where, 0) + buffer.nbytes
@@ -518,8 +568,8 @@ def offload_combinations(installed_tiers: Iterable[str], partitioner: str) -> li
     Parameters are offloaded with zero3 only.
     """
     installed = set(installed_tiers)
-    tiers = [t for t in TIER_PLACEMENT if t in installed]
-    return [(o, p) for o in tiers for p in (tiers if partitioner == "zero3" else ["none"])]
+    serving = {role: [t for t, row in TIER_PLACEMENT.items() if t in installed and role in row.serves] for role in ("optimizer", "params")}
+    return [(o, p) for o in serving["optimizer"] for p in (serving["params"] if partitioner == "zero3" else ["none"])]
 
 
 # -- every partitioner x offload combination ------------------------------------------

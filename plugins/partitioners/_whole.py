@@ -80,7 +80,10 @@ def build_whole_groups(module: nn.Module, context, shards: int, bucket_numel: in
             p.data = view
         own = flat.own if shards > 1 else slice(0, flat.padded)
         param_shard = full[own]
-        master = param_shard if master_full is None else master_full[own]
+        if master_full is None:
+            master = param_shard
+        else:  # a copy of the slice: a view would keep the whole fp32 buffer alive on every rank
+            master = master_full[own].clone() if shards > 1 else master_full
         yield ParamGroup(
             index=index,
             name=f"bucket{index}",
