@@ -1,7 +1,14 @@
-"""Training throughput of zkernel zero1/2/3 beside plain torch, DDP and FSDP2, from one run.
+"""Training throughput of zkernel zero1/2/3 (with offload) beside plain torch, DDP and FSDP2, from one run.
 
     python bench/zero_throughput.py --model 1.3b --micro-batch 16 --nproc 1
     python bench/zero_throughput.py --model 1.3b --micro-batch 16 --nproc 2 --modes ddp,fsdp2,zero1,zero2,zero3
+    python bench/zero_throughput.py --model 1.3b --modes plain,fsdp2_offload,zero3+cpu --clip 1.0 --timeline
+
+A zkernel mode is a partitioner, optionally ``+tier`` for ``offload.optimizer``
+(``zero3+cpu``, ``zero2+nvme``); offloaded modes use the ``cpu_adam``
+optimizer unless ``--zk-optimizer`` says otherwise. ``fsdp2_offload`` is FSDP2
+with ``CPUOffloadPolicy(pin_memory=True)``. ``--clip`` applies global-norm
+clipping in every mode (torch's ``clip_grad_norm_`` for the anchors).
 
 The driver runs each mode in its own process group (torchrun for --nproc > 1)
 one after another on the same GPUs, then prints tokens/s, TFLOP/s per GPU,
@@ -41,27 +48,31 @@ def _worker(args) -> None:
     preset = PRESETS[args.model]
     mode = args.mode
 
-    if mode in ("plain", "ddp", "fsdp2"):
-        if world > 1 or mode == "fsdp2":
+    if mode in ("plain", "ddp", "fsdp2", "fsdp2_offload"):
+        if world > 1 or mode.startswith("fsdp2"):
             dist.init_process_group("nccl", device_id=device)
         with device:
             model = GPT(**preset, seq=SEQ)
         if mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
-        if mode == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        if mode.startswith("fsdp2"):
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            offload = CPUOffloadPolicy(pin_memory=True) if mode == "fsdp2_offload" else OffloadPolicy()
             for block in model.blocks:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+                fully_shard(block, mp_policy=mp, offload_policy=offload)
+            fully_shard(model, mp_policy=mp, offload_policy=offload)
+        # FSDP2's offloaded parameters live on the CPU: its AdamW steps there (fused CPU kernel).
         opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
-        autocast = mode != "fsdp2"
+        autocast = not mode.startswith("fsdp2")
 
         def train_step(idx, tgt):
             with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 loss = model(idx, tgt)
             loss.backward()
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -70,17 +81,25 @@ def _worker(args) -> None:
     else:
         import zkernel
 
-        if mode == "zero3":
+        partitioner, _, tier = mode.partition("+")
+        if partitioner == "zero3":
             with torch.device("meta"):
                 model = GPT(**preset, seq=SEQ)
         else:
             with device:
                 model = GPT(**preset, seq=SEQ)
+        optimizer = args.zk_optimizer or ("cpu_adam" if tier else "adamw")
         config = {
-            "partitioner": mode,
+            "partitioner": partitioner,
             "precision": "bf16",
-            "optimizer": {"name": "adamw", "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
+            "gradient_clipping": args.clip,
+            "timeline": args.timeline,
+            "optimizer": {"name": optimizer, "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
         }
+        if tier:
+            config["offload"] = {"optimizer": tier, "optimizer_options": json.loads(args.tier_options or "{}")}
+            if tier == "nvme":
+                config["offload"]["nvme_path"] = args.nvme_path
         if args.options:
             config["partitioner_options"] = json.loads(args.options)
         if args.prefetch_mb is not None:
@@ -94,7 +113,7 @@ def _worker(args) -> None:
             return loss
 
         flop_model = model
-    fpt = flops_per_token(flop_model, SEQ) if mode != "zero3" else None
+    fpt = flops_per_token(flop_model, SEQ) if not mode.startswith("zero3") else None
     if fpt is None:  # zero3 parameters are shards now: count from a meta copy
         with torch.device("meta"):
             fpt = flops_per_token(GPT(**preset, seq=SEQ), SEQ)
@@ -122,6 +141,13 @@ def _worker(args) -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss": float(loss),
     }
+    if mode.startswith("zero"):
+        result["host_gib"] = sum(engine.memory_report()[c].get("cpu", 0) for c in engine.memory_report()) / 2**30
+        summaries = engine.timeline.summaries
+        if summaries:
+            result["timeline"] = summaries[-1].log_fields()
+        result["early_steps"] = engine.pipeline.early_steps
+        result["rollbacks"] = engine.pipeline.rollbacks
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(result), flush=True)
     if dist.is_initialized():
@@ -133,7 +159,12 @@ def _run_mode(args, mode: str) -> dict | None:
     if args.nproc > 1 or mode == "fsdp2":
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29533"]
     cmd += [__file__, "--worker", "--mode", mode, "--model", args.model, "--micro-batch", str(args.micro_batch),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options,
+            "--clip", str(args.clip), "--tier-options", args.tier_options, "--nvme-path", args.nvme_path]
+    if args.zk_optimizer:
+        cmd += ["--zk-optimizer", args.zk_optimizer]
+    if args.timeline:
+        cmd += ["--timeline"]
     if args.prefetch_mb is not None:
         cmd += ["--prefetch-mb", str(args.prefetch_mb)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -157,6 +188,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--options", default="", help="zkernel partitioner_options as JSON, e.g. '{\"units\": \"blocks\"}'")
     parser.add_argument("--prefetch-mb", type=float, default=None, help="zkernel prefetch_bytes in MiB")
+    parser.add_argument("--clip", type=float, default=0.0, help="global-norm gradient clipping in every mode (0 = off)")
+    parser.add_argument("--zk-optimizer", default=None, help="zkernel optimizer (default: cpu_adam when offloaded, else adamw)")
+    parser.add_argument("--tier-options", default="", help="offload.optimizer_options as JSON")
+    parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme", help="offload.nvme_path for +nvme modes")
+    parser.add_argument("--timeline", action="store_true", help="zkernel modes: record the step timeline and print its last step")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -171,14 +207,21 @@ def main() -> None:
     extra = f", zkernel options {args.options}" if args.options else ""
     extra += f", prefetch {args.prefetch_mb} MiB" if args.prefetch_mb is not None else ""
     print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16{extra}")
-    print(f"{'mode':8} {'tokens/s':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13}")
+    print(f"{'mode':14} {'tokens/s':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13} {'vs plain':>9} {'vs FSDP2+off':>13}")
+    plain = next((r for r in results if r["mode"] in ("plain", "ddp") and "error" not in r), None)
+    offload = next((r for r in results if r["mode"] == "fsdp2_offload" and "error" not in r), None)
     for r in results:
         if "error" in r:
-            print(f"{r['mode']:8} {r['error']:>10}")
+            print(f"{r['mode']:14} {r['error']:>10}")
             continue
         ratio = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.3f}" if anchor else "-"
         mem = f"{r['peak_gib'] / anchor['peak_gib']:.3f}" if anchor else "-"
-        print(f"{r['mode']:8} {r['tokens_per_s']:>10.0f} {r['tflops_per_gpu']:>12.1f} {r['peak_gib']:>9.1f} {r['step_s']:>7.3f} {ratio:>15} {mem:>13}")
+        vs_plain = f"{r['tokens_per_s'] / plain['tokens_per_s']:.3f}" if plain else "-"
+        vs_off = f"{r['tokens_per_s'] / offload['tokens_per_s']:.3f}" if offload else "-"
+        print(f"{r['mode']:14} {r['tokens_per_s']:>10.0f} {r['tflops_per_gpu']:>12.1f} {r['peak_gib']:>9.1f} {r['step_s']:>7.3f} {ratio:>15} {mem:>13} {vs_plain:>9} {vs_off:>13}")
+    for r in results:
+        if "timeline" in r:
+            print(f"  {r['mode']} host {r['host_gib']:.1f} GiB, early steps {r['early_steps']}, rollbacks {r['rollbacks']}: {r['timeline']}")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,7 @@ def partitioned_construction(width: int, depth: int, steps: int) -> dict:
         model, {"partitioner": "zero3", "optimizer": {"lr": 1e-3}, "partitioner_options": {"persistence_threshold": 0}}
     )
     after_init = _rss_bytes()
+    held = sum(sum(v.values()) for v in engine.memory_report().values())
     g = torch.Generator().manual_seed(5 + _world_rank()[1])
     losses = []
     for _ in range(steps):
@@ -137,6 +138,7 @@ def partitioned_construction(width: int, depth: int, steps: int) -> dict:
     return {
         "full_bytes": full_bytes,
         "init_growth": after_init - before,
+        "held_bytes": held,
         "train_growth": _rss_bytes() - before,
         "losses": losses,
         "memory": engine.memory_report(),

@@ -75,3 +75,47 @@ def test_nccl_two_gpus_match_torch():
     expected = _reference(2)
     for rank_results in results:
         _check(rank_results, expected, "nccl world 2", 2e-5)
+
+
+OFFLOAD_STAGES = ("zero1", "zero2", "zero3")
+
+
+def _offload_config(stage, optimizer, precision="fp32"):
+    cfg = _config(stage, precision)
+    cfg["optimizer"] = {**cfg["optimizer"], "name": optimizer}
+    cfg["offload"] = {"optimizer": "cpu"}
+    return cfg
+
+
+@pytest.mark.parametrize("optimizer", ["cpu_adam", "adamw"])
+def test_cuda_cpu_offload_matches_torch(optimizer):
+    """Masters and Adam state in page-locked host memory, gradients down and parameters up on side streams."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = train_many([_offload_config(s, optimizer) for s in OFFLOAD_STAGES], STEPS, ACCUM, MICRO, SEED)
+    expected = _reference(1)
+    for stage, result in zip(OFFLOAD_STAGES, results):
+        for i, (a, b) in enumerate(zip(result["losses"], expected)):
+            assert abs(a - b) <= 2e-5 * abs(b), f"{optimizer} {stage} step {i}: {a} vs {b}"
+        memory = result["memory"]
+        assert set(memory["master_weights"]) == {"cpu"} and set(memory["optimizer_state"]) == {"cpu"}
+        assert all(dev.startswith("cuda") for dev in memory["params"] if dev != "cpu")
+
+
+def test_cuda_cpu_offload_bf16_tracks_device_run():
+    device = train_many([_config(s, "bf16") for s in OFFLOAD_STAGES], STEPS, ACCUM, MICRO, SEED)
+    offload = train_many([_offload_config(s, "cpu_adam", "bf16") for s in OFFLOAD_STAGES], STEPS, ACCUM, MICRO, SEED)
+    for stage, a, b in zip(OFFLOAD_STAGES, offload, device):
+        assert a["losses"][-1] < a["losses"][0], (stage, a["losses"])
+        for x, y in zip(a["losses"], b["losses"]):
+            assert abs(x - y) <= 2e-2 * abs(y), (stage, a["losses"], b["losses"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_cpu_offload_matches_torch():
+    configs = [_offload_config(s, "cpu_adam") for s in OFFLOAD_STAGES]
+    results = run_ranks(2, train_many, configs, STEPS, ACCUM, MICRO, SEED)
+    expected = _reference(2)
+    for rank_results in results:
+        for stage, result in zip(OFFLOAD_STAGES, rank_results):
+            for i, (a, b) in enumerate(zip(result["losses"], expected)):
+                assert abs(a - b) <= 2e-5 * abs(b), f"nccl {stage} step {i}: {a} vs {b}"

@@ -19,6 +19,7 @@ from zkernel.log import get_logger
 from zkernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager, resolve_components
 from zkernel.runtime import RuntimeContext
 from zkernel.streams import Streams
+from zkernel.timeline import Timeline
 from zkernel.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
 
 log = get_logger()
@@ -33,9 +34,11 @@ def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -
             if buf is None:
                 continue
             if buf.is_meta:
+                path = next(p for p, m in module.named_modules() if m is mod)
                 raise ValueError(
-                    f"buffer {name!r} of {type(mod).__name__} is on the meta device; build buffers on a "
-                    "real device (only parameters may be left on meta for zero3 to materialise)"
+                    f"buffer {f'{path}.{name}' if path else name!r} of {type(mod).__name__} is on the meta "
+                    "device: only the zero3 partitioner materialises a meta-device model (pass init_fn= "
+                    "when the module has no reset_parameters()); otherwise build the model on a real device"
                 )
             mod._buffers[name] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
 
@@ -122,17 +125,17 @@ def initialize(
     config: Config | Mapping[str, Any] | str | None = None,
     *,
     plugins: Sequence[Any] = (),
-    init_fn: Callable[[nn.Module], None] | None = None,
+    init_fn: Callable[[nn.Module], Any] | None = None,
 ) -> Engine:
     """Wrap ``model`` for training under ``config`` (dict, .json/.toml path or `Config`).
 
     ``plugins`` are extra plugin objects or modules with ``@zkernel.hookimpl``
     functions; their components are selectable by name like the builtins.
-    ``init_fn(module)`` initialises one module's own parameters when zero3
-    materialises a model built on the meta device (default: the module's
-    ``reset_parameters()``). Every rank of a torchrun job must call this with
-    the same model and config. The model belongs to the engine until
-    `Engine.close`.
+    ``init_fn(module)`` initialises a module of a model built on the meta device
+    when zero3 materialises it (default: ``module.reset_parameters()``; for a
+    Hugging Face model pass ``model._init_weights``). Every rank of a torchrun
+    job must call this with the same model and config. The model belongs to
+    the engine until `Engine.close`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"zkernel.initialize expects a torch.nn.Module, got {type(model).__name__}")
@@ -154,13 +157,17 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     compute_dtype = COMPUTE_DTYPES[cfg.precision]
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zkernel-host")
+    worker = ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="zkernel-host", initializer=_bind_device, initargs=(dist_info.device,)
+    )
+    timeline = Timeline(dist_info.device, enabled=cfg.timeline, trace_path=cfg.timeline_path, rank=dist_info.rank)
     base = RuntimeContext(
         config=cfg,
         dist=dist_info,
         compute_dtype=compute_dtype,
         streams=Streams.for_device(dist_info.device),
         host_worker=worker,
+        timeline=timeline,
         init_fn=init_fn,
     )
     optimizer = selection["optimizer.name"].build(base)
@@ -186,7 +193,6 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     runtime.check_pending()
 
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
-    _move_buffers(model, dist_info.device, compute_dtype)
     produced = runtime.hook.zkernel_partition_params(
         module=model, context=attrs.evolve(partition_context, options=selection["partitioner"].options)
     )
@@ -194,6 +200,8 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
         raise RuntimeError(f"partitioner {cfg.partitioner!r} returned no parameter groups")
     placer = _Placer(runtime.hook, optimizer_tier, params_tier, model, partition_context)
     groups = placer.place(produced)
+    # After partitioning: zero3 materialises buffers a meta-device model left on meta.
+    _move_buffers(model, dist_info.device, compute_dtype)
     _check_groups(model, groups, cfg.partitioner)
     log.info(
         "zkernel.initialized",
@@ -214,11 +222,18 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
         optimizer_tier=optimizer_tier,
         params_tier=params_tier,
         worker=worker,
+        timeline=timeline,
         can_rollback=placer.can_rollback and bool(groups),
         speculate=getattr(optimizer_tier, "speculate", "never"),
         original_dtypes=original_dtypes,
     )
     return Engine(model, cfg, dist_info, parts)
+
+
+def _bind_device(device: torch.device) -> None:
+    """The host worker's CUDA calls go to this rank's device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def consolidate(directory) -> dict[str, torch.Tensor]:

@@ -159,6 +159,10 @@ class Config:
     trace_hooks: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     log_format: str = attrs.field(default="console", validator=_one_of("log_format", LOG_FORMATS))
     seed: int | None = None
+    # Per-step timeline of compute and transfers, logged as `zkernel.step.timeline` (INFO).
+    timeline: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    # Chrome-trace JSON of the timeline (Perfetto opens it); "{rank}" is replaced by the rank.
+    timeline_path: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
 
     def __attrs_post_init__(self) -> None:
         if self.offload.params != "none" and self.partitioner != "zero3":
@@ -167,6 +171,8 @@ class Config:
                 f"(parameters are whole on every rank with {self.partitioner!r}); "
                 "valid: offload.params = 'none', or partitioner = 'zero3'"
             )
+        if self.timeline_path is not None and not self.timeline:
+            raise ConfigError("timeline_path is set but timeline is false; set timeline = true to record it")
         if "nvme" in (self.offload.optimizer, self.offload.params) and self.offload.nvme_path is None:
             raise ConfigError(
                 "offload.nvme_path is required when offload.optimizer or offload.params is 'nvme'"

@@ -39,6 +39,7 @@ from zkernel.loss_scale import DynamicLossScaler
 from zkernel.scheduler import Scheduler
 from zkernel.step_pipeline import StepPipeline
 from zkernel.tiers import OptimizerTier, ParamsTier
+from zkernel.timeline import SpanKind, Timeline
 
 log = get_logger()
 
@@ -55,6 +56,7 @@ class EngineParts:
     optimizer_tier: OptimizerTier
     params_tier: ParamsTier
     worker: ThreadPoolExecutor
+    timeline: Timeline
     can_rollback: bool
     speculate: str
     # (parameter name, dtype at initialize), to give the parameters back at close.
@@ -77,6 +79,7 @@ class Engine:
         self.params_tier = parts.params_tier
         self._original_dtypes = parts.original_dtypes
         self._worker = parts.worker
+        self.timeline = parts.timeline
         self.loss_scaler = (
             DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window)
             if config.precision == "fp16"
@@ -90,6 +93,7 @@ class Engine:
             self.groups,
             distributed=dist_info.distributed,
             worker=parts.worker,
+            timeline=parts.timeline,
             can_rollback=parts.can_rollback,
             hyper=StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
             publish=lambda group: _publish(hook, scheduler_ref, group),
@@ -163,7 +167,7 @@ class Engine:
         self.scheduler.begin_forward(self.is_accumulation_boundary)
         self._enter_guard()
         try:
-            with torch.profiler.record_function("zkernel::forward"):
+            with torch.profiler.record_function("zkernel::forward"), self._compute_span("forward"):
                 out = self._module(*args, **kwargs)
         except BaseException:
             self._exit_guard()
@@ -212,7 +216,7 @@ class Engine:
         self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
         self.scheduler.begin_backward(boundary)
         try:
-            with torch.profiler.record_function("zkernel::backward"):
+            with torch.profiler.record_function("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
             norm = self.pipeline.end_backward(boundary, need_norm=self._needs_norm())
@@ -240,6 +244,7 @@ class Engine:
             self.pipeline.step(coefficient)
         if self.loss_scaler is not None:
             self.loss_scaler.update(coefficient is None)
+        self.timeline.end_step(self.global_steps)
         self.global_steps += 1
 
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -286,6 +291,7 @@ class Engine:
                 if param.dtype != dtype:
                     param.data = param.data.to(dtype)
         self._closed = True
+        self.timeline.close()
         self._finalizer.detach()
         lifecycle.unregister_cleanup(id(self))
         _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
@@ -308,6 +314,10 @@ class Engine:
         )
 
     # -- internals --------------------------------------------------------------
+
+    def _compute_span(self, label: str):
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return self.timeline.span(SpanKind.COMPUTE, stream=stream, label=label)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -8,10 +8,12 @@ from typing import Any
 
 import attrs
 import torch
+from torch import nn
 
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
 from zkernel.streams import Streams
+from zkernel.timeline import Timeline
 from zkernel.tiers import PlacementInfo
 
 
@@ -29,10 +31,15 @@ class RuntimeContext:
     streams: Streams = attrs.field(factory=Streams)
     # The engine's one host worker thread (see [Note: tier threads] in zkernel.tiers).
     host_worker: ThreadPoolExecutor | None = None
+    # The engine's step timeline (disabled unless config.timeline); components add spans to it.
+    timeline: Timeline = attrs.field(factory=lambda: Timeline("cpu", enabled=False))
     # Where the tiers keep masters and parameter shards (set for the partitioner).
     placement: PlacementInfo | None = None
-    # Initialises one module's own parameters when a meta-device model is materialised.
-    init_fn: Callable[[torch.nn.Module], None] | None = None
+    # `initialize`'s ``init_fn``: initialises one module of a meta-device model when a
+    # partitioner materialises it; None means the module's own ``reset_parameters()``.
+    init_fn: Callable[[nn.Module], Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
 
     @property
     def rank(self) -> int:

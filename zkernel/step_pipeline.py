@@ -46,6 +46,7 @@ import torch.distributed as dist
 from zkernel.groups import ParamGroup, ReducedGradient, StepOptions
 from zkernel.log import get_logger
 from zkernel.tiers import OptimizerTier
+from zkernel.timeline import SpanKind, Timeline
 
 log = get_logger()
 
@@ -63,6 +64,7 @@ class StepPipeline:
         *,
         distributed: bool,
         worker: ThreadPoolExecutor,
+        timeline: Timeline,
         can_rollback: bool,
         hyper: StepOptions,
         publish: Callable[[ParamGroup], None],
@@ -75,6 +77,7 @@ class StepPipeline:
         self.trainable = [g for g in groups if g.requires_grad]
         self.distributed = distributed
         self.worker = worker
+        self.timeline = timeline
         self.can_rollback = can_rollback
         self.speculate = speculate
         # Hyperparameters of the next step (the engine replaces it when ``engine.lr`` changes).
@@ -220,7 +223,8 @@ class StepPipeline:
 
     def _host_step(self, group: ParamGroup, options: StepOptions, end_window: bool = False):
         self.tier.acquire(group)
-        self._optimizer_step(group, options)
+        with self.timeline.span(SpanKind.CPU_STEP, label=group.name):
+            self._optimizer_step(group, options)
         event = self.tier.release(group)
         if end_window:
             self.tier.end_window(group)
@@ -234,13 +238,14 @@ class StepPipeline:
     def _host_redo(self, early: Future, group: ParamGroup, used: StepOptions, redo: StepOptions | None):
         early.result()
         self.tier.acquire(group)
-        rolled = self.hook.zkernel_rollback_optimizer(group=group, options=used)
-        if not rolled:
-            raise RuntimeError(
-                f"the optimizer declared it can roll a step back but did not roll back group {group.name!r}"
-            )
-        if redo is not None:
-            self._optimizer_step(group, redo)
+        with self.timeline.span(SpanKind.CPU_STEP, label=f"{group.name} rollback"):
+            rolled = self.hook.zkernel_rollback_optimizer(group=group, options=used)
+            if not rolled:
+                raise RuntimeError(
+                    f"the optimizer declared it can roll a step back but did not roll back group {group.name!r}"
+                )
+            if redo is not None:
+                self._optimizer_step(group, redo)
         event = self.tier.release(group)
         self.tier.end_window(group)
         return event

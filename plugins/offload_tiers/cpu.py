@@ -41,6 +41,7 @@ from zkernel.host_memory import host_empty, host_zeros
 from zkernel.step_pipeline import SPECULATE_POLICIES
 from zkernel.streams import record_event
 from zkernel.tiers import OptimizerTier, Resource
+from zkernel.timeline import SpanKind
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +85,7 @@ class CpuTier(OptimizerTier):
         self.cuda = self.device.type == "cuda"
         self.streams = context.streams
         self.worker = context.host_worker
+        self.timeline = context.timeline
         self._slots: dict[int, _Slot] = {}
         self._pending: deque = deque()  # CPU-only landings not completed yet
 
@@ -122,23 +124,31 @@ class CpuTier(OptimizerTier):
             return
         d2h = self.streams.d2h
         tensor = reduced.tensor
+        nbytes = tensor.numel() * tensor.element_size()
         with torch.cuda.stream(d2h):
             if reduced.work is not None:
                 reduced.work.wait()
             else:
                 d2h.wait_stream(torch.cuda.current_stream(self.device))
-            if first:
-                slot.landing.copy_(tensor, non_blocking=True)
-                slot.sq_norm = tensor.pow(2).sum() if final else None
-                slot.landed_event = record_event(d2h)
-            else:
-                staging = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-                staging.copy_(tensor, non_blocking=True)
-                slot.landed_event = None
-                copied = record_event(d2h)
-                slot.accumulation = self.worker.submit(_accumulate, slot.landing, staging, copied, final)
-                slot.sq_norm = slot.accumulation if final else None
+            with self.timeline.span(SpanKind.D2H, stream=d2h, label=group.name, nbytes=nbytes):
+                self._download(slot, tensor, first, final)
             tensor.record_stream(d2h)
+
+    def _download(self, slot: _Slot, tensor: torch.Tensor, first: bool, final: bool) -> None:
+        """On the d2h stream: the window's first gradient straight into the landing buffer, a later
+        one through pinned staging and a host-side add (worker thread)."""
+        d2h = self.streams.d2h
+        if first:
+            slot.landing.copy_(tensor, non_blocking=True)
+            slot.sq_norm = tensor.pow(2).sum() if final else None
+            slot.landed_event = record_event(d2h)
+            return
+        staging = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        staging.copy_(tensor, non_blocking=True)
+        slot.landed_event = None
+        copied = record_event(d2h)
+        slot.accumulation = self.worker.submit(_accumulate, slot.landing, staging, copied, final)
+        slot.sq_norm = slot.accumulation if final else None
 
     @staticmethod
     def _complete(slot: _Slot, reduced, first: bool) -> None:
@@ -196,8 +206,10 @@ class CpuTier(OptimizerTier):
         if not self.cuda:
             slot.param_shard.copy_(source)
             return None
+        nbytes = source.numel() * source.element_size()
         with torch.cuda.stream(self.streams.h2d):
-            slot.param_shard.copy_(source, non_blocking=True)
+            with self.timeline.span(SpanKind.H2D, stream=self.streams.h2d, label=group.name, nbytes=nbytes):
+                slot.param_shard.copy_(source, non_blocking=True)
             slot.upload_event = record_event(self.streams.h2d)
         return slot.upload_event
 

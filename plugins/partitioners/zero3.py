@@ -39,9 +39,12 @@ one reduce-scatter, and the whole copy is refreshed by one all-gather after
 each step.
 
 Partitioned construction: a model built on the meta device is materialised
-one unit at a time (``to_empty`` then ``init_fn``/``reset_parameters`` under
-a per-unit seed shared by all ranks), sliced, and the whole unit freed, so no
-rank ever holds more than one whole unit beyond its shards.
+one unit at a time (`_materialize`: storage on the device, then the model's
+initialiser, ``init_fn`` or ``reset_parameters()``, under a per-unit seed
+shared by all ranks; ties stay one parameter), sliced, and the whole unit
+freed, so no rank ever holds more than one whole unit beyond its shards.
+Buffers left on meta are built after the last unit by their module's
+initialiser.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from __future__ import annotations
 import attrs
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zkernel import hookimpl
 from zkernel.config import choice, integer
@@ -57,6 +59,7 @@ from zkernel.groups import ParamGroup, Phase
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
 from ._reduce import reduce_every_micro_batch
+from ._materialize import materialized_units
 from ._whole import gather_master
 
 
@@ -88,31 +91,6 @@ class Zero3State:
         return self.flat.numel
 
 
-def _materialize_unit(root: nn.Module, named, device: torch.device, seed: int):
-    """Allocate and initialise a unit's meta parameters, identically on every rank.
-
-    Each module that owns some of them gets ``to_empty`` (which replaces the
-    parameter objects) and ``reset_parameters()`` under the unit's seed; the
-    unit's (name, parameter) list is returned with the new objects.
-    """
-    owners = {}
-    for name, _ in named:
-        owner_name = name.rpartition(".")[0]
-        owners.setdefault(owner_name, root.get_submodule(owner_name) if owner_name else root)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        for owner in owners.values():
-            reset = getattr(owner, "reset_parameters", None)
-            if reset is None:
-                raise ValueError(
-                    f"zero3 cannot initialise meta-device module {type(owner).__name__}: it has no "
-                    "reset_parameters(); build it on a real device or give it reset_parameters()"
-                )
-            owner.to_empty(device=device, recurse=False)
-            reset()
-    return [(name, root.get_parameter(name)) for name, _ in named]
-
-
 class Zero3:
     """Sharded parameters gathered per module around its forward and backward."""
 
@@ -136,9 +114,10 @@ class Zero3:
     def _groups(self, module, context):
         persistent: dict[bool, list] = {True: [], False: []}
         index = 0
-        for unit_index, (unit_name, unit, named) in enumerate(module_units(module, self.options.units)):
-            if any(p.is_meta for _, p in named):
-                named = _materialize_unit(module, named, context.device, self.options.init_seed + unit_index)
+        units = materialized_units(
+            module, module_units(module, self.options.units), context.device, self.options.init_seed, context.init_fn
+        )
+        for unit_name, unit, named in units:
             for trainable in (True, False):
                 part = [(n, p) for n, p in named if p.requires_grad == trainable]
                 if sum(p.numel() for _, p in part) < self.options.persistence_threshold:

@@ -1,0 +1,290 @@
+"""Materialising a meta-device model one unit at a time (zero3's partitioned construction).
+
+A model built under ``torch.device("meta")`` has shapes and no storage. zero3
+asks for its units one at a time; each unit's parameters are allocated on the
+compute device, initialised, sliced and freed before the next unit is built,
+so no rank ever holds more than one whole unit beyond its shards. Buffers
+left on meta (a Hugging Face rotary embedding's ``inv_freq``) are built the
+same way, one owning module at a time, after the last unit.
+
+[Note: materialising a unit] Each materialisation is a *job* over a set T of
+meta tensors (one unit's parameters, or one module's buffers):
+
+1. Every tensor of T gets storage on the device, filled with NaN (an integer
+   buffer: its dtype's minimum), and takes the place of its meta tensor with
+   ``torch.utils.swap_tensors``, so the Python object stays the same: a tied
+   parameter held by two modules (``lm_head.weight is wte.weight``) is still
+   one object, and references the user took before ``initialize`` stay valid.
+   Where a swap is impossible (a weak reference to the tensor exists) a new
+   object replaces the old one in every module that holds it.
+2. ``init_fn`` runs on the module that holds each tensor of T and on every
+   ancestor of those, children before parents (the order of Hugging Face's
+   ``initialize_weights``), under the job's seed: an ``init_fn`` may write a
+   module's own tensors and any descendant's (HF's GPT-2 init scales
+   ``attn.c_proj.weight`` from the attention module). Without ``init_fn``,
+   ``reset_parameters()`` runs on the holders only: by torch's convention it
+   initialises a module's own tensors, and a root ``reset_parameters`` that
+   re-initialises the whole model (the demo GPT has one) would otherwise run
+   once per unit, at a cost that grows with the square of the depth. While
+   the initialiser runs, every slot of the model outside T holds a meta
+   stand-in of its tensor's original shape, so writes to it are free no-ops:
+   tensors of earlier units (already sliced), of later units (still meta) and
+   the ones the user built on a real device are left alone.
+3. Every tensor of T must have been written: a NaN (or the integer sentinel)
+   left behind is an error naming the tensor and the module that holds it.
+
+A tensor held by several modules (a tie) is written only through its first
+holder in registration order, the module whose name ``named_parameters()``
+gives it; the other holders' slots hold the stand-in during the job. That is
+what Hugging Face's construction does (the head is initialised, then tied to
+the input embedding, whose values win), and it is the same on every rank
+whichever unit the tie falls in. So each tensor ends with the value a full
+children-first initialisation pass would give it, with random draws that
+depend only on the job's seed and T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import structlog
+import torch
+from torch import nn
+
+log = structlog.get_logger("zkernel")
+
+InitFn = Callable[[nn.Module], object]
+_SlotMap = dict  # a module's ``_parameters`` or ``_buffers``
+
+
+def _describe(path: str, module: nn.Module) -> str:
+    return f"`{path}` ({type(module).__name__})" if path else f"the root module ({type(module).__name__})"
+
+
+def _sentinel_fill(t: torch.Tensor) -> None:
+    """Fill ``t`` with a value no initialiser writes, so an unwritten element can be found."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+    else:
+        t.fill_(False)  # no sentinel exists for bool: not checked
+
+
+def _unwritten(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return t.isnan().any()
+    if t.dtype != torch.bool:
+        return (t == torch.iinfo(t.dtype).min).any()
+    return torch.zeros((), dtype=torch.bool, device=t.device)
+
+
+class MetaMaterializer:
+    """Builds the meta tensors of ``root`` on ``device``, one job at a time (see [Note: materialising a unit]).
+
+    ``init_fn(module)`` initialises a module (Hugging Face: ``model._init_weights``);
+    None calls ``module.reset_parameters()`` where the module has one. Create it
+    before any tensor of ``root`` is materialised: it records every tensor's
+    original shape.
+    """
+
+    def __init__(self, root: nn.Module, device: torch.device, init_fn: InitFn | None = None) -> None:
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be a callable taking one module, got {type(init_fn).__name__}")
+        self.root = root
+        self.device = torch.device(device)
+        self.init_fn = init_fn
+        self._path: dict[int, str] = {}
+        self._pre_order: list[nn.Module] = []
+        self._post_order: list[nn.Module] = []
+        self._parents: dict[int, set[int]] = {}
+        self._visit(root, "", set())
+        # For each tensor: every (slot map, name) holding it and the modules holding it, in
+        # registration order (the first is its canonical holder), its name and meta stand-in.
+        self._slots: dict[int, list[tuple[_SlotMap, str]]] = {}
+        self._holders: dict[int, list[nn.Module]] = {}
+        self._names: dict[int, str] = {}
+        self._stand_in: dict[int, torch.Tensor] = {}
+        for module in self._pre_order:
+            for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+                for name, t in slots.items():
+                    if t is None:
+                        continue
+                    self._slots.setdefault(id(t), []).append((slots, name))
+                    self._holders.setdefault(id(t), []).append(module)
+                    if id(t) not in self._stand_in:
+                        path = self._path[id(module)]
+                        self._names[id(t)] = f"{path}.{name}" if path else name
+                        twin = torch.empty_like(t, device="meta")
+                        self._stand_in[id(t)] = nn.Parameter(twin, requires_grad=t.requires_grad) if is_param else twin
+        self._order = {id(m): i for i, m in enumerate(self._post_order)}
+        self._modules = {id(m): m for m in self._post_order}
+
+    def _visit(self, module: nn.Module, path: str, seen: set[int]) -> None:
+        """Pre- and post-order of the distinct modules, their first paths and their parents."""
+        seen.add(id(module))
+        self._path[id(module)] = path
+        self._pre_order.append(module)
+        self._parents.setdefault(id(module), set())
+        for name, child in module.named_children():
+            self._parents.setdefault(id(child), set()).add(id(module))
+            if id(child) not in seen:
+                self._visit(child, f"{path}.{name}" if path else name, seen)
+        self._post_order.append(module)
+
+    # -- public ---------------------------------------------------------------------
+
+    def parameters(self, named: Sequence[tuple[str, nn.Parameter]], seed: int) -> list[tuple[str, nn.Parameter]]:
+        """Materialise the meta parameters among ``named`` (one unit) under ``seed``; ``named`` with real tensors."""
+        meta = [p for _, p in named if p.is_meta]
+        if meta:
+            self._job(meta, seed, "parameter")
+        return [(name, self.root.get_parameter(name)) for name, _ in named]
+
+    def buffers(self, seed: int) -> int:
+        """Materialise every buffer still on meta, one holding module per job (seeds ``seed``, ``seed + 1``, ...).
+
+        Returns how many modules had meta buffers.
+        """
+        jobs = 0
+        for module in self._pre_order:
+            meta = [
+                b for b in module._buffers.values()
+                if b is not None and b.is_meta and self._holders[id(b)][0] is module
+            ]
+            if meta:
+                self._job(meta, seed + jobs, "buffer")
+                jobs += 1
+        return jobs
+
+    # -- one job ----------------------------------------------------------------------
+
+    def _job(self, tensors: list[torch.Tensor], seed: int, kind: str) -> None:
+        ids = [id(t) for t in tensors]
+        scope = self._scope(ids)
+        if self.init_fn is None:
+            self._check_reset_parameters(ids, kind)
+        real = [self._allocate(t) for t in tensors]
+        ids = [id(t) for t in real]
+        hidden = self._hide_all_but(set(ids))
+        try:
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                torch.manual_seed(seed)
+                for module in scope:
+                    self._init(module)
+        finally:
+            for slots, name, t in hidden:
+                slots[name] = t
+        self._check_written(real, kind)
+
+    def _scope(self, ids: Iterable[int]) -> list[nn.Module]:
+        """Canonical holders of the tensors, and with ``init_fn`` all their ancestors; children first."""
+        found: dict[int, nn.Module] = {}
+        stack = [self._holders[i][0] for i in ids]
+        while stack:
+            module = stack.pop()
+            if id(module) in found:
+                continue
+            found[id(module)] = module
+            if self.init_fn is not None:
+                stack.extend(self._modules[p] for p in self._parents[id(module)])
+        return sorted(found.values(), key=lambda m: self._order[id(m)])
+
+    def _allocate(self, t: torch.Tensor) -> torch.Tensor:
+        """Storage for meta tensor ``t`` on the device, put in its place everywhere; returns the real tensor."""
+        value = torch.empty_like(self._stand_in[id(t)], device=self.device)
+        _sentinel_fill(value)
+        if isinstance(t, nn.Parameter):
+            new = nn.Parameter(value, requires_grad=t.requires_grad)
+            new.__dict__.update(t.__dict__)
+        else:
+            new = value
+        try:
+            torch.utils.swap_tensors(t, new)  # the object stays; it also takes ``new``'s (copied) __dict__
+            return t
+        except RuntimeError as err:
+            log.debug("zkernel.materialize.rebind", tensor=self._names[id(t)], reason=str(err))
+        for slots, name in self._slots[id(t)]:
+            slots[name] = new
+        for table in (self._slots, self._holders, self._names, self._stand_in):
+            table[id(new)] = table.pop(id(t))
+        return new
+
+    def _hide_all_but(self, keep: set[int]) -> list[tuple[_SlotMap, str, torch.Tensor]]:
+        """Meta stand-ins in every slot with storage but the canonical slots of ``keep``; what to put back."""
+        hidden = []
+        for i, slots_of in self._slots.items():
+            for k, (slots, name) in enumerate(slots_of):
+                if k == 0 and i in keep:
+                    continue
+                t = slots[name]
+                if t is not None and not t.is_meta:
+                    hidden.append((slots, name, t))
+                    slots[name] = self._stand_in[i]
+        return hidden
+
+    def _init(self, module: nn.Module) -> None:
+        try:
+            if self.init_fn is not None:
+                self.init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        except Exception as err:
+            label = "reset_parameters()" if self.init_fn is None else "init_fn"
+            raise RuntimeError(
+                f"zero3 could not initialise {_describe(self._path[id(module)], module)} while materialising "
+                f"a model built on the meta device: {label} raised {type(err).__name__}: {err}"
+            ) from err
+
+    def _check_reset_parameters(self, ids: list[int], kind: str) -> None:
+        for i in ids:
+            module = self._holders[i][0]
+            if not hasattr(module, "reset_parameters"):
+                raise ValueError(
+                    f"zero3 cannot initialise meta-device {kind} `{self._names[i]}`: its module "
+                    f"{_describe(self._path[id(module)], module)} has no reset_parameters(). Pass "
+                    "zkernel.initialize(..., init_fn=fn) where fn(module) initialises a module's "
+                    "tensors (for a Hugging Face model: init_fn=model._init_weights), give the module "
+                    "a reset_parameters(), or build it on a real device"
+                )
+
+    def _check_written(self, tensors: list[torch.Tensor], kind: str) -> None:
+        flags = torch.stack([_unwritten(t) for t in tensors]).cpu()
+        for t, bad in zip(tensors, flags.tolist()):
+            if bad:
+                module = self._holders[id(t)][0]
+                how = "init_fn" if self.init_fn is not None else "reset_parameters()"
+                raise ValueError(
+                    f"zero3 materialised meta-device {kind} `{self._names[id(t)]}` of "
+                    f"{_describe(self._path[id(module)], module)}, but {how} left some of its values "
+                    "unset. The initialiser must write every parameter and buffer of the modules it is "
+                    "given (for a Hugging Face model pass init_fn=model._init_weights); otherwise build "
+                    "that module on a real device"
+                )
+
+
+def materialized_units(
+    root: nn.Module,
+    units: Sequence[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]],
+    device: torch.device,
+    seed: int,
+    init_fn: InitFn | None = None,
+) -> Iterator[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Yield ``units`` (zero3's ``module_units``) with their meta parameters materialised, one at a time.
+
+    Unit *i* is built under ``seed + i`` only when the caller asks for it, so
+    a caller that slices and frees each unit before the next holds one whole
+    unit at a time. After the last unit, buffers still on meta are built under
+    ``seed + len(units)``, ``seed + len(units) + 1``, ... A model with nothing
+    on meta passes through untouched.
+    """
+    has_meta = any(t.is_meta for t in root.parameters()) or any(b.is_meta for b in root.buffers())
+    if not has_meta:
+        yield from units
+        return
+    materializer = MetaMaterializer(root, device, init_fn)
+    for index, (unit_name, unit, named) in enumerate(units):
+        yield unit_name, unit, materializer.parameters(named, seed + index)
+    jobs = materializer.buffers(seed + len(units))
+    log.debug("zkernel.materialize.done", units=len(units), buffer_modules=jobs, device=str(device))

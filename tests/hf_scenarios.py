@@ -1,0 +1,190 @@
+"""Hugging Face causal LMs built on the meta device under zero3 (run inside spawned ranks or in-process).
+
+Tiny GPT-2 and Llama configurations with tied input/output embeddings, random
+init, no hub access. Each step trains on the same global batch of bigram
+sequences, so ten steps lower the loss well clear of noise.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+import zkernel  # noqa: E402
+from zkernel_plugins.partitioners._flat import module_units  # noqa: E402
+from zkernel_plugins.partitioners._materialize import materialized_units  # noqa: E402
+
+hf_logging.set_verbosity_error()
+
+VOCAB = 256
+SEQ = 16
+ARCHS = ("gpt2", "llama")
+
+
+def build(arch: str, width: int, depth: int) -> torch.nn.Module:
+    """A tied-embedding causal LM of ``arch``, ``depth`` layers of ``width`` (under the caller's device context)."""
+    common = {"vocab_size": VOCAB, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0}
+    if arch == "gpt2":
+        cfg = GPT2Config(
+            n_layer=depth, n_embd=width, n_head=4, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            **common,
+        )
+        return GPT2LMHeadModel(cfg)
+    if arch == "llama":
+        cfg = LlamaConfig(
+            num_hidden_layers=depth, hidden_size=width, intermediate_size=2 * width, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=SEQ, **common,
+        )
+        return LlamaForCausalLM(cfg)
+    raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHS}")
+
+
+def build_on_meta(arch: str, width: int, depth: int) -> torch.nn.Module:
+    with torch.device("meta"):
+        return build(arch, width, depth)
+
+
+def materialize_whole(model: torch.nn.Module, seed: int = 0, units: str = "modules") -> torch.nn.Module:
+    """What zero3 does to a meta model, unit by unit with the same seeds, but kept whole on one process."""
+    for _ in materialized_units(model, module_units(model, units), torch.device("cpu"), seed, model._init_weights):
+        pass
+    return model
+
+
+def token_batches(seed: int, steps: int, world: int, micro: int) -> list[list[torch.Tensor]]:
+    """[step][rank] -> token ids ``(micro, SEQ)``, one global batch repeated: x[t+1] = (5 x[t] + 3) mod VOCAB."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.empty(world * micro, SEQ, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, VOCAB, (world * micro,), generator=g)
+    for t in range(1, SEQ):
+        ids[:, t] = (5 * ids[:, t - 1] + 3) % VOCAB
+    return [[ids[r * micro : (r + 1) * micro] for r in range(world)] for _ in range(steps)]
+
+
+def _world_rank() -> tuple[int, int]:
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+
+
+def train_engine(engine, data) -> list[float]:
+    """This rank's share of each step through ``engine``; the global mean loss per step."""
+    world, rank = _world_rank()
+    losses = []
+    for step in data:
+        loss = engine(input_ids=step[rank], labels=step[rank]).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
+
+
+def train_reference(model: torch.nn.Module, data, lr: float, clip: float) -> list[float]:
+    """Plain single-process torch AdamW over the whole global batch of each step: the oracle."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in data:
+        ids = torch.cat(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def zero3_config(lr: float, clip: float = 0.0) -> dict:
+    return {
+        "partitioner": "zero3",
+        "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.0},
+        "gradient_clipping": clip,
+        "partitioner_options": {"persistence_threshold": 0},
+    }
+
+
+def tie_report(engine) -> dict:
+    """Whether the output head and the input embedding are one parameter, and where it sits in the groups."""
+    model = engine.module
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    grouped = [p for g in engine.groups for p in g.params]
+    return {
+        "same_object": head is embed,
+        "on_meta": head.is_meta,
+        "groups_holding_it": sum(1 for g in engine.groups for p in g.params if p is embed),
+        "grouped_params": len(grouped),
+        "distinct_grouped_params": len({id(p) for p in grouped}),
+        "model_params": len(list(model.parameters())),
+        "meta_left": [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta],
+        "external": sorted(g.name for g in engine.groups if g.index in engine.scheduler.external),
+    }
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: writing 5 to clear_refs resets the peak RSS to the current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def meta_build(arch: str, width: int, depth: int, first: bool) -> dict:
+    """Build ``arch`` on meta and let zero3 materialise it; the peak RSS growth while it does."""
+    # Warm-up: imports, plugin loading and one-time kernel set-up are not what is measured.
+    warm = build_on_meta(arch, 64, 1)
+    zkernel.initialize(warm, zero3_config(1e-3), init_fn=warm._init_weights)
+    measured = _reset_peak_rss() or first  # without a reset only the first measurement in a process is valid
+    before = _peak_rss()
+    model = build_on_meta(arch, width, depth)
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    engine = zkernel.initialize(model, zero3_config(1e-3), init_fn=model._init_weights)
+    init_growth = _peak_rss() - before
+    held = sum(sum(v.values()) for v in engine.memory_report().values())
+    return {
+        "full_bytes": full_bytes,
+        "init_growth": init_growth if measured else None,
+        "held_bytes": held,
+        "params_bytes": sum(engine.memory_report()["params"].values()),
+        "ties": tie_report(engine),
+    }
+
+
+def parity(arch: str, width: int, depth: int, steps: int) -> dict:
+    """zero3 over a meta-built model on every rank; on rank 0 also the torch oracle on the same materialised model."""
+    lr, clip = 1e-2, 1.0
+    world, rank = _world_rank()
+    data = token_batches(11, steps, world, 2)
+    model = build_on_meta(arch, width, depth)
+    engine = zkernel.initialize(model, zero3_config(lr, clip), init_fn=model._init_weights)
+    result = {"losses": train_engine(engine, data), "ties": tie_report(engine)}
+    if rank == 0:
+        reference = materialize_whole(build_on_meta(arch, width, depth))
+        assert reference.get_output_embeddings().weight is reference.get_input_embeddings().weight
+        result["reference"] = train_reference(reference, data, lr, clip)
+    return result
+
+
+def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
+    """Everything the Hugging Face tests check, in one spawn (importing transformers costs seconds per process)."""
+    torch.manual_seed(0)
+    out = {}
+    for i, arch in enumerate(ARCHS):
+        out[f"{arch}:build"] = meta_build(arch, *big, first=i == 0)
+    for arch in ARCHS:
+        out[f"{arch}:parity"] = parity(arch, *small, steps)
+    return out

@@ -1,0 +1,274 @@
+"""zero3's partitioned construction of meta-device models: ties, initialisers, buffers, errors (world size 1)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+import torch.nn.functional as F
+from torch import nn
+
+import zkernel
+from tests.models import VOCAB, batches, reference_losses
+from tests.scenarios import _train_steps
+from zkernel_plugins.partitioners._flat import module_units
+from zkernel_plugins.partitioners._materialize import MetaMaterializer, materialized_units
+
+DIM = 16
+STEPS, ACCUM, MICRO, SEED = 4, 1, 3, 21
+LR, CLIP = 2e-2, 1.0
+
+
+class TiedLM(nn.Module):
+    """Embedding and output head sharing one weight; the head may be registered first."""
+
+    def __init__(self, head_first: bool = False) -> None:
+        super().__init__()
+        if head_first:
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+            self.embed = nn.Embedding(VOCAB, DIM)
+        else:
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class SharedBlocks(TiedLM):
+    """Also a weight shared by two blocks: the tie crosses units under either unit policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[2].weight = self.blocks[0].weight
+
+
+MODELS = {"embed_first": TiedLM, "head_first": lambda: TiedLM(head_first=True), "shared_blocks": SharedBlocks}
+
+
+def _on_meta(factory):
+    with torch.device("meta"):
+        return factory()
+
+
+def _zero3(units: str = "modules") -> dict:
+    return {
+        "partitioner": "zero3",
+        "gradient_clipping": CLIP,
+        "optimizer": {"lr": LR, "weight_decay": 0.0},
+        "partitioner_options": {"persistence_threshold": 0, "units": units, "init_seed": 5},
+    }
+
+
+@pytest.mark.parametrize("units", ["modules", "blocks"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ties_survive_and_train_like_torch(name, units):
+    model = _on_meta(MODELS[name])
+    engine = zkernel.initialize(model, _zero3(units))
+    assert model.head.weight is model.embed.weight and not model.embed.weight.is_meta
+    if name == "shared_blocks":
+        assert model.blocks[2].weight is model.blocks[0].weight
+    grouped = [p for g in engine.groups for p in g.params]
+    assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
+    losses = _train_steps(engine, STEPS, ACCUM, MICRO, SEED)
+
+    # The oracle: the same meta model materialised the same way (same units, same seeds), kept whole.
+    reference = _on_meta(MODELS[name])
+    for _ in materialized_units(reference, module_units(reference, units), torch.device("cpu"), 5):
+        pass
+    assert reference.head.weight is reference.embed.weight
+    expected = reference_losses(reference, batches(SEED + 1, STEPS, ACCUM, 1, MICRO), LR, 0.0, CLIP)
+    assert expected[-1] < expected[0]
+    for i, (a, b) in enumerate(zip(losses, expected)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: zero3 {a!r} vs torch {b!r}"
+
+
+def _marking_init(model: nn.Module):
+    """An initialiser that writes, into each tensor of a module, that module's index in ``model.modules()``."""
+    index = {id(m): float(i) for i, m in enumerate(model.modules())}
+
+    def init(module: nn.Module) -> None:
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            t.fill_(index[id(module)])
+
+    return init, index
+
+
+@pytest.mark.parametrize("head_first", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_tie_is_written_through_its_first_holder_whatever_the_unit_order(head_first, reverse):
+    model = _on_meta(lambda: TiedLM(head_first=head_first))
+    init, index = _marking_init(model)
+    materializer = MetaMaterializer(model, torch.device("cpu"), init)
+    units = module_units(model)
+    for i, (_, _, named) in enumerate(reversed(units) if reverse else units):
+        materializer.parameters(named, seed=i)
+    first = model.head if head_first else model.embed
+    assert model.head.weight is model.embed.weight
+    assert torch.all(model.embed.weight == index[id(first)])
+    for block in model.blocks:
+        assert torch.all(block.weight == index[id(block)]) and torch.all(block.bias == index[id(block)])
+
+
+class Child(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+
+
+class Parent(nn.Module):
+    """Like GPT-2's attention: its own init rescales one child's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Child(), Child()
+
+
+def _parent_scales_child_b(module: nn.Module) -> None:
+    if isinstance(module, Child):
+        module.weight.fill_(1.0)
+    elif isinstance(module, Parent):
+        module.b.weight.fill_(0.5)
+
+
+def test_an_ancestor_init_runs_after_its_children_and_writes_only_the_unit_being_built():
+    with torch.device("meta"):
+        model = nn.Sequential(Parent(), Parent())
+    loaded = torch.full((4, 4), 7.0)
+    model[1].b.weight = nn.Parameter(loaded.clone())  # built on a real device by the user: left alone
+    for _, _, named in materialized_units(model, module_units(model), torch.device("cpu"), 0, _parent_scales_child_b):
+        # While one unit is built, the others are either still on meta or already materialised.
+        assert all(not p.is_meta for _, p in named)
+    assert torch.all(model[0].a.weight == 1.0) and torch.all(model[1].a.weight == 1.0)
+    assert torch.all(model[0].b.weight == 0.5)
+    assert torch.equal(model[1].b.weight, loaded)
+
+
+class Gain(nn.Module):
+    """A module with a parameter and no reset_parameters (like Hugging Face's Conv1D)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def test_module_without_reset_parameters_is_an_error_naming_its_path():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.Sequential(nn.Tanh(), Gain()))
+    with pytest.raises(ValueError, match=r"`1\.1\.gain`.*`1\.1` \(Gain\) has no reset_parameters\(\).*init_fn="):
+        zkernel.initialize(model, _zero3())
+
+
+def test_init_fn_initialises_modules_without_reset_parameters():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM), Gain())
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, Gain):
+            module.gain.fill_(2.0)
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    engine = zkernel.initialize(model, _zero3(), init_fn=init)
+    with engine.gathered_parameters():
+        assert torch.all(model[1].gain == 2.0)
+        assert model[0].weight.abs().max() <= DIM**-0.5
+
+
+def test_init_fn_that_leaves_a_parameter_unset_is_an_error_naming_it():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM), Gain())
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    with pytest.raises(ValueError, match=r"parameter `1\.gain` of `1` \(Gain\), but init_fn left some of its values unset"):
+        zkernel.initialize(model, _zero3(), init_fn=init)
+
+
+def test_init_fn_that_raises_names_the_module():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM))
+
+    def init(module: nn.Module) -> None:
+        raise KeyError("no rule")
+
+    with pytest.raises(RuntimeError, match=r"could not initialise `0` \(Linear\).*KeyError: 'no rule'"):
+        zkernel.initialize(model, _zero3(), init_fn=init)
+
+
+def test_init_fn_must_be_callable():
+    with pytest.raises(TypeError, match="init_fn"):
+        zkernel.initialize(nn.Linear(2, 2), _zero3(), init_fn="reset_parameters")
+
+
+class Rotary(nn.Module):
+    """A parameterless module with a non-persistent buffer computed from its config (like HF's rotary embedding)."""
+
+    def __init__(self, with_reset: bool) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", self.compute(), persistent=False)
+        if with_reset:
+            self.reset_parameters = lambda: self.inv_freq.copy_(self.compute())
+
+    @staticmethod
+    def compute() -> torch.Tensor:
+        return 1.0 / (10_000 ** (torch.arange(0, DIM, 2, dtype=torch.float32) / DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq.repeat(2)
+
+
+@pytest.mark.parametrize("with_reset", [True, False])
+def test_meta_buffers_are_built_by_their_modules_init(with_reset):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM), Rotary(with_reset), nn.BatchNorm1d(DIM))
+    assert model[1].inv_freq.is_meta and model[2].running_var.is_meta
+    if not with_reset:
+        with pytest.raises(ValueError, match=r"buffer `1\.inv_freq`.*`1` \(Rotary\) has no reset_parameters\(\)"):
+            zkernel.initialize(model, _zero3())
+        return
+    zkernel.initialize(model, _zero3())
+    assert torch.equal(model[1].inv_freq, Rotary.compute())
+    assert torch.all(model[2].running_var == 1) and torch.all(model[2].running_mean == 0)
+    assert model[2].num_batches_tracked.item() == 0
+
+
+def test_meta_buffer_under_another_partitioner_is_an_error_naming_it():
+    model = nn.Sequential(nn.Linear(DIM, DIM))
+    with torch.device("meta"):
+        model.append(Rotary(with_reset=True))
+    with pytest.raises(ValueError, match=r"buffer '1\.inv_freq' of Rotary is on the meta device: only the zero3"):
+        zkernel.initialize(model, {"partitioner": "zero2"})
+
+
+def test_a_weak_reference_to_a_tied_parameter_does_not_break_the_tie():
+    model = _on_meta(TiedLM)
+    watcher = weakref.ref(model.embed.weight)  # swap_tensors refuses tensors with weak references
+    with capture_logs() as logs:
+        engine = zkernel.initialize(model, _zero3())
+    assert any(e["event"] == "zkernel.materialize.rebind" for e in logs), "the fallback path must have run"
+    assert model.head.weight is model.embed.weight and not model.embed.weight.is_meta
+    del watcher
+    losses = _train_steps(engine, 2, 1, MICRO, SEED)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_model_with_nothing_on_meta_is_untouched():
+    torch.manual_seed(0)
+    model = TiedLM()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    units = module_units(model)
+    assert list(materialized_units(model, units, torch.device("cpu"), 0)) == units
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
