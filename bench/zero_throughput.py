@@ -156,7 +156,7 @@ def _worker(args) -> None:
 
 def _run_mode(args, mode: str) -> dict | None:
     cmd = [sys.executable]
-    if args.nproc > 1 or mode == "fsdp2":
+    if args.nproc > 1 or mode.startswith("fsdp2"):
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29533"]
     cmd += [__file__, "--worker", "--mode", mode, "--model", args.model, "--micro-batch", str(args.micro_batch),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options,

@@ -119,3 +119,20 @@ def test_nccl_two_gpus_cpu_offload_matches_torch():
         for stage, result in zip(OFFLOAD_STAGES, rank_results):
             for i, (a, b) in enumerate(zip(result["losses"], expected)):
                 assert abs(a - b) <= 2e-5 * abs(b), f"nccl {stage} step {i}: {a} vs {b}"
+
+
+def test_cuda_gpu_share_matches_torch():
+    """Part of the offloaded optimizer moves to the GPU after the first step (Twin-Flow) and steps there."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    configs = []
+    for stage in OFFLOAD_STAGES:
+        cfg = _offload_config(stage, "cpu_adam")
+        cfg["offload"]["optimizer_options"] = {"gpu_share": 0.5}
+        configs.append(cfg)
+    results = train_many(configs, STEPS, ACCUM, MICRO, SEED)
+    expected = _reference(1)
+    for stage, result in zip(OFFLOAD_STAGES, results):
+        for i, (a, b) in enumerate(zip(result["losses"], expected)):
+            assert abs(a - b) <= 2e-5 * abs(b), f"gpu share {stage} step {i}: {a} vs {b}"
+        memory = result["memory"]
+        assert memory["optimizer_state"].get("cpu", 0) > 0 and any(d.startswith("cuda") for d in memory["optimizer_state"])

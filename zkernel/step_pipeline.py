@@ -95,6 +95,7 @@ class StepPipeline:
         # Pending updates of parameter shards: group index -> job resolving to a CUDA event or None.
         self._updates: dict[int, Future] = {}
         self._last_clean = False  # the last boundary step applied no clip factor and no skip
+        self._rebalanced = False
         self.rollbacks = 0
         self.early_steps = 0
 
@@ -202,6 +203,10 @@ class StepPipeline:
                     self._publish(group, event)
         self._early.clear()
         self._early_coefficient = None
+        if not self._rebalanced and coefficient is not None:
+            self._rebalanced = True
+            self.wait_all()
+            self.tier.after_first_step(self._order)
 
     def _submit_host(self, group: ParamGroup, coefficient: float | None, clean: bool) -> Future:
         early = self._early.get(group.index)
@@ -285,7 +290,11 @@ class StepPipeline:
         job = self._updates.pop(group.index, None)
         if job is None:
             return
-        event = job.result()
+        if job.done():
+            event = job.result()
+        else:
+            with self.timeline.span(SpanKind.UPDATE_WAIT, label=group.name):
+                event = job.result()
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 

@@ -110,6 +110,12 @@ class OptimizerTier(abc.ABC):
     def read_master(self, group: ParamGroup) -> torch.Tensor:
         """The current fp32 master values of ``group`` (for `Engine.close` and state dicts)."""
 
+    def after_first_step(self, order: Sequence[ParamGroup]) -> None:
+        """Called once by the step pipeline after the first optimizer step, when every update of
+        it finished, with the trainable groups in the order the next forward needs them, and the
+        peak memory of a whole step known: a tier may now move groups between places (e.g. keep
+        the first-needed groups' optimizer on the GPU). Default: nothing."""
+
     def close(self) -> None:
         """Free buffers and files. Called once by `Engine.close` (and at interpreter exit)."""
 

@@ -78,6 +78,9 @@ class SpanKind(str, enum.Enum):
     PARAM_NVME_READ = "param_nvme_read"
     PARAM_H2D = "param_h2d"
     ALL_GATHER = "all_gather"
+    # The engine's thread blocked on a group's update still running on the host: the GPU
+    # runs dry once its queue drains, so this is a lower bound of exposed step time.
+    UPDATE_WAIT = "update_wait"
 
 
 _KIND_ORDER = {kind: i for i, kind in enumerate(SpanKind)}

@@ -25,6 +25,19 @@ buckets and activations.
 Without CUDA the same buffers exist and every copy is a plain host copy in
 program order; landings are completed one behind the newest, as the device
 tier does.
+
+[Note: GPU share] The next forward needs the first layers first, and their
+gradients land last in backward, so their host steps finish last: on a PCIe
+machine the host step is as long as a whole GPU step, and the forward stalls
+on it. ``gpu_share`` keeps the optimizer of the groups the next forward needs
+first on the GPU (Twin-Flow): they step there, in milliseconds, while the host
+steps the rest. After the first step (when the landing order, and so the
+forward's need order, and the step's peak GPU memory are known) the tier moves
+those groups' masters and optimizer state to the GPU and hands them to an
+inner ``none`` tier. ``gpu_share`` is the fraction of trainable
+elements to keep there, or ``"auto"``: as many as fit in 80% of the GPU memory
+the first step left unused, at 16 bytes per element (master, two moments,
+gradient).
 """
 
 from __future__ import annotations
@@ -38,10 +51,15 @@ import torch
 
 from zkernel import hookimpl
 from zkernel.host_memory import host_empty, host_zeros
+from zkernel.log import get_logger
 from zkernel.step_pipeline import SPECULATE_POLICIES
 from zkernel.streams import record_event
 from zkernel.tiers import OptimizerTier, Resource
 from zkernel.timeline import SpanKind
+
+from .device import DeviceTier
+
+log = get_logger()
 
 
 @attrs.frozen(kw_only=True)
@@ -53,6 +71,15 @@ class CpuTierOptions:
     # Start host steps before the global norm is known and roll them back when clipping or an
     # fp16 overflow applies: "auto" (when the previous step needed neither), "always", "never".
     speculate: str = attrs.field(default="auto", validator=attrs.validators.in_(SPECULATE_POLICIES))
+    # Fraction of trainable elements whose optimizer stays on the GPU ([Note: GPU share]), or "auto".
+    gpu_share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _check_share(v))
+
+
+def _check_share(value) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"offload.optimizer_options.gpu_share must be a number in [0, 1] or \"auto\", got {value!r}")
 
 
 @attrs.define(eq=False)
@@ -66,6 +93,7 @@ class _Slot:
     sq_norm: torch.Tensor | Future | None = None
     accumulation: Future | None = None  # host-side add of a later micro-batch
     upload_event: Any = None  # CUDA event of the last upload from the staging copy
+    on_device: bool = False  # moved to the GPU share: the inner device tier holds it
 
 
 class CpuTier(OptimizerTier):
@@ -88,6 +116,9 @@ class CpuTier(OptimizerTier):
         self.timeline = context.timeline
         self._slots: dict[int, _Slot] = {}
         self._pending: deque = deque()  # CPU-only landings not completed yet
+        self._state: dict[int, tuple] = {}  # declared optimizer state per group (for the GPU share)
+        self._device_tier = DeviceTier(context, "optimizer")
+        self.gpu_share_numel = 0
 
     def _pin(self) -> bool | None:
         return self.options.pin_memory
@@ -110,11 +141,53 @@ class CpuTier(OptimizerTier):
         }
         group.copy_out = None if self.compute_dtype == torch.float32 else host_empty(numel, self.compute_dtype, pin=self._pin())
         self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), param_shard=group.param_shard)
+        self._state[group.index] = tuple(state)
+
+    def _on_device(self, group) -> bool:
+        slot = self._slots.get(group.index)
+        return slot is not None and slot.on_device
+
+    def after_first_step(self, order):
+        if not self.cuda or self.options.gpu_share == 0.0:
+            return
+        total = sum(g.master.numel() for g in order)
+        if self.options.gpu_share == "auto":
+            free = torch.cuda.get_device_properties(self.device).total_memory - torch.cuda.max_memory_reserved(self.device)
+            budget = int(0.8 * max(0, free)) // 16
+        else:
+            budget = int(self.options.gpu_share * total)
+        for group in order:
+            numel = group.master.numel()
+            if numel > budget - self.gpu_share_numel:
+                break
+            self._move_to_device(group)
+            self.gpu_share_numel += numel
+        log.info(
+            "zkernel.cpu_tier.gpu_share",
+            groups=sum(s.on_device for s in self._slots.values()),
+            numel=self.gpu_share_numel,
+            fraction=round(self.gpu_share_numel / max(1, total), 4),
+        )
+
+    def _move_to_device(self, group) -> None:
+        """Hand ``group`` to the inner device tier: master and state copied to the GPU, host buffers freed."""
+        slot = self._slots[group.index]
+        if slot.upload_event is not None:
+            slot.upload_event.synchronize()
+        state = {k: v.to(self.device) for k, v in group.optim_state.items()}
+        self._device_tier.adopt(group, group.master.to(self.device), self._state[group.index])
+        for name, value in state.items():
+            group.optim_state[name].copy_(value)
+        slot.on_device = True
+        slot.landing = torch.empty(0)
+        group.grad = None
 
     # -- gradients ------------------------------------------------------------------
 
     def land(self, group, reduced, final):
         slot = self._slots[group.index]
+        if slot.on_device:
+            return self._device_tier.land(group, reduced, final)
         first = not reduced.accumulate or not slot.landed
         slot.landed = True
         if not self.cuda:
@@ -162,14 +235,15 @@ class CpuTier(OptimizerTier):
     def flush(self):
         while self._pending:
             self._complete(*self._pending.popleft())
+        self._device_tier.flush()
 
     def grad_sq_norm(self, groups):
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)
-        out = []
+        out = self._device_tier.grad_sq_norm([g for g in groups if self._on_device(g)])
         for group in groups:
             slot = self._slots[group.index]
-            if not slot.landed:
+            if slot.on_device or not slot.landed:
                 continue
             if self.cuda and slot.sq_norm is not None:
                 out.append(slot.sq_norm)
@@ -180,10 +254,12 @@ class CpuTier(OptimizerTier):
     # -- step (host worker thread) ------------------------------------------------------
 
     def steps_on_host(self, group):
-        return True
+        return not self._on_device(group)
 
     def acquire(self, group):
         slot = self._slots[group.index]
+        if slot.on_device:
+            return self._device_tier.acquire(group)
         if slot.accumulation is not None:
             slot.accumulation.result()
             slot.accumulation = None
@@ -200,6 +276,8 @@ class CpuTier(OptimizerTier):
 
     def release(self, group):
         slot = self._slots[group.index]
+        if slot.on_device:
+            return self._device_tier.release(group)
         if slot.param_shard is None:
             return None
         source = group.copy_out if group.copy_out is not None else group.master
@@ -215,6 +293,8 @@ class CpuTier(OptimizerTier):
 
     def end_window(self, group):
         slot = self._slots[group.index]
+        if slot.on_device:
+            return self._device_tier.end_window(group)
         slot.landed = False
         slot.sq_norm = None
         group.grad = None
@@ -228,12 +308,15 @@ class CpuTier(OptimizerTier):
                 slot.accumulation.result()
         self._slots.clear()
         self._pending.clear()
+        self._state.clear()
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
         slot = self._slots.get(group.index)
         if slot is None:
             return None
+        if slot.on_device:
+            return self._device_tier.zkernel_memory_tensors(group)
         return {
             "params": [group.copy_out] if group.copy_out is not None else [],
             "grads": [slot.landing],
