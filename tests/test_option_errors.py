@@ -58,6 +58,20 @@ def test_builtin_option_errors(raw, message):
     assert str(info.value) == message
 
 
+def test_a_validator_message_that_names_the_key_is_kept():
+    @attrs.frozen(kw_only=True)
+    class Opts:
+        share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _share(v))
+
+    def _share(v):
+        if v != "auto" and not (isinstance(v, (int, float)) and 0 <= v <= 1):
+            raise ValueError(f"opt.share must be a number in [0, 1] or \"auto\", got {v!r}")
+
+    with pytest.raises(ConfigError) as info:
+        build_options("opt", Opts, {"share": 2})
+    assert str(info.value) == 'opt.share must be a number in [0, 1] or "auto", got 2'
+
+
 def test_valid_options_still_build():
     engine = zkernel.initialize(
         tiny(), {"partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0, "init_seed": 3}}

@@ -406,7 +406,10 @@ def _check_option(owner: str, field: Any, annotation: Any, value: Any) -> None:
         if validator is not None:
             validator(None, field, converted)
     except (TypeError, ValueError) as exc:
-        what = valid or (simple[1] + f" ({_reason(exc)})" if simple else _reason(exc))
+        reason = _reason(exc)
+        if valid is None and reason.startswith(key):  # the validator's own message names the key already
+            raise ConfigError(reason) from None
+        what = valid or (simple[1] + f" ({reason})" if simple else reason)
         raise ConfigError(f"{key} {value!r} is not valid; valid: {what}") from None
 
 

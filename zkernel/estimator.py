@@ -99,7 +99,8 @@ TIER_PLACEMENT: dict[str, TierPlacement] = {
         {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: None, Role.PARAM_SHARD: DEVICE},
     ),
     # fp32 master, optimizer state, fp32 gradient landing buffer and the compute-dtype staging
-    # copy in (pinned) CPU memory; the compute-dtype parameter shard stays on the GPU.
+    # copy in (pinned) CPU memory; the compute-dtype parameter shard stays on the GPU. Not
+    # modelled: its gpu_share option (CUDA only) keeping some groups' optimizer on the GPU.
     "cpu": TierPlacement(
         ("optimizer",),
         {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu", Role.PARAM_SHARD: "cpu"},
