@@ -1,6 +1,8 @@
-"""Shared test set-up: skip CUDA-marked tests where there is no GPU."""
+"""Shared test set-up: skip CUDA-marked tests where there is no GPU; show zkernel's debug events on demand."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -13,3 +15,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def zkernel_debug_logs():
+    """The ``zkernel`` logger at DEBUG for one test (its level gates events before any processor runs)."""
+    logger = logging.getLogger("zkernel")
+    saved = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield logger
+    finally:
+        logger.setLevel(saved)
+
+
+@pytest.fixture
+def restore_zkernel_logger():
+    """Undo `zkernel.cli.configure_logging` after a test: the logger's level and handlers, structlog's config."""
+    import structlog
+
+    logger = logging.getLogger("zkernel")
+    saved = (logger.level, list(logger.handlers), logger.propagate)
+    try:
+        yield logger
+    finally:
+        logger.setLevel(saved[0])
+        logger.handlers[:] = saved[1]
+        logger.propagate = saved[2]
+        structlog.reset_defaults()
+        structlog.contextvars.clear_contextvars()

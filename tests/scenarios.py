@@ -180,3 +180,52 @@ def user_access(config: dict, steps: int, accum: int, micro: int, seed: int) -> 
         kept = model.block[2].weight.detach()
     after = {"kept": kept.float().cpu().clone(), "released": model.block[2].weight.numel()}
     return {"losses": losses, "values": values, "released_sizes": released_sizes, **after}
+
+
+def user_program(debug: bool) -> None:
+    """A user's training program, as written by someone who never heard of structlog.
+
+    With ``debug`` it asks for everything with ``logging.basicConfig(level=DEBUG)``;
+    without, it configures no logging at all and zkernel must print nothing.
+    """
+    import logging
+
+    if debug:
+        logging.basicConfig(level=logging.DEBUG)
+    torch.manual_seed(0)
+    # fp16 with a loss scale so large that the first step overflows: the engine logs the skip
+    # inside the step's structlog context (rank, step).
+    cfg = {"partitioner": "zero2", "precision": "fp16", "initial_loss_scale": 2.0**40, "optimizer": {"lr": 1e-3}}
+    engine = zkernel.initialize(TrickyNet(), cfg)
+    _train_steps(engine, steps=2, accum=1, micro=2, seed=3)
+
+
+def small_gpt():
+    """The demo GPT, small: the model of the estimator's accuracy test (tests/test_estimator.py)."""
+    from zkernel.demo.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=65, seq_len=32, d_model=64, n_layers=2, n_heads=4))
+
+
+def memory_after_step(model_name: str, configs: list[dict]) -> list[dict]:
+    """For each config: memory_report after every backward of one accumulation window, and after the step."""
+    world, rank = _world_rank()
+    out = []
+    for cfg in configs:
+        torch.manual_seed(0)
+        engine = zkernel.initialize(small_gpt() if model_name == "gpt" else TrickyNet(), cfg)
+        g = torch.Generator().manual_seed(rank)
+        backward = []
+        for _ in range(engine.config.gradient_accumulation_steps):
+            if model_name == "gpt":
+                idx = torch.randint(0, 65, (2, 32), generator=g)
+                loss = engine(idx, idx)
+            else:
+                tokens = torch.randint(0, 29, (2, 6), generator=g)
+                loss = engine(tokens, tokens)
+            engine.backward(loss)
+            backward.append(engine.memory_report())
+            engine.step()
+        out.append({"backward": backward, "step": engine.memory_report()})
+        engine.close()
+    return out

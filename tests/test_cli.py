@@ -111,27 +111,23 @@ def test_version(argv):
     assert zkernel.__version__ in result.stdout
 
 
-def test_configure_logging_json_is_rank_aware_and_hides_debug(capsys):
+def test_configure_logging_json_is_rank_aware_and_hides_debug(capsys, restore_zkernel_logger):
     import json
 
     import structlog
 
     from zkernel.cli import configure_logging
 
-    try:
-        configure_logging(json_output=True, rank=1)
-        log = structlog.get_logger("zkernel")
-        log.debug("zkernel.test.hidden")
-        log.info("zkernel.test.shown", nbytes=3)
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1, lines
-        event = json.loads(lines[0])
-        assert event["event"] == "zkernel.test.shown"
-        assert event["rank"] == 1 and event["nbytes"] == 3 and event["level"] == "info"
+    configure_logging(json_output=True, rank=1)
+    log = structlog.get_logger("zkernel")
+    log.debug("zkernel.test.hidden")
+    log.info("zkernel.test.shown", nbytes=3)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    event = json.loads(lines[0])
+    assert event["event"] == "zkernel.test.shown"
+    assert event["rank"] == 1 and event["nbytes"] == 3 and event["level"] == "info"
 
-        configure_logging(verbose=True)
-        structlog.get_logger("zkernel").debug("zkernel.test.verbose")
-        assert "zkernel.test.verbose" in capsys.readouterr().err
-    finally:
-        structlog.reset_defaults()
-        structlog.contextvars.clear_contextvars()
+    configure_logging(verbose=True)
+    structlog.get_logger("zkernel").debug("zkernel.test.verbose")
+    assert "zkernel.test.verbose" in capsys.readouterr().err

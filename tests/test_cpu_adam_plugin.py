@@ -44,7 +44,7 @@ def test_registered_under_its_entry_point_with_validated_options():
     assert component is not None and component.factory is cpu_adam.CpuAdam
     opts = build_options("optimizer", component.options_cls, {"threads": 2, "decoupled_weight_decay": False})
     assert opts == cpu_adam.CpuAdamOptions(threads=2, decoupled_weight_decay=False)
-    with pytest.raises(ConfigError, match="threads must be an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"optimizer.threads 0 is not valid; valid: an integer >= 1, or null"):
         build_options("optimizer", component.options_cls, {"threads": 0})
     with pytest.raises(ConfigError, match="unknown config key optimizer.adamw_mode; valid: decoupled"):
         build_options("optimizer", component.options_cls, {"adamw_mode": True})

@@ -253,7 +253,7 @@ def test_meta_buffer_under_another_partitioner_is_an_error_naming_it():
         zkernel.initialize(model, {"partitioner": "zero2"})
 
 
-def test_a_weak_reference_to_a_tied_parameter_does_not_break_the_tie():
+def test_a_weak_reference_to_a_tied_parameter_does_not_break_the_tie(zkernel_debug_logs):
     model = _on_meta(TiedLM)
     watcher = weakref.ref(model.embed.weight)  # swap_tensors refuses tensors with weak references
     with capture_logs() as logs:

@@ -213,7 +213,7 @@ def test_duplicate_component_name_is_an_error():
         collect_components(get_plugin_manager([Clash()]))
 
 
-def test_hook_tracing_logs_through_structlog():
+def test_hook_tracing_logs_through_structlog(zkernel_debug_logs):
     from structlog.testing import capture_logs
 
     with capture_logs() as logs:

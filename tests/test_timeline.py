@@ -167,7 +167,7 @@ def test_clock_fit_ignores_impossible_rates():
 # -- host spans -------------------------------------------------------------------------
 
 
-def test_host_spans_resolve_at_end_step_and_are_logged():
+def test_host_spans_resolve_at_end_step_and_are_logged(zkernel_debug_logs):
     tl = Timeline(CPU, enabled=True)
     t = time.perf_counter()
     tl.host_span(K.COMPUTE, t, t + 0.010)
@@ -272,7 +272,7 @@ def test_stream_argument_is_ignored_without_cuda():
 # -- disabled ---------------------------------------------------------------------------
 
 
-def test_disabled_timeline_is_a_cheap_no_op(tmp_path):
+def test_disabled_timeline_is_a_cheap_no_op(tmp_path, zkernel_debug_logs):
     tl = Timeline(CPU, enabled=False, trace_path=tmp_path / "trace.json")
     assert tl.span(K.H2D) is tl.span(K.COMPUTE, label="x")  # one shared null span, nothing allocated
     n = 100_000
@@ -322,7 +322,7 @@ def _load_trace(path):
     return trace, events, complete, lanes
 
 
-def test_chrome_trace_structure(tmp_path):
+def test_chrome_trace_structure(tmp_path, zkernel_debug_logs):
     path = tmp_path / "trace-{rank}.json"
     tl = Timeline(CPU, enabled=True, trace_path=path, rank=3)
     t = time.perf_counter()

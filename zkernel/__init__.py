@@ -1,6 +1,7 @@
 """zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
 
-Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`.
+Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`,
+`from_deepspeed_config`, `estimate`.
 Nothing is loaded at import time; `initialize` builds the plugin managers.
 """
 
@@ -9,7 +10,17 @@ from zkernel.hookspecs import hookimpl, hookspec
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "Engine", "consolidate", "hookimpl", "hookspec", "initialize"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Engine",
+    "consolidate",
+    "estimate",
+    "from_deepspeed_config",
+    "hookimpl",
+    "hookspec",
+    "initialize",
+]
 
 
 def __getattr__(name):
@@ -18,6 +29,14 @@ def __getattr__(name):
         from zkernel import bootstrap
 
         return getattr(bootstrap, name)
+    if name == "from_deepspeed_config":
+        from zkernel.deepspeed_config import from_deepspeed_config
+
+        return from_deepspeed_config
+    if name == "estimate":
+        from zkernel.estimator import estimate
+
+        return estimate
     if name == "Engine":
         from zkernel.engine import Engine
 

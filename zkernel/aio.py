@@ -39,12 +39,12 @@ import errno as errno_mod
 import os
 from typing import Any, NamedTuple
 
-import structlog
 import torch
 
 from zkernel import native
+from zkernel.log import get_logger
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_THREADS", "AioHandle", "ChecksumError", "aligned_empty", "preallocate"]
 

@@ -1,9 +1,9 @@
-"""The ``zkernel`` command: ``plugins``, ``demo``, ``config``.
+"""The ``zkernel`` command: ``plugins``, ``demo``, ``config``, ``estimate``.
 
 The CLI is a front-end, so unlike the library it prints to stdout and
-configures structlog (`configure_logging`): console text for people or JSON
-lines (``--log-json``), INFO and above unless ``-v``, to stderr, with the
-rank bound through `structlog.contextvars` in multi-process runs.
+configures logging (`configure_logging`): zkernel's events as console text for
+people or JSON lines (``--log-json``), INFO and above unless ``-v``, to
+stderr, with the rank bound through `structlog.contextvars` in multi-process runs.
 """
 
 from __future__ import annotations
@@ -19,34 +19,52 @@ from typing import Any
 
 import structlog
 
+from zkernel.log import get_logger
+
 # Set by torchrun in every process it starts.
 _TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+# Name of the stderr handler `configure_logging` puts on the ``zkernel`` logger.
+_HANDLER_NAME = "zkernel.cli"
 
 
 def configure_logging(*, json_output: bool = False, verbose: bool = False, rank: int | None = None) -> None:
-    """Configure structlog for a front-end process (the library itself never does this)."""
+    """Show zkernel's events on stderr, for a front-end process (the library itself never does this).
+
+    Configures structlog for the standard library (see [Note: library logging]
+    in `zkernel.log`) and gives the ``zkernel`` logger one stderr handler that
+    renders console text or JSON lines, at INFO, or DEBUG when ``verbose``.
+    Calling it again replaces that handler.
+    """
     level = logging.DEBUG if verbose else logging.INFO
-    processors: list[Any] = [
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True) if json_output else structlog.processors.TimeStamper(fmt="%H:%M:%S"),
     ]
     if json_output:
-        processors += [
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(),
-        ]
+        rendering: list[Any] = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     else:
-        processors += [
-            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
-            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
-        ]
+        rendering = [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
     structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *rendering],
+            foreign_pre_chain=shared,
+        )
+    )
+    logger = logging.getLogger("zkernel")
+    for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+        logger.removeHandler(old)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # the program's root handlers, if any, would print each event twice
     structlog.contextvars.clear_contextvars()
     if rank is not None:
         structlog.contextvars.bind_contextvars(rank=rank)
@@ -142,7 +160,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "-m", "zkernel.demo",
         *forwarded,
     ]  # fmt: skip
-    structlog.get_logger("zkernel.cli").info(
+    get_logger("zkernel.cli").info(
         "zkernel.demo.launch", nproc=nproc, device="cuda" if gpu else "cpu"
     )
     try:
@@ -202,6 +220,145 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- zkernel estimate -------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"80GiB"``, ``"1.5TB"``, ``"512e6"``."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match[2].lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; valid: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(float(match[1]) * _UNITS[unit])
+
+
+def format_size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "?"
+    if nbytes == 0:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _estimate_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(what to estimate, the transformer shape or None) from the command line."""
+    from zkernel.config import ConfigError
+    from zkernel.estimator import TransformerShape
+
+    numbers = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "sequence")}
+    given = [k for k, v in numbers.items() if v is not None]
+    if args.model and given:
+        raise ConfigError(f"give either MODEL or the transformer's numbers, not both (got MODEL and --{given[0]})")
+    if args.model:
+        return args.model, None
+    missing = [k for k, v in numbers.items() if v is None]
+    if missing:
+        raise ConfigError(
+            "give MODEL (an import path 'pkg.mod:factory') or a transformer's numbers; missing: "
+            + ", ".join(f"--{k}" for k in missing)
+        )
+    shape = TransformerShape(
+        **numbers,
+        style=args.style,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        tied_embeddings=not args.untied,
+    )
+    return shape, shape
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import attrs
+
+    from zkernel.config import load_config
+    from zkernel.estimator import (
+        as_module,
+        detect_capacity,
+        estimate_activations,
+        estimate_table,
+        shortfalls,
+        totals,
+    )
+
+    config = load_config(args.config)
+    if args.precision:
+        config = attrs.evolve(config, precision=args.precision)
+    if args.nvme_path:
+        config = attrs.evolve(config, offload=attrs.evolve(config.offload, nvme_path=args.nvme_path))
+    model, shape = _estimate_model(args)
+    module = as_module(model)
+    detected = detect_capacity(config.offload.nvme_path)
+    capacity = attrs.evolve(
+        detected,
+        gpus=detected.gpus if args.gpus is None else args.gpus,
+        gpu_bytes=args.gpu_memory if args.gpu_memory is not None else detected.gpu_bytes,
+        ram_bytes=args.ram if args.ram is not None else detected.ram_bytes,
+        disk_bytes=args.disk if args.disk is not None else detected.disk_bytes,
+    )
+    device = "cuda" if capacity.gpus else "cpu"
+    world = args.world_size or max(1, capacity.gpus)
+    per_machine = min(world, capacity.gpus) if capacity.gpus else world
+    numel = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    what = f"{shape.style}-like transformer" if shape is not None else str(model)
+    print(f"zkernel estimate: {what}, {numel:,} parameters ({trainable:,} trainable), {config.precision}, {world} rank(s)")
+    gpu_text = f"{capacity.gpus} GPU(s) x {format_size(capacity.gpu_bytes)}" if capacity.gpus else "no GPU (compute on CPU)"
+    disk_text = f"{format_size(capacity.disk_bytes)} free at {config.offload.nvme_path}" if config.offload.nvme_path else "no nvme_path"
+    print(f"machine: {gpu_text}, RAM {format_size(capacity.ram_bytes)} available, disk {disk_text}; {per_machine} rank(s) on it")
+
+    activations = ckpt = None
+    if shape is not None and args.micro_batch:
+        activations = estimate_activations(shape, args.micro_batch, precision=config.precision)["total"]
+        ckpt = estimate_activations(shape, args.micro_batch, precision=config.precision, checkpointing=True)["total"]
+
+    rows = estimate_table(module, config, world, device=device)
+    places = [device] + [p for p in ("cpu", "nvme") if p != device and any(p in totals(r.report) for r in rows)]
+    table = []
+    for row in rows:
+        states = totals(row.report)
+        fit = "yes"
+        if shortfalls(states, capacity, per_machine, device):
+            fit = "no (" + ", ".join(shortfalls(states, capacity, per_machine, device)) + ")"
+        elif activations is not None:
+            with_acts = dict(states, **{device: states.get(device, 0) + activations})
+            with_ckpt = dict(states, **{device: states.get(device, 0) + ckpt})
+            if not shortfalls(with_acts, capacity, per_machine, device):
+                fit = "yes"
+            elif not shortfalls(with_ckpt, capacity, per_machine, device):
+                fit = "with checkpointing"
+            else:
+                fit = "no (activations)"
+        table.append(
+            (
+                row.partitioner,
+                f"{row.offload_optimizer}/{row.offload_params}",
+                *(format_size(sum(row.report[c].values())) for c in ("params", "grads", "master_weights", "optimizer_state")),
+                *(format_size(states.get(p, 0)) for p in places),
+                fit,
+            )
+        )
+    print("\nmodel states per rank (grads at their peak, after backward):")
+    header = ("PARTITIONER", "OFFLOAD OPT/PARAMS", "PARAMS", "GRADS", "MASTER", "OPTIM STATE", *(p.upper() for p in places), "FITS")
+    print(_table(header, table))
+    if activations is not None:
+        print(
+            f"\nactivations per rank, ESTIMATE (saved for backward; micro-batch {args.micro_batch} x sequence "
+            f"{shape.sequence}, {config.precision}): {format_size(activations)} without checkpointing, "
+            f"{format_size(ckpt)} with every block checkpointed; FITS adds them to {device}"
+        )
+    else:
+        print("\nFITS counts model states only (activations: give the transformer's numbers and --micro-batch)")
+    return 0
+
+
 # -- entry point ------------------------------------------------------------------
 
 
@@ -239,6 +396,35 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("path", nargs="?", default=None, help="a .json or .toml config to validate and print")
     _add_logging_options(config, default=argparse.SUPPRESS)
     config.set_defaults(func=cmd_config)
+
+    est = sub.add_parser(
+        "estimate",
+        help="predict the memory per rank of a model for every partitioner and offload tier, and what fits here",
+        description="Predict model-state bytes per rank (params, grads, master weights, optimizer state) for every "
+        "partitioner and installed offload tier, without allocating the model, and mark what fits on this "
+        "machine. The model is MODEL (an import path 'pkg.mod:factory', built on the meta device) or a "
+        "transformer's numbers (--layers --hidden --heads --vocab --sequence).",
+    )
+    est.add_argument("model", nargs="?", default=None, metavar="MODEL", help="import path pkg.mod:factory of a function returning the nn.Module")
+    est.add_argument("--config", default=None, help="a zkernel or DeepSpeed config (.json/.toml): precision, partitioner options, nvme_path")
+    est.add_argument("--world-size", type=int, default=None, help="ranks (default: the GPUs here, else 1)")
+    est.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="override the config's precision")
+    shape = est.add_argument_group("transformer numbers (instead of MODEL)")
+    for name in ("layers", "hidden", "heads", "vocab", "sequence"):
+        shape.add_argument(f"--{name}", type=int, default=None)
+    shape.add_argument("--style", choices=("gpt", "llama"), default="gpt", help="gpt: LayerNorm, fused qkv, 4x GELU MLP, learned positions; llama: RMSNorm, q/k/v/o, SwiGLU, rotary")
+    shape.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention; llama)")
+    shape.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 4 x hidden for gpt, 8/3 x hidden rounded to 256 for llama)")
+    shape.add_argument("--untied", action="store_true", help="the output head has its own weight (default: tied to the embedding)")
+    shape.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-batch: also estimate activations")
+    machine = est.add_argument_group("machine (detected; these override)")
+    machine.add_argument("--gpus", type=int, default=None, help="GPUs on this machine")
+    machine.add_argument("--gpu-memory", type=parse_size, default=None, metavar="SIZE", help="memory per GPU, e.g. 80GiB")
+    machine.add_argument("--ram", type=parse_size, default=None, metavar="SIZE", help="available CPU memory (default: MemAvailable)")
+    machine.add_argument("--disk", type=parse_size, default=None, metavar="SIZE", help="free disk at nvme_path")
+    machine.add_argument("--nvme-path", default=None, help="where an nvme tier would write (overrides the config's offload.nvme_path)")
+    _add_logging_options(est, default=argparse.SUPPRESS)
+    est.set_defaults(func=cmd_estimate)
     return parser
 
 

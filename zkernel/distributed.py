@@ -6,11 +6,12 @@ import datetime
 import os
 
 import attrs
-import structlog
 import torch
 import torch.distributed as dist
 
-log = structlog.get_logger("zkernel")
+from zkernel.log import get_logger
+
+log = get_logger()
 
 
 @attrs.frozen

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import structlog
+from zkernel.log import get_logger
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 
 class DynamicLossScaler:

@@ -20,13 +20,13 @@ from typing import Any
 
 import attrs
 import pluggy
-import structlog
 
 from zkernel import hookspecs
 from zkernel.config import Config, ConfigError, build_options, config_value, section_keys
+from zkernel.log import get_logger
 from zkernel.registry import Component, ComponentRegistry, Family, Slot
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 ENTRY_POINT_GROUP = "zkernel"
 DISTRIBUTION = "zkernel"
@@ -71,11 +71,11 @@ class InstalledPlugins:
 
 
 def new_plugin_manager(trace: bool = False) -> pluggy.PluginManager:
-    """An empty manager with zkernel's specs, tracing to structlog when asked."""
+    """An empty manager with zkernel's specs, tracing to the ``zkernel.trace`` logger when asked."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     if trace or os.environ.get(TRACE_ENV, "") not in ("", "0"):
-        writer_log = structlog.get_logger("zkernel.trace")
+        writer_log = get_logger("zkernel.trace")
         pm.trace.root.setwriter(lambda text: writer_log.debug("zkernel.hook.trace", msg=text.rstrip()))
         pm.enable_tracing()
     return pm
@@ -175,6 +175,20 @@ class Selected:
         return self.component.factory(attrs.evolve(context, options=self.options), *self.slot.factory_args)
 
 
+def _not_installed(registry: ComponentRegistry, family: Family, key: str, name: str, config: Config) -> ConfigError:
+    """What is installed for ``key``, which blocked plugins might offer ``name``, and how a plugin offers one."""
+    installed = ", ".join(registry.names(family)) or "(none)"
+    blocked = [*config.blocked_plugins, *(n.strip() for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip())]
+    hint = f"; plugins blocked by blocked_plugins or {BLOCKED_ENV} might offer it: {', '.join(blocked)}" if blocked else ""
+    return ConfigError(
+        f"{key} {name!r} is not installed; installed: {installed}{hint}. No loaded plugin offers "
+        f"the {family.label} {name!r}: a plugin offers one from its `{family.hook}(registry)` "
+        f"hook with `registry.add({name!r}, factory)`, and is loaded from the entry-point group "
+        f"{ENTRY_POINT_GROUP!r} of an installed package, from `zkernel.initialize(..., plugins=[module])`, "
+        "or from the config key `plugins` (`zkernel plugins` lists every installed component)"
+    )
+
+
 def resolve_components(registry: ComponentRegistry, config: Config) -> dict[str, Selected]:
     """Resolve every slot of every family, keyed by the slot's config key.
 
@@ -187,8 +201,7 @@ def resolve_components(registry: ComponentRegistry, config: Config) -> dict[str,
             name = config_value(config, slot.key)
             component = registry.get(family, name)
             if component is None:
-                installed = ", ".join(registry.names(family)) or "(none)"
-                raise ConfigError(f"{slot.key} {name!r} is not installed; installed: {installed}")
+                raise _not_installed(registry, family, slot.key, name, config)
             common = section_keys(slot.section) if slot.section else ()
             owner = slot.section or slot.options  # where the user wrote the options
             options = build_options(owner, component.options_for(slot), config_value(config, slot.options), common)

@@ -41,15 +41,15 @@ import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 
-import structlog
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
+from zkernel.log import get_logger
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 
 class _ReleasedParamGuard(TorchFunctionMode):

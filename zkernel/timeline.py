@@ -50,14 +50,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import attrs
-import structlog
 import torch
 
 from zkernel import intervals
 from zkernel.chrome_trace import ChromeTraceWriter
 from zkernel.gpu_clock import GpuClock
+from zkernel.log import get_logger
 
-log = structlog.get_logger("zkernel")
+log = get_logger()
 
 __all__ = ["MAX_SUMMARIES", "SpanKind", "StepSummary", "Timeline", "summarize"]
 

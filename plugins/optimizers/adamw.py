@@ -16,6 +16,7 @@ import torch
 from torch.optim import adamw as torch_adamw
 
 from zkernel import hookimpl
+from zkernel.config import boolean, choice
 
 from ._adam_state import adam_declaration
 
@@ -25,11 +26,9 @@ class AdamWOptions:
     """Extra keys of ``[optimizer]`` for ``adamw``."""
 
     # "auto" picks fused where the device supports it, else foreach.
-    implementation: str = attrs.field(
-        default="auto", validator=attrs.validators.in_(("auto", "fused", "foreach", "for_loop"))
-    )
+    implementation: str = attrs.field(default="auto", validator=choice("auto", "fused", "foreach", "for_loop"))
     # False gives Adam with L2 regularisation instead of decoupled weight decay.
-    decoupled_weight_decay: bool = True
+    decoupled_weight_decay: bool = attrs.field(default=True, validator=boolean())
 
 
 def _fused_supported(device: torch.device) -> bool:

@@ -20,20 +20,16 @@ CPU tensors and ``step``, a 0-dim fp32 tensor, the same keys and types as the
 from __future__ import annotations
 
 import attrs
-import structlog
 import torch
 
 from zkernel import hookimpl, native
+from zkernel.config import boolean, integer
+from zkernel.log import get_logger
 
 from ._adam_state import adam_declaration
 from .adamw import torch_adam_step
 
-log = structlog.get_logger("zkernel")
-
-
-def _threads(value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"optimizer.threads must be an integer >= 1 or absent, got {value!r}")
+log = get_logger()
 
 
 @attrs.frozen(kw_only=True)
@@ -41,9 +37,9 @@ class CpuAdamOptions:
     """Extra keys of ``[optimizer]`` for ``cpu_adam``."""
 
     # False gives Adam with L2 regularisation instead of decoupled weight decay.
-    decoupled_weight_decay: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    decoupled_weight_decay: bool = attrs.field(default=True, validator=boolean())
     # Threads of the native kernel; None uses every usable core (or ZKERNEL_NATIVE_THREADS).
-    threads: int | None = attrs.field(default=None, validator=lambda _i, _a, v: _threads(v))
+    threads: int | None = attrs.field(default=None, validator=integer(minimum=1, optional=True))
 
 
 class CpuAdam:

@@ -47,11 +47,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import structlog
 import torch
 from torch import nn
 
-log = structlog.get_logger("zkernel")
+from zkernel.log import get_logger
+
+log = get_logger()
 
 InitFn = Callable[[nn.Module], object]
 _SlotMap = dict  # a module's ``_parameters`` or ``_buffers``

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zkernel.config import integer
 from zkernel.groups import ParamGroup
 
 from ._flat import FlatLayout, all_gather_flat, flatten_into, split_buckets, split_trainable, unique_named_params
@@ -29,7 +30,7 @@ class BucketOptions:
     """``partitioner_options`` of none, zero1 and zero2."""
 
     # Elements per bucket: the unit of gradient reduction and of the optimizer step.
-    bucket_size: int = attrs.field(default=25_000_000, validator=attrs.validators.gt(0))
+    bucket_size: int = attrs.field(default=25_000_000, validator=integer(minimum=1))
 
 
 @attrs.define(eq=False)
@@ -79,7 +80,10 @@ def build_whole_groups(module: nn.Module, context, shards: int, bucket_numel: in
             p.data = view
         own = flat.own if shards > 1 else slice(0, flat.padded)
         param_shard = full[own]
-        master = param_shard if master_full is None else master_full[own]
+        if master_full is None:
+            master = param_shard
+        else:  # a copy of the slice: a view would keep the whole fp32 buffer alive on every rank
+            master = master_full[own].clone() if shards > 1 else master_full
         yield ParamGroup(
             index=index,
             name=f"bucket{index}",

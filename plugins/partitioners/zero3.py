@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from zkernel import hookimpl
+from zkernel.config import choice, integer
 from zkernel.groups import ParamGroup, Phase
 from zkernel.streams import record_event
 
@@ -68,12 +69,12 @@ class Zero3Options:
     """``partitioner_options`` of zero3."""
 
     # Units with fewer elements than this stay whole on every rank.
-    persistence_threshold: int = attrs.field(default=100_000, validator=attrs.validators.ge(0))
+    persistence_threshold: int = attrs.field(default=100_000, validator=integer(minimum=0))
     # Seed from which each unit of a meta-device model is initialised (same on all ranks).
-    init_seed: int = 0
+    init_seed: int = attrs.field(default=0, validator=integer())
     # "modules": each module with its own parameters is a unit; "blocks": each element
     # of a ModuleList/Sequential (and the root) is a unit with its whole subtree.
-    units: str = attrs.field(default="modules", validator=attrs.validators.in_(UNIT_POLICIES))
+    units: str = attrs.field(default="modules", validator=choice(*UNIT_POLICIES))
 
 
 @attrs.define(eq=False)

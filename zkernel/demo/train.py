@@ -30,8 +30,9 @@ import torch.distributed as dist
 import zkernel
 from zkernel.demo.corpus import load_corpus, sample_batch
 from zkernel.demo.gpt import GPT, GPTConfig
+from zkernel.log import get_logger
 
-log = structlog.get_logger("zkernel.demo")
+log = get_logger("zkernel.demo")
 
 SHORT_SECONDS = 5.0
 WARMUP_STEPS = 8

@@ -1,0 +1,274 @@
+"""A DeepSpeed user points zkernel at their JSON: the documented examples map, warn once, and train."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from structlog.testing import capture_logs
+
+import zkernel
+from tests.harness import run_ranks
+from tests.models import TrickyNet
+from tests.scenarios import train
+from tests.test_partitioners import ACCUM, CLIP, LR, MICRO, SEED, STEPS, WD, assert_matches, reference
+from zkernel.config import Config, ConfigError, config_from_dict, load_config
+
+# The mapping reports at info level; capture_logs sees what the `zkernel` logger's level lets through.
+pytestmark = pytest.mark.usefixtures("zkernel_debug_logs")
+
+# The zero_optimization blocks as the DeepSpeed documentation shows them: the ZeRO tutorial's
+# stage 1 example, the ZeRO-Offload tutorial's stage 2 + CPU example, and the ZeRO-Infinity
+# example of the ZeRO tutorial with both offloads on NVMe (`offload_param`/`offload_optimizer`
+# blocks shaped as in the config reference's "Parameter/Optimizer offloading" sections).
+ZERO1 = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}
+ZERO2_CPU = {
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu"},
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+    }
+}
+
+
+def zero3_nvme(path: str) -> dict:
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "contiguous_gradients": True,
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_prefetch_bucket_size": 1e7,
+            "stage3_param_persistence_threshold": 1e5,
+            "reduce_bucket_size": 1e7,
+            "sub_group_size": 1e9,
+            "offload_optimizer": {"device": "nvme", "nvme_path": path, "pin_memory": True, "buffer_count": 4, "fast_init": False},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": path,
+                "pin_memory": True,
+                "buffer_count": 5,
+                "buffer_size": 1e8,
+                "max_in_cpu": 1e9,
+            },
+        }
+    }
+
+
+# What a training script adds around the zero_optimization block (the same run as tests/test_partitioners.py).
+TRAINING = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": ACCUM,
+    "gradient_clipping": CLIP,
+    "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WD}},
+}
+
+
+def mapped(raw):
+    with capture_logs() as logs:
+        config = zkernel.from_deepspeed_config(raw)
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) <= 1, warnings
+    return config, (warnings[0] if warnings else None), logs
+
+
+def test_zero1_example_maps():
+    config, warning, logs = mapped(ZERO1)
+    assert config == config_from_dict({"partitioner": "zero1", "partitioner_options": {"bucket_size": 500_000_000}})
+    assert warning["ignored"] == [
+        "optimizer (absent: DeepSpeed would step the optimizer passed in code; zkernel uses its default AdamW)"
+    ]
+    assert [e["event"] for e in logs] == ["zkernel.deepspeed.config", "zkernel.deepspeed.unmapped"]
+
+
+def test_zero2_cpu_offload_example_maps():
+    config, warning, _ = mapped({**ZERO2_CPU, **TRAINING})
+    assert config == config_from_dict(
+        {
+            "partitioner": "zero2",
+            "gradient_accumulation_steps": ACCUM,
+            "gradient_clipping": CLIP,
+            "offload": {"optimizer": "cpu", "params": "none"},
+            "optimizer": {"name": "cpu_adam", "lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WD},
+        }
+    )
+    assert warning is None, "contiguous_gradients and overlap_comm are built in; nothing else is unmapped"
+
+
+def test_zero3_nvme_example_maps(tmp_path):
+    raw = {**zero3_nvme(str(tmp_path)), **TRAINING, "bf16": {"enabled": True}}
+    config, warning, logs = mapped(raw)
+    assert config == config_from_dict(
+        {
+            "partitioner": "zero3",
+            "precision": "bf16",
+            "partitioner_options": {"persistence_threshold": 100_000},
+            "prefetch_bytes": 10_000_000 * 2,  # elements x bf16 bytes
+            "gradient_accumulation_steps": ACCUM,
+            "gradient_clipping": CLIP,
+            "offload": {"optimizer": "nvme", "params": "nvme", "nvme_path": str(tmp_path)},
+            "optimizer": {"name": "cpu_adam", "lr": LR, "eps": 1e-8, "weight_decay": WD},
+        }
+    )
+    assert warning["ignored"] == [
+        "zero_optimization.offload_optimizer.buffer_count (the tier sizes its own buffers)",
+        "zero_optimization.offload_optimizer.fast_init (no equivalent in zkernel)",
+        "zero_optimization.offload_param.buffer_count (the tier sizes its own buffers)",
+        "zero_optimization.offload_param.buffer_size (the tier sizes its own buffers)",
+        "zero_optimization.offload_param.max_in_cpu (the NVMe tier keeps no parameter cache in CPU memory)",
+        "zero_optimization.reduce_bucket_size (zero3 reduces each module's gradients at once)",
+        "zero_optimization.stage3_max_live_parameters (zero3 releases each module after use)",
+        "zero_optimization.stage3_max_reuse_distance (zero3 releases each module after use)",
+        "zero_optimization.sub_group_size (no equivalent in zkernel)",
+    ]
+    (info,) = [e for e in logs if e["event"] == "zkernel.deepspeed.config"]
+    assert info["train_micro_batch_size_per_gpu"] == MICRO
+
+
+def test_hugging_face_auto_values_take_defaults_and_are_named():
+    raw = {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 1},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "total_num_steps": "auto"}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "allgather_bucket_size": 2e8},
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "steps_per_print": 2000,
+        "wall_clock_breakdown": False,
+    }
+    config, warning, _ = mapped(raw)
+    assert config == Config(
+        partitioner="zero2", initial_loss_scale=4096.0, loss_scale_window=500
+    ), "auto values fall back to zkernel's defaults"
+    assert warning["auto_defaults"] == [
+        "fp16.enabled",
+        "bf16.enabled",
+        "zero_optimization.reduce_bucket_size",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ]
+    assert warning["ignored"] == [
+        "zero_optimization.allgather_bucket_size (each bucket is all-gathered in one call)",
+        "scheduler (set engine.lr between steps)",
+        "steps_per_print (no equivalent in zkernel)",
+        "wall_clock_breakdown (no equivalent in zkernel)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("adam", "decoupled"),
+    [
+        ({"type": "Adam"}, True),  # DeepSpeed's Adam runs in AdamW mode unless told otherwise
+        ({"type": "Adam", "params": {"adam_w_mode": False}}, False),
+        ({"type": "adamw", "params": {"adam_w_mode": False}}, True),  # DeepSpeed's AdamW always decouples
+    ],
+)
+def test_adam_weight_decay_mode(adam, decoupled):
+    config, _, _ = mapped({"zero_optimization": {"stage": 0}, "optimizer": adam})
+    assert config.partitioner == "none" and config.optimizer.name == "adamw"
+    assert config.optimizer.options == ({} if decoupled else {"decoupled_weight_decay": False})
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale 128 asks for a static loss scale"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage 4 is not valid; valid: 0, 1, 2, 3"),
+        ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage '3' is not valid; valid: an integer >= 0"),
+        ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 1.5}}, "zero_optimization.reduce_bucket_size 1.5 is not valid"),
+        ({"optimizer": {"type": "Lamb", "params": {}}, "fp16": {"enabled": False}}, "optimizer.type 'Lamb' is not valid here; valid: Adam, AdamW"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            "zero_optimization.offload_param.device 'cpu' needs zero_optimization.stage 3",
+        ),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}}, "offload_optimizer.device 'disk' is not valid; valid: none, cpu, nvme"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads is true"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads is true"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"}, "offload_param": {"device": "nvme", "nvme_path": "/b"}}},
+            "offload_optimizer.nvme_path and offload_param.nvme_path differ",
+        ),
+        ({"bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad is true"),
+        ({"bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas [0.9] is not valid"),
+        ({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 0}, "gradient_accumulation_steps 0 is not valid; valid: an integer >= 1"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, "offload.nvme_path is required"),
+    ],
+)
+def test_values_that_cannot_be_honoured_are_errors_naming_the_key(raw, message):
+    with pytest.raises(ConfigError) as info:
+        zkernel.from_deepspeed_config(raw)
+    assert message in str(info.value)
+
+
+def test_cpu_offload_without_pinned_memory_maps_to_the_tier_option():
+    raw = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}, "optimizer": {"type": "AdamW"}}
+    config, warning, _ = mapped(raw)
+    assert config.offload.optimizer == "cpu" and config.offload.optimizer_options == {"pin_memory": False}
+    assert warning is None
+
+
+def test_settings_of_a_disabled_precision_are_listed_not_errors():
+    raw = {"fp16": {"enabled": False, "loss_scale": 128}, "bf16": {"enabled": False, "bf16_optimizer_states": True}, "optimizer": {"type": "AdamW"}}
+    config, warning, _ = mapped(raw)
+    assert config.precision == "fp32"
+    assert warning["ignored"] == ["fp16.loss_scale=128 (fp16 is not enabled)", "bf16.bf16_optimizer_states (bf16 is not enabled)"]
+
+
+def test_initialize_and_load_config_recognise_a_deepspeed_file(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**ZERO1, **TRAINING}))
+    expected = zkernel.from_deepspeed_config(path)
+    assert load_config(path) == load_config(str(path)) == load_config(json.loads(path.read_text())) == expected
+    assert expected.partitioner == "zero1" and expected.optimizer.lr == LR
+    engine = zkernel.initialize(TrickyNet(), str(path))
+    assert engine.config == expected
+    # A zkernel config is not mistaken for a DeepSpeed one.
+    assert load_config({"partitioner": "zero2", "optimizer": {"name": "adamw"}}).partitioner == "zero2"
+    # `zkernel config` prints the mapped config, and the warning goes to stderr through the CLI's logging.
+    result = subprocess.run(
+        [sys.executable, "-m", "zkernel.cli", "config", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert 'partitioner = "zero1"' in result.stdout and "bucket_size = 500000000" in result.stdout
+    assert "zkernel.deepspeed.config" in result.stderr
+
+
+def test_zero1_example_trains_like_torch_on_two_ranks(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**ZERO1, **TRAINING}))
+    results = run_ranks(2, train, str(path), STEPS, ACCUM, MICRO, SEED)
+    for result in results:
+        assert_matches(result["losses"], reference(2), "DeepSpeed ZeRO-1 example, world 2")
+
+
+def _skip_unless_tiers_installed(raw: dict) -> None:
+    """Skip, naming the tier, exactly when the config's offload tier is not installed yet."""
+    try:
+        zkernel.initialize(TrickyNet(), raw)
+    except ConfigError as exc:
+        missing = re.match(r"offload\.(optimizer|params) '(\w+)' is not installed", str(exc))
+        if missing:
+            pytest.skip(f"offload tier {missing[2]!r} (offload.{missing[1]}) is not installed yet")
+        raise
+
+
+@pytest.mark.parametrize("example", ["zero2_cpu", "zero3_nvme"])
+def test_offload_examples_train_like_torch_on_two_ranks(example, tmp_path):
+    raw = {**(ZERO2_CPU if example == "zero2_cpu" else zero3_nvme(str(tmp_path / "swap"))), **TRAINING}
+    (tmp_path / "swap").mkdir()
+    _skip_unless_tiers_installed(raw)
+    results = run_ranks(2, train, raw, STEPS, ACCUM, MICRO, SEED)
+    for result in results:
+        assert_matches(result["losses"], reference(2), f"DeepSpeed {example} example, world 2")

@@ -1,0 +1,634 @@
+"""Predict what one rank will hold before training: `estimate`, and `estimate_activations`.
+
+`estimate(model, config, world_size)` returns the bytes of model state one
+rank holds, in `Engine.memory_report`'s categories (``params``, ``grads``,
+``master_weights``, ``optimizer_state``) by where they live (the compute
+device, ``"cpu"``, ``"nvme"``), without allocating the model: it reads
+parameter shapes only, so the model may be an ``nn.Module`` on the meta
+device, an import path ``"pkg.mod:factory"`` (called under
+``torch.device("meta")``), or the numbers of a GPT- or Llama-like transformer
+(`TransformerShape`, or a dict of its fields). ``grads`` is its peak as
+``memory_report()`` sees it after any backward of an accumulation window (not
+the transient buckets in flight during one); the rest is the steady state
+after a step.
+
+Algorithm. The model's unique parameters are cut into the groups the
+selected partitioner makes (reverse-order buckets of ``bucket_size`` elements
+for none/zero1/zero2; ZeRO-3 units by ``units`` policy, with those under
+``persistence_threshold`` pooled in one whole group), each group's flat
+buffers are listed with their roles (`Buffer`) exactly as the builtin
+partitioners and tiers allocate them, padding to a multiple of the world size
+included, and `TIER_PLACEMENT` says where each role lives for the selected
+offload tiers. The builtin partitioners are modelled here, not asked: the
+accuracy test (tests/test_estimator.py) holds this file to what
+``memory_report()`` measures.
+
+`estimate_activations` is a rough formula, labelled as such: the tensors a
+transformer's forward saves for backward, per rank, for a micro-batch and
+sequence length, with and without checkpointing every block.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import math
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from zkernel.config import Config, ConfigError, build_options, choice, integer, load_config
+
+CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
+PARTITIONERS = ("none", "zero1", "zero2", "zero3")
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_STEP_COUNTER_BYTES = 4  # the optimizer's 0-dim fp32 ``step`` tensor, one per trainable group
+DEVICE = "device"  # placeholder for the compute device in `TIER_PLACEMENT`
+
+
+class Role(enum.Enum):
+    """What a buffer is for; decides its `memory_report` category and, through its tier, where it lives."""
+
+    PARAM_FULL = "param_full"  # whole compute-dtype parameters kept on the device
+    PARAM_SHARD = "param_shard"  # this rank's compute-dtype slice (ZeRO-3), owned by offload.params
+    STAGING = "staging"  # compute-dtype copy of the updated slice kept by an optimizer tier (bf16/fp16)
+    MASTER = "master"  # fp32 slice the optimizer updates, owned by offload.optimizer
+    GRAD_REDUCE = "grad_reduce"  # fp32 whole gradient accumulated over a window on the device (none, zero1)
+    GRAD_LANDING = "grad_landing"  # fp32 gradient slice the step reads, owned by offload.optimizer
+    OPTIMIZER_STATE = "optimizer_state"  # Adam moments and step counter, owned by offload.optimizer
+
+
+# Role -> (memory_report category, offload role owning it, or None: always on the compute device).
+_ROLES = {
+    Role.PARAM_FULL: ("params", None),
+    Role.PARAM_SHARD: ("params", "params"),
+    Role.STAGING: ("params", "optimizer"),
+    Role.MASTER: ("master_weights", "optimizer"),
+    Role.GRAD_REDUCE: ("grads", None),
+    Role.GRAD_LANDING: ("grads", "optimizer"),
+    Role.OPTIMIZER_STATE: ("optimizer_state", "optimizer"),
+}
+
+
+@attrs.frozen
+class TierPlacement:
+    """Where a tier keeps the buffers of the roles it owns (`DEVICE`: the compute device; None: not kept)."""
+
+    serves: tuple[str, ...]  # offload roles it can be selected for: "optimizer", "params"
+    where: Mapping[Role, str | None]
+
+
+# [Note: placement table] What `estimate` knows of each tier: where it keeps each
+# buffer of the roles it owns (``offload.optimizer`` owns the fp32 master, the
+# optimizer state, the gradient landing buffer and a compute-dtype staging copy;
+# ``offload.params`` the compute-dtype parameter shard). On the device, tier
+# ``none`` adopts the reduced gradient as its landing buffer (so for none and
+# zero1 it is the window's whole gradient, counted once) and writes updates
+# straight into the parameters (no staging copy). Adding or changing a tier is
+# editing its row; tests/test_estimator.py holds each installed tier's row to
+# what ``memory_report()`` measures.
+TIER_PLACEMENT: dict[str, TierPlacement] = {
+    "none": TierPlacement(
+        ("optimizer", "params"),
+        {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: None, Role.PARAM_SHARD: DEVICE},
+    ),
+    # fp32 master, optimizer state, fp32 gradient landing buffer and the compute-dtype staging
+    # copy in (pinned) CPU memory; the compute-dtype parameter shard stays on the GPU. Not
+    # modelled: its gpu_share option (CUDA only) keeping some groups' optimizer on the GPU.
+    "cpu": TierPlacement(
+        ("optimizer",),
+        {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu", Role.PARAM_SHARD: "cpu"},
+    ),
+    # master and optimizer state on NVMe, gradient landing buffer and staging copy in CPU memory.
+    "nvme": TierPlacement(
+        ("optimizer", "params"),
+        {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.STAGING: "cpu", Role.PARAM_SHARD: "nvme"},
+    ),
+}
+
+
+@attrs.frozen
+class Buffer:
+    """One per-rank buffer of a group."""
+
+    role: Role
+    nbytes: int
+
+
+@attrs.frozen
+class _Param:
+    name: str
+    numel: int
+    trainable: bool
+
+
+# -- the model: a module, an import path, or numbers --------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class TransformerShape:
+    """A GPT- or Llama-like decoder described by its numbers (built on the meta device to be measured).
+
+    ``style="gpt"``: learned position embeddings, LayerNorm, fused qkv and
+    4x GELU MLP with biases (the layout of `zkernel.demo.gpt`). ``"llama"``:
+    rotary positions (no parameters), RMSNorm, separate q/k/v/o without bias
+    (``kv_heads`` for grouped-query attention) and a SwiGLU MLP of width
+    ``intermediate`` (default: 8/3 x hidden rounded up to a multiple of 256).
+    """
+
+    layers: int = attrs.field(validator=integer(minimum=1))
+    hidden: int = attrs.field(validator=integer(minimum=1))
+    heads: int = attrs.field(validator=integer(minimum=1))
+    vocab: int = attrs.field(validator=integer(minimum=1))
+    sequence: int = attrs.field(validator=integer(minimum=1))
+    tied_embeddings: bool = True
+    style: str = attrs.field(default="gpt", validator=choice("gpt", "llama"))
+    kv_heads: int | None = attrs.field(default=None, validator=integer(minimum=1, optional=True))
+    intermediate: int | None = attrs.field(default=None, validator=integer(minimum=1, optional=True))
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ConfigError(f"hidden {self.hidden} must be divisible by heads {self.heads}")
+        if self.heads % (self.kv_heads or self.heads):
+            raise ConfigError(f"heads {self.heads} must be divisible by kv_heads {self.kv_heads}")
+
+    @property
+    def mlp_width(self) -> int:
+        if self.style == "gpt":
+            return self.intermediate or 4 * self.hidden
+        return self.intermediate or 256 * math.ceil(8 * self.hidden / 3 / 256)
+
+    def build(self) -> nn.Module:
+        """The model on the meta device: shapes and module structure only."""
+        with torch.device("meta"):
+            return _Decoder(self)
+
+
+class _Attention(nn.Module):
+    def __init__(self, s: TransformerShape) -> None:
+        super().__init__()
+        h, kv = s.hidden, (s.kv_heads or s.heads) * (s.hidden // s.heads)
+        if s.style == "gpt":
+            self.qkv = nn.Linear(h, 3 * h)
+            self.proj = nn.Linear(h, h)
+        else:
+            self.q = nn.Linear(h, h, bias=False)
+            self.k = nn.Linear(h, kv, bias=False)
+            self.v = nn.Linear(h, kv, bias=False)
+            self.o = nn.Linear(h, h, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, s: TransformerShape) -> None:
+        super().__init__()
+        h, m = s.hidden, s.mlp_width
+        if s.style == "gpt":
+            self.fc = nn.Linear(h, m)
+            self.proj = nn.Linear(m, h)
+        else:
+            self.gate = nn.Linear(h, m, bias=False)
+            self.up = nn.Linear(h, m, bias=False)
+            self.down = nn.Linear(m, h, bias=False)
+
+
+def _norm(s: TransformerShape) -> nn.Module:
+    return nn.LayerNorm(s.hidden) if s.style == "gpt" else nn.RMSNorm(s.hidden)
+
+
+class _Block(nn.Module):
+    def __init__(self, s: TransformerShape) -> None:
+        super().__init__()
+        self.ln1 = _norm(s)
+        self.attn = _Attention(s)
+        self.ln2 = _norm(s)
+        self.mlp = _MLP(s)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, s: TransformerShape) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(s.vocab, s.hidden)
+        if s.style == "gpt":
+            self.wpe = nn.Embedding(s.sequence, s.hidden)
+        self.blocks = nn.ModuleList(_Block(s) for _ in range(s.layers))
+        self.ln_f = _norm(s)
+        if not s.tied_embeddings:
+            self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+
+
+def _import_factory(path: str) -> nn.Module:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"model {path!r} must be an import path 'package.module:factory'")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"model {path!r} cannot be imported: {exc}") from exc
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model factory {path!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def as_module(model: nn.Module | str | TransformerShape | Mapping[str, Any]) -> nn.Module:
+    """The module to read shapes from; nothing is allocated for any of the accepted forms."""
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, TransformerShape):
+        return model.build()
+    if isinstance(model, str):
+        return _import_factory(model)
+    if isinstance(model, Mapping):
+        return as_shape(model).build()
+    raise ConfigError(
+        "model must be a torch.nn.Module, an import path 'pkg.mod:factory', or a TransformerShape "
+        f"(or a dict of its fields), got {type(model).__name__}"
+    )
+
+
+def as_shape(raw: Mapping[str, Any]) -> TransformerShape:
+    fields = [a.name for a in attrs.fields(TransformerShape)]
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown transformer field {unknown[0]!r}; valid: {', '.join(fields)}")
+    try:
+        return TransformerShape(**raw)
+    except TypeError as exc:
+        raise ConfigError(f"transformer description: {exc}") from exc
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise ConfigError(f"transformer description: {exc}") from exc
+        raise
+
+
+# -- groups, as the builtin partitioners make them -----------------------------------
+
+
+def _parameters(module: nn.Module) -> list[_Param]:
+    """Unique parameters (a tied one once, under its first name) in registration order."""
+    return [_Param(n, p.numel(), p.requires_grad) for n, p in module.named_parameters(remove_duplicate=True)]
+
+
+def _buckets(params: list[_Param], bucket_numel: int) -> list[int]:
+    """Numels of the reverse-order buckets of `plugins/partitioners/_flat.split_buckets`."""
+    sizes, current, size = [], 0, 0
+    for p in reversed(params):
+        if current and size + p.numel > bucket_numel:
+            sizes.append(size)
+            current, size = 0, 0
+        current += 1
+        size += p.numel
+    if current:
+        sizes.append(size)
+    return sizes
+
+
+def _units(module: nn.Module, policy: str) -> list[list[_Param]]:
+    """ZeRO-3's units (`plugins/partitioners/_flat.module_units`): parameters gathered together."""
+    if policy == "modules":
+        unit_ids = {id(m) for m in module.modules()}
+    else:
+        unit_ids = {id(module)}
+        for m in module.modules():
+            if isinstance(m, (nn.ModuleList, nn.Sequential)):
+                unit_ids.update(id(child) for child in m.children())
+    seen: set[int] = set()
+    units: dict[int, list[_Param]] = {}
+
+    def visit(name: str, mod: nn.Module, unit: nn.Module) -> None:
+        if id(mod) in unit_ids:
+            unit = mod
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                units.setdefault(id(unit), []).append(_Param(f"{name}.{pname}", p.numel(), p.requires_grad))
+        for child_name, child in mod.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, unit)
+
+    visit("", module, module)
+    return list(units.values())
+
+
+def _slices(numel: int, shards: int) -> tuple[int, int]:
+    """(shard, padded) elements of a group's flat layout (see [Note: flat layout] in the partitioners)."""
+    shard = max(1, math.ceil(numel / shards))
+    return shard, shard * shards
+
+
+@attrs.frozen
+class _Placement:
+    """Where the selected tiers put the roles that change what the partitioners allocate."""
+
+    optimizer: TierPlacement
+    params: TierPlacement
+
+    def on_device(self, role: Role) -> bool:
+        owner = _ROLES[role][1]
+        return owner is None or getattr(self, owner).where[role] == DEVICE
+
+    def kept(self, role: Role) -> bool:
+        owner = _ROLES[role][1]
+        return owner is None or getattr(self, owner).where[role] is not None
+
+
+def _optimizer_buffers(shard: int, c: int, placement: _Placement) -> list[Buffer]:
+    """What the optimizer tier adds for a trainable group of ``shard`` owned elements."""
+    buffers = [Buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES)]
+    if c != 4 and placement.kept(Role.STAGING):
+        buffers.append(Buffer(Role.STAGING, shard * c))
+    return buffers
+
+
+def _whole_group(numel: int, shards: int, c: int, partitioner: str, placement: _Placement) -> list[Buffer]:
+    """none/zero1/zero2: whole compute-dtype parameters, fp32 master/gradient/state slices."""
+    shard, padded = _slices(numel, shards)
+    buffers = [Buffer(Role.PARAM_FULL, padded * c)]
+    if not (c == 4 and placement.on_device(Role.MASTER)):  # an fp32 master on the device is the parameters' slice
+        buffers.append(Buffer(Role.MASTER, 4 * shard))
+    landing_adopted = placement.on_device(Role.GRAD_LANDING)
+    if partitioner in ("none", "zero1"):
+        # The window's whole gradient; a landing buffer on the device is it (none) or replaces it (zero1).
+        buffers.append(Buffer(Role.GRAD_REDUCE, 4 * padded))
+        if not landing_adopted:
+            buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+    else:
+        buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+    return buffers + _optimizer_buffers(shard, c, placement)
+
+
+def _zero3_group(numel: int, shards: int, c: int, trainable: bool, whole: bool, placement: _Placement) -> list[Buffer]:
+    """zero3: a compute-dtype shard unless gathers cast an fp32 master that lives on the device."""
+    shard, padded = _slices(numel, shards)
+    buffers = [Buffer(Role.PARAM_FULL, padded * c)] if whole else []
+    if not trainable:
+        return [*buffers, Buffer(Role.PARAM_SHARD, shard * c)]
+    master_on_device = placement.on_device(Role.MASTER)
+    casts_master = c != 4 and master_on_device and placement.on_device(Role.PARAM_SHARD)
+    if not casts_master:
+        buffers.append(Buffer(Role.PARAM_SHARD, shard * c))
+    if not (c == 4 and master_on_device):  # an fp32 master on the device is the shard
+        buffers.append(Buffer(Role.MASTER, 4 * shard))
+    buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+    return buffers + _optimizer_buffers(shard, c, placement)
+
+
+def _partitioner_options(config: Config, partitioner: str) -> Any:
+    """The builtin partitioner's validated options (its defaults filled in), as `initialize` builds them."""
+    from zkernel.plugin_manager import collect_components, get_plugin_manager
+    from zkernel.registry import Family
+
+    component = collect_components(get_plugin_manager(config=config)).get(Family.PARTITIONER, partitioner)
+    if component is None:
+        raise ConfigError(f"partitioner {partitioner!r} is not installed")
+    return build_options("partitioner_options", component.options_cls, config.partitioner_options)
+
+
+def group_buffers(
+    module: nn.Module, config: Config, world_size: int, options: Any = None
+) -> list[list[Buffer]]:
+    """Every group's per-rank buffers for ``module`` under ``config`` on ``world_size`` ranks."""
+    partitioner = config.partitioner
+    if partitioner not in PARTITIONERS:
+        raise ConfigError(
+            f"estimate knows the builtin partitioners ({', '.join(PARTITIONERS)}), not {partitioner!r}"
+        )
+    for role, tier in (("optimizer", config.offload.optimizer), ("params", config.offload.params)):
+        if tier not in TIER_PLACEMENT or role not in TIER_PLACEMENT[tier].serves:
+            known = [name for name, row in TIER_PLACEMENT.items() if role in row.serves]
+            raise ConfigError(
+                f"estimate has no placement for offload.{role} {tier!r}; known: {', '.join(known)}"
+            )
+    options = options if options is not None else _partitioner_options(config, partitioner)
+    c = _DTYPE_BYTES[config.precision]
+    placement = _Placement(TIER_PLACEMENT[config.offload.optimizer], TIER_PLACEMENT[config.offload.params])
+    params = _parameters(module)
+    frozen = [p for p in params if not p.trainable]
+    if partitioner != "zero3":
+        shards = 1 if partitioner == "none" else world_size
+        groups = [
+            _whole_group(n, shards, c, partitioner, placement)
+            for n in _buckets([p for p in params if p.trainable], options.bucket_size)
+        ]
+        # Frozen parameters stay whole on every rank, outside any group.
+        return groups + [[Buffer(Role.PARAM_FULL, p.numel * c)] for p in frozen]
+    groups, pooled = [], {True: 0, False: 0}
+    for unit in _units(module, options.units):
+        for trainable in (True, False):
+            numel = sum(p.numel for p in unit if p.trainable == trainable)
+            if numel < options.persistence_threshold:
+                pooled[trainable] += numel
+            elif numel:
+                groups.append(_zero3_group(numel, world_size, c, trainable, False, placement))
+    for trainable, numel in pooled.items():
+        if numel:
+            groups.append(_zero3_group(numel, world_size, c, trainable, True, placement))
+    return groups
+
+
+def estimate(
+    model: nn.Module | str | TransformerShape | Mapping[str, Any],
+    config: Config | Mapping[str, Any] | str | os.PathLike | None = None,
+    world_size: int = 1,
+    *,
+    device: str | None = None,
+) -> dict[str, dict[str, int]]:
+    """Predicted bytes one rank holds, by category (memory_report's) and by where it lives.
+
+    ``device`` names the compute device in the result (default ``"cuda"`` when
+    CUDA is available, else ``"cpu"``, as `zkernel.initialize` would pick);
+    tiers add ``"cpu"`` and ``"nvme"``. ``grads`` is the peak after backward.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    cfg = load_config(config)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    report: dict[str, dict[str, int]] = {c: {} for c in CATEGORIES}
+    for group in group_buffers(as_module(model), cfg, world_size):
+        for buffer in group:
+            category, owner = _ROLES[buffer.role]
+            where = DEVICE if owner is None else TIER_PLACEMENT[getattr(cfg.offload, owner)].where[buffer.role]
+            where = device if where == DEVICE else where
+            by_place = report[category]
+            by_place[where] = by_place.get(where, 0) + buffer.nbytes
+    return report
+
+
+def totals(report: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """Bytes by place, over every category of an `estimate` (or a `memory_report`)."""
+    out: dict[str, int] = {}
+    for by_place in report.values():
+        for where, nbytes in by_place.items():
+            out[where] = out.get(where, 0) + nbytes
+    return out
+
+
+# -- activations (a formula, not a measurement) --------------------------------------
+
+
+def estimate_activations(
+    shape: TransformerShape | Mapping[str, Any], micro_batch: int, *, precision: str = "bf16", checkpointing: bool = False
+) -> dict[str, int]:
+    """ESTIMATE of the bytes one rank's forward saves for backward, for ``micro_batch`` sequences.
+
+    Counted, in the compute dtype, per block: the inputs each matmul,
+    normalisation and activation function saves, and q, k, v and the output of
+    a fused (flash / memory-efficient) attention that keeps no sequence x
+    sequence matrix (its output is the output projection's input); plus the
+    head: the final norm's input and output and the fp32 ``log_softmax`` of
+    the logits for the loss. With ``checkpointing`` every block keeps only its
+    input, and one block's activations are recomputed at a time. Not counted:
+    the logits themselves (alive only at the end of forward), gradients in
+    flight, allocator fragmentation, attention kernels that materialise the
+    score matrix (the CPU math path does), dropout masks, rotary tables.
+    """
+    s = shape if isinstance(shape, TransformerShape) else as_shape(shape)
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ConfigError(f"micro_batch must be an integer >= 1, got {micro_batch!r}")
+    c = _DTYPE_BYTES[precision]
+    tokens = micro_batch * s.sequence
+    h, m = s.hidden, s.mlp_width
+    if s.style == "gpt":
+        # ln1 in and out, q/k/v, attention out (= proj in), ln2 in and out, GELU in and out
+        per_token = 2 * h + 3 * h + h + 2 * h + 2 * m
+    else:
+        kv = (s.kv_heads or s.heads) * (h // s.heads)
+        # norm in and out, q and k before and after rotation, v, attention out (= o in),
+        # norm in and out, gate out (SiLU in), SiLU out, up out, product (down in)
+        per_token = 2 * h + 2 * (h + kv) + kv + h + 2 * h + 4 * m
+    block = tokens * per_token * c
+    head = tokens * (2 * h * c + 4 * s.vocab)
+    blocks = (s.layers * tokens * h * c + block) if checkpointing else s.layers * block
+    return {"blocks": blocks, "head": head, "total": blocks + head}
+
+
+# -- what this machine has -----------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Capacity:
+    """Memory of the machine the job would run on (detected, or given)."""
+
+    gpus: int
+    gpu_bytes: int | None  # per GPU; None without GPUs
+    ram_bytes: int | None
+    disk_bytes: int | None  # free at nvme_path, None when no path is known
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def detect_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
+    """GPUs and the smallest one's total memory (torch.cuda), MemAvailable, free disk at ``nvme_path``."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus)) if gpus else None
+    disk = None
+    if nvme_path is not None:
+        path = Path(nvme_path)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        disk = shutil.disk_usage(path).free
+    return Capacity(gpus=gpus, gpu_bytes=gpu_bytes, ram_bytes=_mem_available(), disk_bytes=disk)
+
+
+def shortfalls(per_rank: Mapping[str, int], capacity: Capacity, ranks_per_machine: int, device: str) -> list[str]:
+    """The places (``device``, ``"cpu"``, ``"nvme"``) where ``ranks_per_machine`` ranks of ``per_rank`` bytes do not fit.
+
+    The device is per GPU; CPU memory and disk are shared by the machine's
+    ranks. A place whose capacity is unknown is not judged, except that
+    needing a GPU without one, or NVMe without a path, is a shortfall.
+    """
+    short = []
+    if device != "cpu" and (capacity.gpu_bytes is None or per_rank.get(device, 0) > capacity.gpu_bytes):
+        short.append(device)
+    host = per_rank.get("cpu", 0) * ranks_per_machine
+    if capacity.ram_bytes is not None and host > capacity.ram_bytes:
+        short.append("cpu")
+    disk = per_rank.get("nvme", 0) * ranks_per_machine
+    if disk and (capacity.disk_bytes is None or disk > capacity.disk_bytes):
+        short.append("nvme")
+    return short
+
+
+def offload_combinations(installed_tiers: Iterable[str], partitioner: str) -> list[tuple[str, str]]:
+    """(offload.optimizer, offload.params) pairs to tabulate: tiers both installed and in `TIER_PLACEMENT`.
+
+    Parameters are offloaded with zero3 only.
+    """
+    installed = set(installed_tiers)
+    serving = {role: [t for t, row in TIER_PLACEMENT.items() if t in installed and role in row.serves] for role in ("optimizer", "params")}
+    return [(o, p) for o in serving["optimizer"] for p in (serving["params"] if partitioner == "zero3" else ["none"])]
+
+
+# -- every partitioner x offload combination ------------------------------------------
+
+
+@attrs.frozen
+class Row:
+    """One line of ``zkernel estimate``'s table."""
+
+    partitioner: str
+    offload_optimizer: str
+    offload_params: str
+    report: dict[str, dict[str, int]]
+
+
+def _options_for(config: Config, partitioner: str) -> dict[str, Any]:
+    """The config's partitioner options that ``partitioner`` takes (each partitioner has its own)."""
+    from zkernel.plugin_manager import collect_components, get_plugin_manager
+    from zkernel.registry import Family
+
+    component = collect_components(get_plugin_manager(config=config)).get(Family.PARTITIONER, partitioner)
+    if component is None or component.options_cls is None:
+        return {}
+    names = {a.name for a in attrs.fields(component.options_cls)}
+    return {k: v for k, v in config.partitioner_options.items() if k in names}
+
+
+def installed_tiers(config: Config) -> list[str]:
+    """Names of the offload tiers the installed plugins offer."""
+    from zkernel.plugin_manager import collect_components, get_plugin_manager
+    from zkernel.registry import Family
+
+    return collect_components(get_plugin_manager(config=config)).names(Family.OFFLOAD_TIER)
+
+
+def estimate_table(
+    model: nn.Module | str | TransformerShape | Mapping[str, Any],
+    config: Config | Mapping[str, Any] | str | os.PathLike | None,
+    world_size: int,
+    *,
+    device: str,
+    tiers: Iterable[str] | None = None,
+) -> list[Row]:
+    """`estimate` for every builtin partitioner and every offload combination of ``tiers`` (default: installed)."""
+    cfg = load_config(config)
+    module = as_module(model)
+    tiers = installed_tiers(cfg) if tiers is None else list(tiers)
+    rows = []
+    for partitioner in PARTITIONERS:
+        options = _options_for(cfg, partitioner)
+        for optimizer_tier, params_tier in offload_combinations(tiers, partitioner):
+            if "nvme" in (optimizer_tier, params_tier) and cfg.offload.nvme_path is None:
+                continue  # an NVMe row needs offload.nvme_path
+            variant = attrs.evolve(
+                cfg,
+                partitioner=partitioner,
+                partitioner_options=options,
+                offload=attrs.evolve(cfg.offload, optimizer=optimizer_tier, params=params_tier),
+            )
+            rows.append(Row(partitioner, optimizer_tier, params_tier, estimate(module, variant, world_size, device=device)))
+    return rows
