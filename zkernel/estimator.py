@@ -99,10 +99,10 @@ TIER_PLACEMENT: dict[str, TierPlacement] = {
         {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: None, Role.PARAM_SHARD: DEVICE},
     ),
     # fp32 master, optimizer state, fp32 gradient landing buffer and the compute-dtype staging
-    # copy in (pinned) CPU memory; the compute-dtype parameter shard stays on the GPU. Not
-    # modelled: its gpu_share option (CUDA only) keeping some groups' optimizer on the GPU.
+    # copy in (pinned) CPU memory; as offload.params, the compute-dtype shard in CPU memory.
+    # Not modelled: its gpu_share option (CUDA only) keeping some groups' optimizer on the GPU.
     "cpu": TierPlacement(
-        ("optimizer",),
+        ("optimizer", "params"),
         {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu", Role.PARAM_SHARD: "cpu"},
     ),
     # master and optimizer state on NVMe, gradient landing buffer and staging copy in CPU memory.
@@ -450,11 +450,20 @@ def estimate(
     cfg = load_config(config)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     report: dict[str, dict[str, int]] = {c: {} for c in CATEGORIES}
+
+    def place(role: Role) -> str | None:
+        owner = _ROLES[role][1]
+        where = DEVICE if owner is None else TIER_PLACEMENT[getattr(cfg.offload, owner)].where[role]
+        return device if where == DEVICE else where
+
+    # An optimizer stepping where the parameters live writes its update straight into them.
+    params_home = place(Role.PARAM_SHARD) if cfg.partitioner == "zero3" else device
     for group in group_buffers(as_module(model), cfg, world_size):
         for buffer in group:
-            category, owner = _ROLES[buffer.role]
-            where = DEVICE if owner is None else TIER_PLACEMENT[getattr(cfg.offload, owner)].where[buffer.role]
-            where = device if where == DEVICE else where
+            category = _ROLES[buffer.role][0]
+            where = place(buffer.role)
+            if buffer.role is Role.STAGING and where == params_home:
+                continue
             by_place = report[category]
             by_place[where] = by_place.get(where, 0) + buffer.nbytes
     return report

@@ -32,9 +32,9 @@ def shares_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 def update_target(group, device: torch.device, compute_dtype: torch.dtype, allocate) -> torch.Tensor | None:
     """Where an optimizer stepping on ``device`` writes the rounded update: the shard's home when it
     lives there, else a new buffer from ``allocate(numel, dtype)``; None when the fp32 master itself
-    is the update (an fp32 run) or is the home."""
+    is the update (an fp32 run), is the home, or there is no compute-dtype shard (gathers cast it)."""
     shard, master = group.param_shard, group.master
-    if shares_storage(shard, master):
+    if shard is None or shares_storage(shard, master):  # gathers cast the master, or it is the shard
         return None
     if shard is not None and shard.device == device and shard.dtype != torch.float32:
         return shard
