@@ -132,6 +132,7 @@ class StepPipeline:
         self._landing_order.append(group)
         self._landed.add(group.index)
         if self._early_coefficient is not None and self.tier.steps_on_host(group):
+            self.tier.prepare(group)
             job = self.worker.submit(self._host_step, group, self._step_options(self._early_coefficient))
             self._early[group.index] = (job, self._early_coefficient)
             self.early_steps += 1
@@ -190,9 +191,12 @@ class StepPipeline:
         self._last_clean = coefficient is not None and (self._early_exact or coefficient == self._speculative)
         eager = [g for g in self._order if g.module is None]
         lazy = [g for g in self._order if g.module is not None]
-        for group in (*eager, *lazy):
-            if self.tier.steps_on_host(group):
-                self._updates[group.index] = self._submit_host(group, coefficient, clean)
+        host = [g for g in (*eager, *lazy) if self.tier.steps_on_host(g)]
+        for group in host:  # the tier starts bringing state in, in this order, as far as it has room
+            if group.index not in self._early:
+                self.tier.prepare(group)
+        for group in host:
+            self._updates[group.index] = self._submit_host(group, coefficient, clean)
         for group in (*eager, *lazy):
             if not self.tier.steps_on_host(group):
                 event = self._device_step(group, coefficient)

@@ -89,8 +89,12 @@ class OptimizerTier(abc.ABC):
         thread, overlapping device work) rather than on the compute device."""
 
     def prepare(self, group: ParamGroup) -> None:
-        """Start bringing ``group``'s master and state to where it steps, without waiting
-        (look-ahead of the step pipeline). Default: they are resident."""
+        """Start bringing ``group``'s master and state to where it steps, without waiting.
+
+        Called by the step pipeline on the main thread (or autograd's, for a step started
+        during backward) for every host-stepped group, in the order their steps will run,
+        before those steps are submitted; a tier with bounded buffers queues what it has no
+        room for yet and starts it as earlier groups are released. Default: they are resident."""
 
     def acquire(self, group: ParamGroup) -> None:
         """Block until ``group.master``, ``group.grad`` and ``group.optim_state`` are ready for the
