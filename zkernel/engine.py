@@ -101,6 +101,7 @@ class Engine:
             hyper=StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
             publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
             speculate=parts.speculate,
+            max_norm=config.gradient_clipping,
         )
         self.scheduler = Scheduler(
             hook,

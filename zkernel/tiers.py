@@ -101,9 +101,10 @@ class OptimizerTier(abc.ABC):
         optimizer in the calling thread. Default: wait for nothing."""
 
     def release(self, group: ParamGroup) -> None:
-        """After the optimizer updated ``group``: start writing its master and state back where
-        they live (the params tier then takes the updated parameters, see `ParamsTier.commit`).
-        Default: they are resident."""
+        """After the optimizer updated ``group`` and the params tier took the updated parameters
+        (`ParamsTier.commit`, whose transfers are queued by now): start writing master and state
+        back where they live, and take back what `acquire` lent (e.g. a staging buffer, once the
+        transfers queued on it are done). Default: nothing."""
 
     @abc.abstractmethod
     def end_window(self, group: ParamGroup) -> None:

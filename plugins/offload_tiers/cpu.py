@@ -41,6 +41,7 @@ gradient).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -70,6 +71,9 @@ class CpuTierOptions:
     # Start host steps before the global norm is known and roll them back when clipping or an
     # fp16 overflow applies: "auto" (when the previous step needed neither), "always", "never".
     speculate: str = attrs.field(default="auto", validator=attrs.validators.in_(SPECULATE_POLICIES))
+    # Page-locked compute-dtype buffers the host step rounds updated parameters into before their
+    # upload, shared by all groups (each as large as the largest group).
+    staging_buffers: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     # Fraction of trainable elements whose optimizer stays on the GPU ([Note: GPU share]), or "auto".
     gpu_share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _check_share(v))
 
@@ -91,6 +95,7 @@ class _Slot:
     sq_norm: torch.Tensor | Future | None = None
     accumulation: Future | None = None  # host-side add of a later micro-batch
     on_device: bool = False  # moved to the GPU share: the inner device tier holds it
+    pooled: bool = False  # its rounded update goes through a shared staging buffer
 
 
 class CpuTier(OptimizerTier):
@@ -112,6 +117,7 @@ class CpuTier(OptimizerTier):
         self._state: dict[int, tuple] = {}  # declared optimizer state per group (for the GPU share)
         self._device_tier = DeviceOptimizerTier(context)
         self.gpu_share_numel = 0
+        self._staging = _StagingPool(self.options.staging_buffers, self.compute_dtype, self.options.pin_memory)
 
     def _pin(self) -> bool | None:
         return self.options.pin_memory
@@ -132,10 +138,12 @@ class CpuTier(OptimizerTier):
             s.name: host_zeros(s.shape, s.dtype, pin=self._pin()) if s.per_element else torch.zeros(s.shape, dtype=s.dtype)
             for s in state
         }
-        group.copy_out = update_target(
-            group, torch.device("cpu"), self.compute_dtype, lambda n, dt: host_empty(n, dt, pin=self._pin())
-        )
-        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()))
+        group.copy_out = update_target(group, torch.device("cpu"), self.compute_dtype, lambda n, dt: _POOLED)
+        pooled = group.copy_out is _POOLED
+        if pooled:
+            group.copy_out = None  # lent from the staging pool for each step (`acquire`)
+            self._staging.expect(numel)
+        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), pooled=pooled)
         self._state[group.index] = tuple(state)
 
     def _on_device(self, group) -> bool:
@@ -264,6 +272,15 @@ class CpuTier(OptimizerTier):
             slot.landing.zero_()
             slot.landed = True
         group.grad = slot.landing
+        if slot.pooled and group.copy_out is None:
+            group.copy_out = self._staging.take(group.master.numel())
+
+    def release(self, group):
+        slot = self._slots[group.index]
+        if slot.pooled and group.copy_out is not None:
+            # Its upload is queued on h2d by now: the buffer is free once h2d got past it.
+            self._staging.give(group.copy_out, record_event(self.streams.h2d) if self.cuda else None)
+            group.copy_out = None
 
     def end_window(self, group):
         slot = self._slots[group.index]
@@ -283,6 +300,7 @@ class CpuTier(OptimizerTier):
         self._slots.clear()
         self._pending.clear()
         self._state.clear()
+        self._staging.close()
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
@@ -292,11 +310,59 @@ class CpuTier(OptimizerTier):
         if slot.on_device:
             return self._device_tier.zkernel_memory_tensors(group)
         return {
-            "params": [group.copy_out] if group.copy_out is not None else [],
+            "params": [group.copy_out] if group.copy_out is not None else self._staging.buffers,
             "grads": [slot.landing],
             "master_weights": [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
         }
+
+
+_POOLED = object()  # `update_target` asked for a staging buffer: lent from the pool per step
+
+
+class _StagingPool:
+    """Page-locked compute-dtype buffers shared by every host-stepped group.
+
+    A host step rounds its updated parameters into one (taken at `acquire`) and
+    the params tier uploads from it; the buffer goes back with an event on the
+    h2d stream after that upload and is lent again once the event completed.
+    ``count`` buffers as large as the largest group bound the host memory this
+    takes, instead of a copy of every parameter.
+    """
+
+    def __init__(self, count: int, dtype: torch.dtype, pin: bool | None) -> None:
+        self.count, self.dtype, self.pin = count, dtype, pin
+        self._numel = 0
+        self.buffers: list[torch.Tensor] = []
+        self._free: deque = deque()  # (buffer, event after which it is free)
+        self._cond = threading.Condition()
+
+    def expect(self, numel: int) -> None:
+        self._numel = max(self._numel, numel)
+
+    def take(self, numel: int) -> torch.Tensor:
+        with self._cond:
+            if not self.buffers:
+                self.buffers = [host_empty(self._numel, self.dtype, pin=self.pin) for _ in range(self.count)]
+                self._free.extend((b, None) for b in self.buffers)
+            while not self._free:
+                self._cond.wait()
+            buffer, event = self._free.popleft()
+        if event is not None:
+            event.synchronize()
+        return buffer[:numel]
+
+    def give(self, view: torch.Tensor, event) -> None:
+        base = next(b for b in self.buffers if b.data_ptr() == view.data_ptr())
+        with self._cond:
+            self._free.append((base, event))
+            self._cond.notify()
+
+    def close(self) -> None:
+        for _, event in self._free:
+            if event is not None:
+                event.synchronize()
+        self.buffers, self._free = [], deque()
 
 
 def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final: bool) -> float | None:
