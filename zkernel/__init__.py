@@ -1,6 +1,6 @@
 """zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
 
-Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`.
+Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`, `CheckpointError`.
 Nothing is loaded at import time; `initialize` builds the plugin managers.
 """
 
@@ -9,7 +9,7 @@ from zkernel.hookspecs import hookimpl, hookspec
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "Engine", "consolidate", "hookimpl", "hookspec", "initialize"]
+__all__ = ["CheckpointError", "Config", "ConfigError", "Engine", "consolidate", "hookimpl", "hookspec", "initialize"]
 
 
 def __getattr__(name):
@@ -18,6 +18,10 @@ def __getattr__(name):
         from zkernel import bootstrap
 
         return getattr(bootstrap, name)
+    if name == "CheckpointError":
+        from zkernel.checkpoint.format import CheckpointError
+
+        return CheckpointError
     if name == "Engine":
         from zkernel.engine import Engine
 

@@ -40,6 +40,19 @@ from zkernel.config import ConfigError
 from zkernel.groups import ParamGroup, ReducedGradient, StateSpec
 
 
+@attrs.frozen
+class ShardState:
+    """A trainable group's fp32 master and optimizer state on this rank (checkpoints, state dicts).
+
+    ``master`` has the shard's numel; ``state`` maps each optimizer state name
+    to a tensor of the same numel (per-element, e.g. Adam's moments) or a 0-dim
+    one (e.g. a step count). Tensors may be on any device.
+    """
+
+    master: torch.Tensor
+    state: Mapping[str, torch.Tensor]
+
+
 class Resource(enum.Enum):
     """What a tier's buffers consume, for the capacity check at `initialize`."""
 
@@ -110,6 +123,36 @@ class OptimizerTier(abc.ABC):
     def read_master(self, group: ParamGroup) -> torch.Tensor:
         """The current fp32 master values of ``group`` (for `Engine.close` and state dicts)."""
 
+    def read_state(self, group: ParamGroup) -> ShardState:
+        """``group``'s current master and optimizer state, to be saved or gathered.
+
+        Called by `zkernel.checkpoint` (a checkpoint being written,
+        `Engine.state_dict`) on the main thread between steps, after every
+        pending step finished, one trainable group at a time in group order. A
+        tier that keeps them on disk reads them into host buffers. The caller
+        only reads the tensors (they may be the tier's own) and is done with
+        them before it asks for the next group, so a tier may reuse one staging
+        buffer. Default: not supported (checkpoints then raise, naming the tier).
+        """
+        raise NotImplementedError(
+            f"offload tier {type(self).__name__} does not implement read_state, so it cannot be checkpointed"
+        )
+
+    def write_state(self, group: ParamGroup, state: ShardState) -> None:
+        """Replace ``group``'s master and optimizer state with ``state`` (a checkpoint being loaded).
+
+        Called by `Engine.load_checkpoint` on the main thread between steps, one
+        trainable group at a time in group order, with host tensors the caller
+        owns (copy them). ``state.state`` holds every name the optimizer declared
+        (and the names already in ``group.optim_state``). Before returning, the
+        tier also brings ``group.param_shard`` (when there is one) to the new
+        master rounded to its dtype, as `release` does after a step, and that
+        copy is complete. Default: not supported (loading raises, naming the tier).
+        """
+        raise NotImplementedError(
+            f"offload tier {type(self).__name__} does not implement write_state, so checkpoints cannot be loaded with it"
+        )
+
     def close(self) -> None:
         """Free buffers and files. Called once by `Engine.close` (and at interpreter exit)."""
 
@@ -128,6 +171,21 @@ class ParamsTier(abc.ABC):
     def adopt(self, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor:
         """Place ``group``'s compute-dtype shard; return the tensor the partitioner keeps as
         ``group.param_shard``. Called by `initialize` before the optimizer tier adopts."""
+
+    def read_shard(self, group: ParamGroup) -> torch.Tensor:
+        """The current values of a *frozen* group's parameter shard, to be saved or gathered.
+
+        Called like `OptimizerTier.read_state` (trainable groups' shards are derived from their
+        masters and never read here). Default: ``group.param_shard``, for tiers that keep it
+        resident; a tier that keeps it elsewhere reads it into a host buffer.
+        """
+        return group.param_shard
+
+    def write_shard(self, group: ParamGroup, values: torch.Tensor) -> None:
+        """Replace a *frozen* group's parameter shard with ``values`` (a host tensor of the
+        shard's numel, in its dtype) from a checkpoint being loaded; complete on return.
+        Default: copy into ``group.param_shard``."""
+        group.param_shard.copy_(values)
 
     def close(self) -> None:
         """Free buffers and files."""

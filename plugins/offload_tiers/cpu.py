@@ -40,7 +40,9 @@ from zkernel import hookimpl
 from zkernel.host_memory import host_empty, host_zeros
 from zkernel.step_pipeline import SPECULATE_POLICIES
 from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, Resource
+from zkernel.tiers import OptimizerTier, Resource, ShardState
+
+from ._state import write_optimizer_state
 
 
 @attrs.frozen(kw_only=True)
@@ -209,6 +211,24 @@ class CpuTier(OptimizerTier):
 
     def read_master(self, group):
         return group.master
+
+    def read_state(self, group):
+        return ShardState(master=group.master, state=dict(group.optim_state))
+
+    def write_state(self, group, state):
+        group.master.copy_(state.master)
+        write_optimizer_state(group, state.state, torch.device("cpu"), make=self._host_like)
+        slot = self._slots[group.index]
+        if slot.upload_event is not None:
+            slot.upload_event.synchronize()
+            slot.upload_event = None
+        if slot.param_shard is not None:
+            slot.param_shard.copy_(group.master)  # rounds to the shard's dtype; synchronous
+
+    def _host_like(self, value: torch.Tensor) -> torch.Tensor:
+        if value.dim() == 0:
+            return torch.empty((), dtype=value.dtype)
+        return host_empty(value.shape, value.dtype, pin=self._pin())
 
     def close(self):
         for slot in self._slots.values():

@@ -17,7 +17,9 @@ from collections import deque
 import torch
 
 from zkernel import hookimpl
-from zkernel.tiers import OptimizerTier, ParamsTier, Resource
+from zkernel.tiers import OptimizerTier, ParamsTier, Resource, ShardState
+
+from ._state import write_optimizer_state
 
 
 def _aliases(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -102,6 +104,16 @@ class DeviceTier(OptimizerTier, ParamsTier):
 
     def read_master(self, group):
         return group.master
+
+    def read_state(self, group):
+        return ShardState(master=group.master, state=dict(group.optim_state))
+
+    def write_state(self, group, state):
+        # In fp32 runs the master is the parameter shard itself, so this also updates it.
+        group.master.copy_(state.master)
+        write_optimizer_state(group, state.state, group.master.device)
+        if group.copy_out is not None:
+            group.copy_out.copy_(group.master)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
