@@ -27,7 +27,8 @@ and how to read it; `mark_gathered` makes it an ordinary parameter again.
   included (it calls ``detach``). Metadata that does not depend on values stays
   readable (dtype, device, ``requires_grad``, ``.grad``, hooks, and the
   placeholder's shape (0,), which tells the truth about what the rank holds),
-  so the kernel's bookkeeping and autograd hooks work unchanged. The guard of
+  so the kernel's bookkeeping and autograd hooks work unchanged, and so do
+  queries about memory (storage, strides), which describe the empty placeholder. The guard of
   the engine's forward (`zkernel.scheduler`) is a `TorchFunctionMode`, which
   torch consults before any subclass, so reads from the forward to the end of
   backward still gather the parameter first. Cost: one ``__class__``
@@ -58,7 +59,7 @@ _METADATA_PROPERTIES = {
         "dtype", "device", "layout", "requires_grad", "grad", "_grad", "grad_fn", "is_leaf",
         "retains_grad", "shape", "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse",
         "is_quantized", "is_mkldnn", "is_nested", "_backward_hooks", "_post_accumulate_grad_hooks",
-        "names", "output_nr", "_version", "_base", "_cdata",
+        "names", "output_nr", "_version", "_base", "_cdata", "nbytes", "itemsize",
     )
     if hasattr(_Tensor, name)
 }  # fmt: skip
@@ -68,6 +69,8 @@ _METADATA_METHODS = {
         "numel", "nelement", "size", "dim", "ndimension", "element_size", "is_floating_point",
         "is_complex", "get_device", "requires_grad_", "register_hook",
         "register_post_accumulate_grad_hook", "_is_view", "__hash__", "__dir__", "__len__",
+        # memory, not values (accounting walks every live tensor)
+        "untyped_storage", "data_ptr", "storage_offset", "stride", "is_contiguous", "is_pinned", "__sizeof__",
     )
     if hasattr(_Tensor, name)
 }  # fmt: skip

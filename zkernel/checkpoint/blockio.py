@@ -1,8 +1,10 @@
 """Large sequential file I/O for checkpoints: staging buffers, the native engine or pread/pwrite.
 
-Data moves through a few page-aligned staging buffers of `PIECE_BYTES` (page-locked
-when CUDA is available, so device copies into and out of them run at full speed):
-while one is filled or drained, the others are being written or read. With the
+Data moves in pieces of up to `PIECE_BYTES`, `DEPTH` of them in flight, through
+page-aligned staging buffers (page-locked when CUDA is available, so device
+copies into and out of them run at full speed) or straight from or into the
+caller's memory: while one piece is filled or drained, the others are being
+written or read. With the
 native extension built, pieces go through `zkernel.aio.AioHandle`: O_DIRECT, split
 over many I/O threads, which is what gets a single file near the disk's bandwidth
 (buffered writes plus fsync reached a third of it on the development VM). Without
@@ -12,8 +14,7 @@ it, plain ``pwrite``/``preadv`` run synchronously.
 from __future__ import annotations
 
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -99,47 +100,21 @@ class BlockIO:
             self._aio = None
 
 
-class StagingRing:
-    """``depth`` staging buffers used in turn; a buffer is free again once its I/O finished."""
+class StagingPool:
+    """Up to ``count`` staging buffers of ``size`` bytes, allocated on first use, handed out in turn."""
 
-    def __init__(self, io: BlockIO, largest: int, depth: int = DEPTH) -> None:
-        self.io = io
-        self.size = max(1, largest)  # bytes per buffer: no more than the largest piece asks for
-        self._free: list[torch.Tensor | None] = [None] * depth  # allocated on first use
-        self._busy: deque[tuple[torch.Tensor, int, list[Future], object]] = deque()
+    def __init__(self, size: int, count: int = DEPTH) -> None:
+        self.size = max(1, size)
+        self._free: list[torch.Tensor | None] = [None] * count
 
     @property
-    def full(self) -> bool:
-        """Every buffer is in flight: `finish_oldest` before the next `acquire`."""
+    def exhausted(self) -> bool:
+        """Every buffer is out: the caller finishes some I/O and releases one before the next `acquire`."""
         return not self._free
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._busy)
 
     def acquire(self) -> torch.Tensor:
         buf = self._free.pop()
         return buf if buf is not None else host_buffer(self.size)
 
     def release(self, buf: torch.Tensor) -> None:
-        """Give back a buffer whose I/O the caller tracks itself (the reader)."""
         self._free.append(buf)
-
-    def busy(self, buf: torch.Tensor, token: int, checksums: list[Future], tag: object = None) -> None:
-        """``buf`` has I/O ``token`` and checksum jobs in flight; ``tag`` comes back from `finish_oldest`."""
-        self._busy.append((buf, token, checksums, tag))
-
-    def finish_oldest(self) -> tuple[torch.Tensor, list[int], object]:
-        """Wait for the oldest buffer in flight; return it (valid until the next `acquire`), its checksums, its tag."""
-        buf, token, checksums, tag = self._busy.popleft()
-        self._free.append(buf)
-        self.io.wait(token)
-        return buf, [f.result() for f in checksums], tag
-
-    def drain(self) -> None:
-        """Wait for everything in flight, ignoring failures (after an error elsewhere)."""
-        while self._busy:
-            try:
-                self.finish_oldest()
-            except Exception:  # noqa: BLE001 - the first error is already being raised
-                pass

@@ -24,7 +24,8 @@ import torch
 from zkernel.checkpoint.format import FORMAT, CheckpointError
 from zkernel.checkpoint.model import BUFFER, EXTRA
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
-from zkernel.checkpoint.safetensors_io import Entry, RangeReader, write_file
+from zkernel.checkpoint.range_reader import RangeReader
+from zkernel.checkpoint.stream_writer import Entry, write_file
 
 
 def _output_dtype(index: CheckpointIndex, kind: str, name: str) -> torch.dtype:

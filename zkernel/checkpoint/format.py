@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 FORMAT = "zkernel-checkpoint"
@@ -112,6 +113,43 @@ def write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@attrs.frozen
+class FileRecord:
+    """What the manifest keeps about one file: its size and checksums."""
+
+    bytes: int
+    data_offset: int  # where the tensor data starts (the header before it is checksummed alone)
+    header_checksum: int
+    block_bytes: int
+    blocks: tuple[int, ...]  # checksums of the data region, block by block
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "data_offset": self.data_offset,
+            "header_checksum": self.header_checksum,
+            "block_bytes": self.block_bytes,
+            "blocks": list(self.blocks),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> FileRecord:
+        try:
+            record = cls(
+                bytes=int(raw["bytes"]),
+                data_offset=int(raw["data_offset"]),
+                header_checksum=int(raw["header_checksum"]),
+                block_bytes=int(raw["block_bytes"]),
+                blocks=tuple(int(b) for b in raw["blocks"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: damaged file record ({exc!r})") from None
+        data = record.bytes - record.data_offset
+        if record.block_bytes <= 0 or data < 0 or len(record.blocks) != -(-data // record.block_bytes):
+            raise CheckpointError(f"{where}: damaged file record (sizes and block count disagree)")
+        return record
 
 
 # -- the manifest --------------------------------------------------------------------------

@@ -29,10 +29,10 @@ from zkernel.checkpoint import rng
 from zkernel.checkpoint.blockio import host_buffer
 from zkernel.checkpoint.collective import exchange_json
 from zkernel.checkpoint.format import CheckpointError, parse_dtype
-from zkernel.checkpoint.model import ModelView, describe_groups, view_of, whole_params
+from zkernel.checkpoint.model import ModelView, view_of
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
-from zkernel.checkpoint.safetensors_io import RangeReader
-from zkernel.checkpoint.save import _describe, check_between_steps, state_specs
+from zkernel.checkpoint.range_reader import RangeReader
+from zkernel.checkpoint.shards import check_between_steps, describe_error, describe_groups, state_specs, whole_params
 from zkernel.groups import ParamGroup, ShardLayout
 from zkernel.log import get_logger
 from zkernel.tiers import ShardState
@@ -44,38 +44,28 @@ def load(engine, directory: str | os.PathLike, tag: str | None = None) -> str:
     """Restore ``engine`` from ``directory`` (``tag``, or the latest); return the tag loaded. Collective."""
     check_between_steps(engine, "load_checkpoint")
     started = time.perf_counter()
-    index = open_checkpoint(Path(directory), tag)
-    view = view_of(engine.module)
-    _check_model(engine, view, index)
-    groups = engine.groups
-    layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
-    error = None
+    error, index, touched = None, None, [False]
     try:
-        with RangeReader() as reader, ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead:
-            loader = _ShardLoader(engine, view, index, reader)
-            applying = None
-            for i, (group, layout) in enumerate((g, l) for g, l in zip(groups, layouts) if l is not None):
-                reading = ahead.submit(loader.read_group, group, layout, i % 2)
-                if applying is not None:
-                    applying.result()()
-                applying = reading
-            if applying is not None:
-                applying.result()()
-            for name in whole_params(view, groups, layouts):
-                loader.whole(name, view.params[name], index.value_kind(name))
-            for name, buf in view.buffers.items():
-                loader.whole(name, buf, "buffer")
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        index = open_checkpoint(Path(directory), tag)
+        _read_everything(engine, index, touched)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait forever
         error = exc
-    statuses = exchange_json({"error": _describe(error)} if error is not None else {}, engine.dist)
+    statuses = exchange_json({"error": describe_error(error)} if error is not None else {}, engine.dist)
     failures = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if "error" in s]
     if failures:
+        where = index.dir if index is not None else Path(directory) / (tag or "latest")
         raise CheckpointError(
-            f"loading checkpoint {index.dir} failed; " + "; ".join(failures) + ". The engine's parameters "
-            "and optimizer state may be partly overwritten: load a checkpoint again or initialize a new engine"
+            f"loading checkpoint {where} failed; "
+            + "; ".join(failures)
+            + (
+                ". The engine's parameters and optimizer state may be partly overwritten: load a checkpoint "
+                "again or initialize a new engine"
+                if touched[0]
+                else ". The engine was not changed"
+            )
         ) from error
     with engine.scheduler.plugin_call():
-        for group in groups:
+        for group in engine.groups:
             engine.hook.zkernel_restore_state(group=group)
     engine.load_training_state(index.manifest["engine"])
     ranks = index.manifest["ranks"]
@@ -92,6 +82,32 @@ def load(engine, directory: str | os.PathLike, tag: str | None = None) -> str:
         seconds=round(time.perf_counter() - started, 3),
     )
     return index.tag
+
+
+def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> None:
+    """Every group's shard, then whole parameters and buffers, into this rank's tiers (no collectives)."""
+    view = view_of(engine.module)
+    _check_model(engine, view, index)
+    groups = engine.groups
+    layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
+    with RangeReader() as reader, ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead:
+        loader = _ShardLoader(engine, view, index, reader)
+        applying = None  # group i is read on the thread while group i - 1 goes to its tier here
+        for i, (group, layout) in enumerate((g, l) for g, l in zip(groups, layouts) if l is not None):
+            reading = ahead.submit(loader.read_group, group, layout, i % 2)
+            if applying is not None:
+                touched[0] = True
+                applying.result()()
+            applying = reading
+        if applying is not None:
+            touched[0] = True
+            applying.result()()
+        for name in whole_params(view, groups, layouts):
+            touched[0] = True
+            loader.whole(name, view.params[name], index.value_kind(name))
+        for name, buf in view.buffers.items():
+            touched[0] = True
+            loader.whole(name, buf, "buffer")
 
 
 def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:

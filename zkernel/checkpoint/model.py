@@ -15,8 +15,6 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.checkpoint.format import CheckpointError
-from zkernel.groups import ParamGroup, ShardLayout
 
 PARAM, BUFFER, EXTRA = "param", "buffer", "extra"
 
@@ -48,23 +46,3 @@ def view_of(module: nn.Module) -> ModelView:
             extra[key] = value
             keys.append((key, EXTRA, key))
     return ModelView(params=params, names=names, buffers=buffers, keys=tuple(keys), extra=extra)
-
-
-def describe_groups(hook, groups: list[ParamGroup], partitioner: str) -> list[ShardLayout | None]:
-    """Each group's `ShardLayout` from the partitioner (None: a frozen group whose parameters stay whole)."""
-    layouts = []
-    for group in groups:
-        layout = hook.zkernel_describe_shard(group=group)
-        if layout is None and group.requires_grad:
-            raise CheckpointError(
-                f"partitioner {partitioner!r} does not describe its shard of group {group.name!r} "
-                "(hook zkernel_describe_shard), so it cannot be checkpointed"
-            )
-        layouts.append(layout)
-    return layouts
-
-
-def whole_params(view: ModelView, groups: list[ParamGroup], layouts: list[ShardLayout | None]) -> list[str]:
-    """Canonical names of parameters held whole on every rank: in no group, or in a group without a layout."""
-    sharded = {id(p) for group, layout in zip(groups, layouts) if layout is not None for p in group.params}
-    return [name for name, p in view.params.items() if id(p) not in sharded]

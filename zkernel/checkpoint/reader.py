@@ -23,13 +23,14 @@ from zkernel.checkpoint.format import (
     REPLACED,
     CheckpointError,
     INCOMPLETE,
+    FileRecord,
     check_tag,
     entry_name,
     parse_dtype,
     rank_file,
     read_manifest,
 )
-from zkernel.checkpoint.safetensors_io import ByteRequest, FileRecord, RangeReader, VerifiedFile
+from zkernel.checkpoint.range_reader import ByteRequest, RangeReader, VerifiedFile
 from zkernel.log import get_logger
 
 log = get_logger()

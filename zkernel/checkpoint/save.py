@@ -51,8 +51,9 @@ from zkernel.checkpoint.format import (
     rank_file,
     write_atomic,
 )
-from zkernel.checkpoint.model import PARAM, ModelView, describe_groups, view_of, whole_params
-from zkernel.checkpoint.safetensors_io import Entry, write_file
+from zkernel.checkpoint.model import PARAM, ModelView, view_of
+from zkernel.checkpoint.shards import StateSpecs, check_between_steps, describe_error, describe_groups, state_specs, whole_params
+from zkernel.checkpoint.stream_writer import Entry, write_file
 from zkernel.groups import ParamGroup, ShardLayout
 from zkernel.log import get_logger
 from zkernel.tiers import ShardState
@@ -69,9 +70,13 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
     staging = root / f"{tag}{INCOMPLETE}"
     started = time.perf_counter()
 
-    _agree(_attempt(info.rank == 0, _prepare, root, staging), info, "preparing", staging, cleanup=False)
-
     view = view_of(engine.module)
+    if view.extra:  # the same on every rank: all raise here
+        raise CheckpointError(
+            f"state-dict entries {sorted(view.extra)[:3]} are neither parameters nor buffers (get_extra_state); "
+            "zkernel checkpoints store only tensors"
+        )
+    _agree(_attempt(info.rank == 0, _prepare, root, staging), info, "preparing", staging, cleanup=False)
     error, report = None, None
     try:
         plan = _RankPlan(engine, view)
@@ -79,7 +84,7 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
         report = plan.report(record)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
-    reports = exchange_json(report if error is None else {"error": _describe(error)}, info)
+    reports = exchange_json(report if error is None else {"error": describe_error(error)}, info)
     failures = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
     if failures:
         if info.rank == 0:
@@ -103,23 +108,6 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
     return root / tag
 
 
-def check_between_steps(engine, what: str) -> None:
-    """Checkpoints are taken where training is quiescent: after `Engine.step` ended a window."""
-    engine._check_open()
-    if engine.micro_steps % engine.config.gradient_accumulation_steps:
-        raise CheckpointError(
-            f"engine.{what} must be called at an accumulation boundary (after the engine.step() of a "
-            f"window's last micro-batch); {engine.micro_steps % engine.config.gradient_accumulation_steps} "
-            f"of {engine.config.gradient_accumulation_steps} micro-batches of this window are done"
-        )
-    if any(g.gathered for g in engine.scheduler.bound):
-        raise CheckpointError(
-            f"engine.{what} cannot run between a forward and its backward or inside "
-            "engine.gathered_parameters(); call it after engine.step()"
-        )
-    engine.pipeline.wait_all()
-
-
 # -- phases ------------------------------------------------------------------------------------
 
 
@@ -129,7 +117,7 @@ def _attempt(active: bool, fn, *args) -> dict[str, Any]:
     try:
         fn(*args)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
-        return {"error": _describe(exc)}
+        return {"error": describe_error(exc)}
     return {}
 
 
@@ -140,13 +128,6 @@ def _agree(status: dict, info, phase: str, staging: Path, cleanup: bool) -> None
         if cleanup and info.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(f"saving a checkpoint failed while {phase} (rank 0): {statuses[0]['error']}")
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
-        text += f" ({exc.filename})"
-    return text
 
 
 def _prepare(root: Path, staging: Path) -> None:
@@ -168,43 +149,29 @@ def _commit(root: Path, tag: str, staging: Path) -> None:
         if replaced.exists():
             shutil.rmtree(replaced)
         os.rename(final, replaced)
-    os.rename(staging, final)
-    fsync_dir(root)
-    write_atomic(root / LATEST, f"{tag}\n".encode())
+    try:
+        os.rename(staging, final)
+        fsync_dir(root)
+        write_atomic(root / LATEST, f"{tag}\n".encode())
+    except BaseException:
+        if _latest(root) != tag:  # not committed: put everything back as it was
+            if final.exists() and not staging.exists():
+                os.rename(final, staging)
+            if replaced.exists() and not final.exists():
+                os.rename(replaced, final)
+        raise
     if replaced.exists():
         shutil.rmtree(replaced)
 
 
+def _latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+
+
 # -- what one rank writes ------------------------------------------------------------------------
-
-
-@attrs.frozen
-class StateSpecs:
-    """The optimizer state a trainable group keeps: per-element tensors and 0-dim scalars, with dtypes."""
-
-    per_element: dict[str, torch.dtype]
-    scalars: dict[str, torch.dtype]
-
-
-def state_specs(engine, group: ParamGroup, numel: int) -> StateSpecs:
-    """What the optimizer declared for a shard of ``numel`` elements, plus what it created lazily."""
-    declared = engine.hook.zkernel_declare_optimizer(numel=numel)
-    per_element, scalars = {}, {}
-    for spec in declared.state if declared is not None else ():
-        (per_element if spec.per_element else scalars)[spec.name] = spec.dtype
-    for name, value in group.optim_state.items():
-        if name in per_element or name in scalars or not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() == 0:
-            scalars[name] = value.dtype
-        elif tuple(value.shape) == (numel,):
-            per_element[name] = value.dtype
-        else:
-            raise CheckpointError(
-                f"optimizer state {name!r} of group {group.name!r} has shape {tuple(value.shape)}: a checkpoint "
-                f"re-shards only per-element state (shape ({numel},)) and scalars"
-            )
-    return StateSpecs(per_element, scalars)
 
 
 class _GroupStateCache:
@@ -361,11 +328,6 @@ def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[st
         name: {"shape": list(buf.shape), "dtype": dtype_name(engine.original_tensors.get(name, (None, buf.dtype))[1])}
         for name, buf in view.buffers.items()
     }
-    if view.extra:
-        raise CheckpointError(
-            f"state-dict entries {sorted(view.extra)[:3]} are neither parameters nor buffers (get_extra_state); "
-            "zkernel checkpoints store only tensors"
-        )
     state = next((rep["state"] for rep in reports if rep["state"] is not None), None)
     return {
         "format": FORMAT,

@@ -18,17 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zkernel.checkpoint.model import EXTRA, describe_groups, view_of, whole_params
+from zkernel.checkpoint.model import EXTRA, view_of
+from zkernel.checkpoint.shards import check_between_steps, describe_groups, whole_params
 
 
 def full_state_dict(engine) -> dict[str, Any]:
-    engine._check_open()
-    if any(g.gathered for g in engine.scheduler.bound):
-        raise RuntimeError(
-            "engine.state_dict() cannot run between a forward and its backward or inside "
-            "engine.gathered_parameters(); call it after engine.step()"
-        )
-    engine.pipeline.wait_all()
+    check_between_steps(engine, "state_dict", boundary=False)
     view = view_of(engine.module)
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
