@@ -120,6 +120,19 @@ def released_reads(config: dict, steps: int, accum: int, micro: int, seed: int) 
     }
 
 
+def failed_load(config: dict, directory: str) -> str:
+    """Load a damaged checkpoint: every rank must raise (none may wait for the others)."""
+    torch.manual_seed(0)
+    engine = zkernel.initialize(TrickyNet(), config)
+    try:
+        engine.load_checkpoint(directory)
+    except zkernel.CheckpointError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "no error"
+
+
 def job(tasks: list[tuple[str, tuple]]) -> list:
     """Run several scenarios of this module in one spawned job (one process start for all)."""
     return [globals()[name](*args) for name, args in tasks]

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 import zkernel
 from tests.checkpoint_scenarios import resume, run_steps
+from zkernel import hookimpl
+from zkernel.groups import OptimizerDeclaration, StateSpec
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches, reference_losses
 from zkernel.checkpoint.format import INCOMPLETE, LATEST, MANIFEST
@@ -99,6 +101,14 @@ def resumed(saved):
                     STEPS, SAVE_AT, ACCUM, MICRO, SEED)),  # fmt: skip
         ("resume", ("tricky", config("zero1", "cpu"), str(root / "src-zero1"), STEPS, SAVE_AT, ACCUM, MICRO, SEED)),
     ]
+    damaged = root / "damaged"  # a flipped byte in rank 1's file: only rank 1 reads it
+    shutil.copytree(root / "src-zero2", damaged)
+    rank1 = damaged / f"step{SAVE_AT}" / "rank00001.safetensors"
+    offset = json.loads((rank1.parent / MANIFEST).read_text())["files"][rank1.name]["data_offset"]
+    raw = bytearray(rank1.read_bytes())
+    raw[offset + 64] ^= 1
+    rank1.write_bytes(bytes(raw))
+    tasks.append(("failed_load", (config("zero2"), str(damaged))))
     return run_ranks(2, _job, tasks)
 
 
@@ -123,6 +133,14 @@ def test_reshard_across_partitioners_and_tiers_matches_torch(saved, resumed):
         for i, label in enumerate(("zero2 -> zero3 (blocks, threshold 200)", "zero3 -> zero1 (bucket 50)",
                                    "zero1 -> zero1 + cpu offload")):  # fmt: skip
             assert_close(resumed[rank][n + i]["losses"], expected[SAVE_AT:], 1e-5, label)
+
+
+def test_a_damaged_file_on_one_rank_fails_the_load_on_every_rank(saved, resumed):
+    root, _ = saved
+    for rank in range(2):
+        message = resumed[rank][-1]
+        assert "rank 1: checksum mismatch in checkpoint file" in message, message
+        assert str(root / "damaged" / f"step{SAVE_AT}" / "rank00001.safetensors") in message
 
 
 def test_reshard_to_three_ranks(saved):
@@ -318,3 +336,81 @@ def _check_intact(directory: Path) -> None:
     engine = zkernel.initialize(TrickyNet(), {"partitioner": "zero1"})
     assert engine.load_checkpoint(directory) == "good"
     engine.close()
+
+
+# -- a third-party optimizer, tied weights, integer buffers ------------------------------------
+
+
+class MomentumSGD:
+    """A third-party optimizer with declared state of its own: a per-element momentum and an int64 count."""
+
+    def __init__(self, context) -> None:
+        self.lr = context.config.optimizer.lr
+
+    @hookimpl
+    def zkernel_declare_optimizer(self, numel):
+        return OptimizerDeclaration(
+            state=(StateSpec("momentum", torch.float32, (numel,)), StateSpec("count", torch.int64, ()))
+        )
+
+    @hookimpl
+    def zkernel_step_optimizer(self, group, options):
+        state = group.optim_state
+        state["count"].add_(1)
+        state["momentum"].mul_(0.9).add_(group.grad.to(group.master.device), alpha=options.grad_scale)
+        group.master.add_(state["momentum"], alpha=-self.lr / float(state["count"]) ** 0.5)
+        if group.copy_out is not None:
+            group.copy_out.copy_(group.master)
+        return True
+
+
+class MomentumPlugin:
+    @hookimpl
+    def zkernel_register_optimizers(self, registry):
+        registry.add("momentum_sgd", MomentumSGD, description="SGD with momentum and a step count (test)")
+
+
+class TiedBatchNorm(torch.nn.Module):
+    """Tied weights under two state-dict keys, and BatchNorm's buffers (one of them int64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(29, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 29, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, targets):
+        return torch.nn.functional.cross_entropy(self.head(self.bn(self.embed(tokens).mean(1))), targets[:, 0])
+
+
+def test_third_party_optimizer_state_tied_weights_and_buffers_round_trip(tmp_path):
+    plugins = [MomentumPlugin()]
+    base = {"optimizer": {"name": "momentum_sgd", "lr": 0.1}}
+    data = batches(9, 4, 1, 1, 8)
+    torch.manual_seed(3)
+    engine = zkernel.initialize(TiedBatchNorm(), {**base, "partitioner": "zero2"}, plugins=plugins)
+    before = run_steps(engine, data[:2], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    uninterrupted = run_steps(engine, data[2:], 1)
+    engine.close()
+    torch.manual_seed(4)
+    zero3 = {**base, "partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0}}
+    resumed = zkernel.initialize(TiedBatchNorm(), zero3, plugins=plugins)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert all(int(g.optim_state["count"]) == 2 for g in resumed.trainable_groups)
+    assert_close(run_steps(resumed, data[2:], 1), uninterrupted, 1e-6, "momentum_sgd zero2 -> zero3")
+    assert before[-1] != uninterrupted[0]
+    full = zkernel.consolidate(tmp_path / "ckpt")
+    plain = TiedBatchNorm()
+    assert list(full) == list(plain.state_dict())  # embed.weight and head.weight, bn's three buffers
+    plain.load_state_dict(full, strict=True)
+    assert full["bn.num_batches_tracked"].dtype == torch.int64 and int(full["bn.num_batches_tracked"]) == 2
+    assert torch.equal(full["head.weight"], full["embed.weight"])
+    state = resumed.state_dict()
+    assert list(state) == list(plain.state_dict()) and int(state["bn.num_batches_tracked"]) == 4
+    resumed.close()
+    adam = zkernel.initialize(TiedBatchNorm(), {"partitioner": "zero1"})
+    with pytest.raises(zkernel.CheckpointError, match=r"keeps state \['exp_avg', 'exp_avg_sq', 'step'\].*momentum_sgd"):
+        adam.load_checkpoint(tmp_path / "ckpt")
+    adam.close()
