@@ -13,7 +13,9 @@ takes back what it stores (`OptimizerTier.read_state`/`write_state`,
                                       fragments (rank, start, numel), optimizer scalars per
                                       parameter, buffers, the state-dict keys, step counters,
                                       loss scale, lr, every rank's RNG states, and each file's
-                                      size, header checksum and per-MiB block checksums
+                                      size, checksum algorithm (CRC-32C where the native
+                                      extension has it, else CRC-32), header checksum and
+                                      per-MiB block checksums
     DIR/<tag>/rank00000.safetensors   one per rank: tensors "<kind>/<name>/<start>", kind one of
                                       master, state.<optimizer state>, param (frozen values),
                                       buffer (rank 0); each a 1-D run of elements

@@ -121,6 +121,7 @@ class FileRecord:
 
     bytes: int
     data_offset: int  # where the tensor data starts (the header before it is checksummed alone)
+    algorithm: str  # see `zkernel.checkpoint.checksum`
     header_checksum: int
     block_bytes: int
     blocks: tuple[int, ...]  # checksums of the data region, block by block
@@ -128,6 +129,7 @@ class FileRecord:
     def to_json(self) -> dict[str, Any]:
         return {
             "bytes": self.bytes,
+            "algorithm": self.algorithm,
             "data_offset": self.data_offset,
             "header_checksum": self.header_checksum,
             "block_bytes": self.block_bytes,
@@ -140,6 +142,7 @@ class FileRecord:
             record = cls(
                 bytes=int(raw["bytes"]),
                 data_offset=int(raw["data_offset"]),
+                algorithm=str(raw["algorithm"]),
                 header_checksum=int(raw["header_checksum"]),
                 block_bytes=int(raw["block_bytes"]),
                 blocks=tuple(int(b) for b in raw["blocks"]),
@@ -186,7 +189,6 @@ def read_manifest(tag_dir: Path) -> dict[str, Any]:
 
 _MANIFEST_KEYS = {
     "world_size": int,
-    "checksum": dict,
     "files": dict,
     "params": dict,
     "buffers": dict,

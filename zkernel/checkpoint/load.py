@@ -90,8 +90,9 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
     _check_model(engine, view, index)
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
+    largest = max((layout.numel for layout in layouts if layout is not None), default=0)
     with RangeReader() as reader, ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead:
-        loader = _ShardLoader(engine, view, index, reader)
+        loader = _ShardLoader(engine, view, index, reader, largest)
         applying = None  # group i is read on the thread while group i - 1 goes to its tier here
         for i, (group, layout) in enumerate((g, l) for g, l in zip(groups, layouts) if l is not None):
             reading = ahead.submit(loader.read_group, group, layout, i % 2)
@@ -129,7 +130,7 @@ def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:
 
 
 class _ShardLoader:
-    def __init__(self, engine, view: ModelView, index: CheckpointIndex, reader: RangeReader) -> None:
+    def __init__(self, engine, view: ModelView, index: CheckpointIndex, reader: RangeReader, largest: int) -> None:
         self.engine = engine
         self.view = view
         self.index = index
@@ -138,7 +139,7 @@ class _ShardLoader:
         self.saved_per_element = dict(saved.get("per_element", {}))
         self.saved_scalars = dict(saved.get("scalar", {}))
         self._warned = False
-        self.buffers = _HostBuffers()
+        self.buffers = _HostBuffers(largest)
 
     def read_group(self, group: ParamGroup, layout: ShardLayout, slot: int) -> Callable[[], None]:
         """Read this rank's shard of ``group`` into buffer set ``slot``; return what hands it to its tier."""
@@ -210,17 +211,23 @@ class _ShardLoader:
 
 
 class _HostBuffers:
-    """Page-aligned host buffers (page-locked with CUDA), reused from group to group."""
+    """Page-aligned host buffers (page-locked with CUDA), reused from group to group.
 
-    def __init__(self) -> None:
+    Each is sized for the largest shard on first use: page-locking costs about
+    half a second per GiB, so it is done once, not again as groups grow.
+    """
+
+    def __init__(self, largest_numel: int) -> None:
         self._buffers: dict[object, torch.Tensor] = {}
+        self.largest_numel = largest_numel
 
     def get(self, key: object, numel: int, dtype: torch.dtype, covered: list[tuple[int, int]]) -> torch.Tensor:
         """``numel`` elements of ``dtype``; those outside the ``covered`` (start, end) runs are zero (padding)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * itemsize
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[key] = host_buffer(max(nbytes, 1))
+            buf = self._buffers[key] = host_buffer(max(nbytes, self.largest_numel * itemsize, 1))
         out = buf[:nbytes].view(dtype)
         at = 0
         for start, end in covered:

@@ -33,10 +33,10 @@ class TensorInfo:
 class VerifiedFile:
     """One file of a checkpoint: size checked against the manifest, header read and verified."""
 
-    def __init__(self, path: Path, record: FileRecord, algorithm: str) -> None:
+    def __init__(self, path: Path, record: FileRecord) -> None:
         self.path = path
         self.record = record
-        self.checksum = checksum_function(algorithm)
+        self.checksum = checksum_function(record.algorithm)
         try:
             size = path.stat().st_size
         except FileNotFoundError:

@@ -83,9 +83,9 @@ class CheckpointIndex:
         self.dir = tag_dir
         self.manifest = manifest
         where = str(tag_dir / MANIFEST)
-        self.algorithm = str(manifest["checksum"].get("algorithm"))
-        checksum_function(self.algorithm)  # refuse an unknown algorithm up front
         self.records = {name: FileRecord.from_json(raw, f"{where}: file {name}") for name, raw in manifest["files"].items()}
+        for record in self.records.values():
+            checksum_function(record.algorithm)  # refuse an unknown algorithm up front
         self.params: dict[str, Any] = manifest["params"]
         self.buffers: dict[str, Any] = manifest["buffers"]
         self._files: dict[str, VerifiedFile] = {}
@@ -101,7 +101,7 @@ class CheckpointIndex:
             record = self.records.get(name)
             if record is None:
                 raise CheckpointError(f"checkpoint manifest {self.dir / MANIFEST} lists no file {name}")
-            opened = self._files[name] = VerifiedFile(self.dir / name, record, self.algorithm)
+            opened = self._files[name] = VerifiedFile(self.dir / name, record)
         return opened
 
     def shape(self, name: str, kind: str = "param") -> tuple[int, ...]:

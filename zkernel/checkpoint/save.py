@@ -34,7 +34,6 @@ import attrs
 import torch
 
 from zkernel.checkpoint import rng
-from zkernel.checkpoint.checksum import ALGORITHM, BLOCK_BYTES
 from zkernel.checkpoint.collective import exchange_json
 from zkernel.checkpoint.format import (
     FORMAT,
@@ -338,7 +337,6 @@ def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[st
         "torch_version": torch.__version__,
         "world_size": world,
         "config": _config_json(engine.config),
-        "checksum": {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES},
         "files": {rank_file(r): rep["file"] for r, rep in enumerate(reports)},
         "params": params,
         "buffers": buffers,

@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from zkernel.checkpoint.blockio import DEPTH, PIECE_BYTES, BlockIO, StagingPool, checksum_pool
-from zkernel.checkpoint.checksum import ALGORITHM, BLOCK_BYTES, checksum_function
+from zkernel.checkpoint.checksum import BLOCK_BYTES, checksum_function, default_algorithm
 from zkernel.checkpoint.format import ALIGNMENT, SAFETENSORS_DTYPES, CheckpointError, FileRecord, fsync_dir
 
 
@@ -111,6 +111,7 @@ def write_file(path: Path, entries: Sequence[Entry], metadata: Mapping[str, str]
     removed and ``path`` is untouched; an `OSError` names the file.
     ``on_bytes(n)`` is called as data is handed to the disk (progress bars).
     """
+    algorithm = default_algorithm()
     entries = _with_padding(entries)
     head, data_len = _header(entries, metadata or {})
     total = len(head) + data_len
@@ -123,7 +124,7 @@ def write_file(path: Path, entries: Sequence[Entry], metadata: Mapping[str, str]
             view = memoryview(head)
             while view:
                 view = view[os.pwrite(fd, view, len(head) - len(view)) :]
-            blocks = _stream_data(tmp, len(head), entries, data_len, on_bytes)
+            blocks = _stream_data(tmp, len(head), entries, data_len, algorithm, on_bytes)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -137,11 +138,11 @@ def write_file(path: Path, entries: Sequence[Entry], metadata: Mapping[str, str]
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    checksum = checksum_function(ALGORITHM)
     return FileRecord(
         bytes=total,
         data_offset=len(head),
-        header_checksum=checksum(head),
+        algorithm=algorithm,
+        header_checksum=checksum_function(algorithm)(head),
         block_bytes=BLOCK_BYTES,
         blocks=tuple(blocks),
     )
@@ -169,14 +170,14 @@ class _DataStream:
     always go through the (page-locked) staging buffers: one download each.
     """
 
-    def __init__(self, path: Path, data_offset: int, data_len: int, on_bytes) -> None:
+    def __init__(self, path: Path, data_offset: int, data_len: int, algorithm: str, on_bytes) -> None:
         self.path = path
         self.data_offset = data_offset
         self.io = BlockIO()
         self.pool = StagingPool(min(PIECE_BYTES, data_len))
         # writes in flight, in file order: (staging buffer or None, I/O token, checksum jobs, bytes, keepalive)
         self.in_flight: deque[tuple[torch.Tensor | None, int, list[Future], int, object]] = deque()
-        self.checksum = checksum_function(ALGORITHM)
+        self.checksum = checksum_function(algorithm)
         self.on_bytes = on_bytes
         self.sums: list[int] = []
         self.written = 0  # data bytes submitted so far
@@ -264,8 +265,9 @@ class _DataStream:
             self.on_bytes(nbytes)
 
 
-def _stream_data(path: Path, data_offset: int, entries: Sequence[Entry], data_len: int, on_bytes) -> list[int]:
-    stream = _DataStream(path, data_offset, data_len, on_bytes)
+def _stream_data(path: Path, data_offset: int, entries: Sequence[Entry], data_len: int, algorithm: str,
+                 on_bytes) -> list[int]:  # fmt: skip
+    stream = _DataStream(path, data_offset, data_len, algorithm, on_bytes)
     try:
         for entry in entries:
             stream.put(_as_bytes(entry.source(), entry))
