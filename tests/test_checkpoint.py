@@ -53,7 +53,7 @@ EXACT = {
     "zero2-fp16": config("zero2", precision="fp16", initial_loss_scale=1024.0, loss_scale_window=2),
 }
 # Saved on 2 ranks without dropout, resumed elsewhere and compared with plain torch.
-SOURCES = {"zero2": config("zero2"), "zero3": config("zero3"), "zero1": config("zero1")}
+SOURCES = {"zero2": config("zero2"), "zero3": config("zero3"), "zero1": config("zero1"), "zero2-cpu": config("zero2", "cpu")}
 
 
 def reference(steps: int = STEPS) -> tuple[list[float], TrickyNet]:
@@ -164,6 +164,9 @@ def test_reshard_to_one_rank(saved):
     assert_close(one["losses"], expected[SAVE_AT:], 1e-5, "zero3 2 ranks -> zero1 1 rank")
     none = resume("tricky", config("none", "cpu"), str(root / "src-zero2"), STEPS, SAVE_AT, ACCUM, 2 * MICRO, SEED)
     assert_close(none["losses"], expected[SAVE_AT:], 1e-5, "zero2 2 ranks -> none + cpu 1 rank")
+    blocks = config("zero3", partitioner_options={"units": "blocks", "persistence_threshold": 100})
+    back = resume("tricky", blocks, str(root / "src-zero2-cpu"), STEPS, SAVE_AT, ACCUM, 2 * MICRO, SEED)
+    assert_close(back["losses"], expected[SAVE_AT:], 1e-5, "zero2 + cpu 2 ranks -> zero3 (no offload) 1 rank")
 
 
 def test_consolidate_equals_torch_and_loads_strictly(saved, tmp_path):
