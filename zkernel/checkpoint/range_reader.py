@@ -119,9 +119,16 @@ class RangeReader:
 
     def __init__(self) -> None:
         self.io = BlockIO()
+        self._pool: StagingPool | None = None  # kept across reads: page-locking buffers is slow
 
     def close(self) -> None:
         self.io.close()
+        self._pool = None
+
+    def _staging(self, largest: int) -> StagingPool:
+        if self._pool is None or self._pool.size < largest:
+            self._pool = StagingPool(PIECE_BYTES if largest > PIECE_BYTES // 4 else largest)
+        return self._pool
 
     def __enter__(self) -> RangeReader:
         return self
@@ -186,16 +193,18 @@ class RangeReader:
         block, data_len = file.record.block_bytes, file.data_len
         pieces = self._pieces(file, reqs)
         largest = max((min(p.last * block, data_len) - p.first * block for p in pieces if p.direct is None), default=0)
-        pool = StagingPool(largest)
+        pool = self._staging(largest)
         # (piece, the tensor read into, its staging buffer or None, I/O token)
         in_flight: deque[tuple[_Piece, torch.Tensor, torch.Tensor | None, int]] = deque()
 
         def finish_oldest() -> None:
             piece, target, staging, token = in_flight.popleft()
-            self.io.wait(token)
-            self._verify_and_copy(file, piece, target)
-            if staging is not None:
-                pool.release(staging)
+            try:
+                self.io.wait(token)
+                self._verify_and_copy(file, piece, target)
+            finally:
+                if staging is not None:
+                    pool.release(staging)
 
         try:
             for piece in pieces:
@@ -211,11 +220,13 @@ class RangeReader:
             while in_flight:
                 finish_oldest()
         except BaseException:
-            for _, _, _, token in in_flight:
+            for _, _, staging, token in in_flight:
                 try:
                     self.io.wait(token)
                 except Exception:  # noqa: BLE001 - the first error is already being raised
                     pass
+                if staging is not None:
+                    pool.release(staging)
             raise
 
     @staticmethod
