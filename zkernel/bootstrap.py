@@ -194,6 +194,9 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     runtime.check_pending()
 
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
+    original_tensors = tuple(
+        (n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())
+    )
     produced = runtime.hook.zkernel_partition_params(
         module=model, context=attrs.evolve(partition_context, options=selection["partitioner"].options)
     )
@@ -228,6 +231,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
         can_rollback=placer.can_rollback and bool(groups),
         speculate=getattr(optimizer_tier, "speculate", "never"),
         original_dtypes=original_dtypes,
+        original_tensors=original_tensors,
     )
     return Engine(model, cfg, dist_info, parts)
 
@@ -238,8 +242,13 @@ def _bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def consolidate(directory) -> dict[str, torch.Tensor]:
-    """Rebuild a full fp32 state dict from a checkpoint directory (no process group needed)."""
-    raise NotImplementedError(
-        "zkernel.consolidate is not implemented yet (checkpointing lands with its own issue)"
-    )
+def consolidate(directory, tag: str | None = None, *, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Rebuild the full fp32 state dict of a checkpoint directory (no process group needed).
+
+    One tensor at a time, reading only the bytes each needs; the result loads
+    with ``load_state_dict(strict=True)`` into the plain model. See
+    `zkernel.checkpoint.consolidate`.
+    """
+    from zkernel.checkpoint import consolidate as run
+
+    return run(directory, tag, progress=progress)

@@ -17,7 +17,7 @@ stays inside the plugin, batched.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from zkernel.groups import OptimizerDeclaration, ParamGroup, Phase, ReducedGradient, StepOptions
+    from zkernel.groups import OptimizerDeclaration, ParamGroup, Phase, ReducedGradient, ShardLayout, StepOptions
     from zkernel.registry import ComponentRegistry
     from zkernel.runtime import RuntimeContext
 
@@ -282,24 +282,41 @@ def zkernel_rollback_optimizer(group: ParamGroup, options: StepOptions) -> bool 
 # ---------------------------------------------------------------------------
 
 
-@hookspec
-def zkernel_persist_state(group: ParamGroup, state: dict[str, Any]) -> None:
-    """Contribute ``group``'s state to a checkpoint being written.
+@hookspec(firstresult=True)
+def zkernel_describe_shard(group: ParamGroup) -> ShardLayout | None:
+    """Say which elements of which parameters this rank's shard of ``group`` holds.
 
-    Called by `Engine.save_checkpoint` on every rank for every group; each
-    implementation adds its own entries to ``state`` (tensors on CPU, keyed by
-    a name the same plugin reads back in `zkernel_restore_state`).
+    Called by `zkernel.checkpoint` on every rank for every group, between
+    steps: when a checkpoint is saved or loaded and by `Engine.state_dict`.
+    The partitioner that made the group answers. Checkpoints are keyed by
+    parameter name and element offset, so they outlive groups, which differ
+    by partitioner, unit policy, bucket size and world size.
 
-    All implementations are called.
+    :return: a `zkernel.groups.ShardLayout`: ``numel`` is the length of the
+        shard tensors (``group.master`` and each per-element optimizer state of
+        a trainable group, ``group.param_shard`` of a frozen one), and
+        ``fragments`` place every parameter element the shard holds; the
+        fragments of all ranks cover each parameter of the group exactly once,
+        or, with ``replicated``, every rank's fragments cover it (rank 0's are
+        written). A frozen group without ``param_shard`` (parameters whole on
+        every rank) answers None and its parameters are saved whole.
+
+    Stops at the first non-None result.
     """
 
 
 @hookspec
-def zkernel_restore_state(group: ParamGroup, state: dict[str, Any]) -> None:
-    """Take ``group``'s state back from a checkpoint being loaded.
+def zkernel_restore_state(group: ParamGroup) -> None:
+    """``group``'s shard was replaced from a checkpoint: refresh every copy derived from it.
 
-    Called by `Engine.load_checkpoint` on every rank for every group, with the
-    entries written by `zkernel_persist_state` (re-sharded for this world size).
+    Called by `Engine.load_checkpoint` on every rank for every group, in the
+    same order on all ranks (the call may be collective), after the optimizer
+    tier took the loaded master and state (`OptimizerTier.write_state`, which
+    also refreshed ``group.param_shard``) or, for a frozen group, after the
+    params tier took the loaded shard (`ParamsTier.write_shard`). A partitioner
+    that keeps whole parameters makes them match the shard again (ZeRO-1/2: the
+    all-gather of a publish); one whose parameters are released until their
+    next fetch drops anything gathered or prefetched before the load.
 
     All implementations are called.
     """

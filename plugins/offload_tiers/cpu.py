@@ -54,9 +54,10 @@ from zkernel.host_memory import host_empty, host_zeros
 from zkernel.log import get_logger
 from zkernel.step_pipeline import SPECULATE_POLICIES
 from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, ParamsTier, Resource
+from zkernel.tiers import OptimizerTier, ParamsTier, Resource, ShardState
 from zkernel.timeline import SpanKind
 
+from ._state import write_optimizer_state
 from .device import DeviceOptimizerTier, shares_storage, update_target
 
 log = get_logger()
@@ -293,6 +294,22 @@ class CpuTier(OptimizerTier):
     def read_master(self, group):
         return group.master
 
+    def read_state(self, group):
+        if self._on_device(group):
+            return self._device_tier.read_state(group)
+        return ShardState(master=group.master, state=dict(group.optim_state))
+
+    def write_state(self, group, state):
+        if self._on_device(group):
+            return self._device_tier.write_state(group, state)
+        group.master.copy_(state.master)
+        write_optimizer_state(group, state.state, torch.device("cpu"), make=self._host_like)
+
+    def _host_like(self, value: torch.Tensor) -> torch.Tensor:
+        if value.dim() == 0:
+            return torch.empty((), dtype=value.dtype)
+        return host_empty(value.shape, value.dtype, pin=self._pin())
+
     def close(self):
         for slot in self._slots.values():
             if slot.accumulation is not None:
@@ -474,6 +491,13 @@ class CpuParamsTier(ParamsTier):
         event = record_event(d2h)
         self._downloads[group.index] = event
         return event
+
+    def write_shard(self, group, values):
+        self.before_update(group)
+        stale = self._device.pop(group.index, None)
+        if stale is not None:
+            stale[0].record_stream(torch.cuda.current_stream(self.device))
+        group.param_shard.copy_(values)
 
     def close(self):
         for event in (*self._home_reads.values(), *self._downloads.values()):
