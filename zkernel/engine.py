@@ -285,6 +285,7 @@ class Engine:
                 param = self._module.get_parameter(name)
                 if param.dtype != dtype:
                     param.data = param.data.to(dtype)
+        self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
         self._closed = True
         self._finalizer.detach()
         lifecycle.unregister_cleanup(id(self))
