@@ -6,6 +6,7 @@ import collections
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import zkernel
 from tests.transform_scenarios import Stack, stack_batches, train_stack
@@ -40,10 +41,22 @@ def test_checkpointing_trains_exactly_like_no_checkpointing(partitioner):
         assert torch_losses[-1] < torch_losses[0]
 
 
-def _train_counting_gathers(config: dict, steps: int = 3) -> tuple[int, collections.Counter, list]:
+class SelfCheckpointingStack(Stack):
+    """A model that calls torch.utils.checkpoint itself (as Hugging Face models do), no plugin involved."""
+
+    def forward(self, tokens, targets, mask):
+        x = self.embed(tokens)
+        gain = torch.tensor(0.5, device=x.device)
+        for block in self.blocks:
+            x = checkpoint(block, x, (self.shift, gain), mask=mask, scale=0.75, use_reentrant=False)
+        logits = torch.nn.functional.linear(x, self.embed.weight)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1))
+
+
+def _train_counting_gathers(config: dict, steps: int = 3, model_cls=Stack) -> tuple[int, collections.Counter, list]:
     """Train Stack under zero3; the scheduler's trace length and the all-gathers started in the last backward."""
     torch.manual_seed(SEED)
-    model = Stack()
+    model = model_cls()
     engine = zkernel.initialize(model, config)
     partitioner = engine.plugin_manager.get_plugin("partitioner:zero3")
     started: collections.Counter = collections.Counter()
@@ -75,6 +88,9 @@ def test_zero3_recompute_gathers_each_unit_once_and_keeps_the_trace(prefetch_byt
     # One gather per unit in backward: for its recomputation and its gradients together.
     assert ckpt_gathers == plain_gathers
     assert max(ckpt_gathers.values()) == 1 and len(ckpt_gathers) >= 4 * 3
+    # The same when the model checkpoints itself: the scheduler needs no word from a plugin.
+    _, own_gathers, own_trace = _train_counting_gathers(base, model_cls=SelfCheckpointingStack)
+    assert own_trace == plain_trace and own_gathers == plain_gathers
 
 
 def test_offload_keeps_saved_inputs_on_host_and_the_device_one_block_deep():

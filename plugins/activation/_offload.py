@@ -42,10 +42,9 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.log import get_logger
+from zkernel.config import ConfigError
 from zkernel.streams import record_event
 
-log = get_logger()
 
 
 class RegionState(enum.Enum):
@@ -110,7 +109,7 @@ class SavedInputOffloader:
         self.h2d = streams.h2d if self.cuda else None
         self.prefetch = prefetch
         if pin_memory and not torch.cuda.is_available():
-            raise ValueError("activation_checkpointing.pin_memory = true needs CUDA (page-locked memory)")
+            raise ConfigError("activation_checkpointing.pin_memory = true needs CUDA (page-locked memory); valid here: false or unset")
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.record_events = record_events
         self.stats = OffloadStats()
@@ -126,7 +125,6 @@ class SavedInputOffloader:
         self.stats.regions += 1
         with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, region), self._unpack):
             yield
-        log.debug("zkernel.activation.offloaded", region=region.seq, tensors=len(region.items))
 
     # -- forward ------------------------------------------------------------------------
 
@@ -134,7 +132,8 @@ class SavedInputOffloader:
         return (
             not isinstance(tensor, nn.Parameter)
             and tensor.numel() > 0
-            and tensor.device == self.device
+            and tensor.device.type == self.device.type
+            and (self.device.index is None or tensor.device.index == self.device.index)
             and not tensor.is_sparse
         )
 
@@ -208,6 +207,8 @@ class SavedInputOffloader:
             with torch.cuda.stream(self.h2d):
                 for saved, copy in zip(pending, copies):
                     copy.copy_(saved.host, non_blocking=True)
+            for copy in copies:  # freed unused (a backward cut short) only after the copy landed
+                copy.record_stream(self.h2d)
             event = record_event(self.h2d)
         else:
             copies = [s.host.clone() for s in pending]
