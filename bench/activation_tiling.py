@@ -3,7 +3,7 @@
     python bench/activation_tiling.py --model 1.3b --micro-batch 16
     python bench/activation_tiling.py --model 6.7b --micro-batch 8 --offload-optimizer cpu
     python bench/activation_tiling.py --modes linear_whole,linear_tiled          # one huge Linear under a budget
-    python bench/activation_tiling.py --model tiny --seq 64 --micro-batch 2 --linear 256,1024   # CPU, seconds
+    python bench/activation_tiling.py --model tiny --seq 64 --micro-batch 2 --linear 256,1024 --linear-rows 64 --steps 2 --warmup 1   # CPU
 
 Each mode runs in its own process, one after another, on one device:
 
@@ -11,11 +11,12 @@ Each mode runs in its own process, one after another, on one device:
 * ``ckpt``: every ``Block`` checkpointed (``[activation_checkpointing] modules = ["Block"]``);
 * ``ckpt_offload``: the same with ``offload = "cpu"`` (saved block inputs in pinned host memory);
 * ``tiled_mlp``: no checkpointing, every block's MLP Linears (``fc``, ``out``) split into ``--tiles`` tiles;
-* ``linear_whole`` / ``linear_tiled``: a model that is one huge Linear (``--linear IN,OUT``) and a small
-  head, optimizer state on the host, under a device memory budget (``--budget-gib``, default: what
-  the model holds after initialize plus 1.5x the layer's bf16 bytes plus 1 GiB for activations,
-  enforced with ``torch.cuda.set_per_process_memory_fraction``): whole, the layer cannot be gathered
-  (OOM expected); tiled (``--linear-tiles``), it trains.
+* ``linear_whole`` / ``linear_tiled``: a model that is one huge Linear (``--linear IN,OUT``, fed
+  ``--linear-rows`` rows a step) and a small head, optimizer state on the host, under a device
+  memory budget (``--budget-gib``, default: what the model holds after initialize plus 1.5x the
+  layer's bf16 bytes plus 1 GiB for activations, enforced with
+  ``torch.cuda.set_per_process_memory_fraction``): whole, the layer and its gradient cannot be
+  held at once (OOM expected); tiled (``--linear-tiles``), it trains.
 
 Reported per mode: tokens/s (median step), peak device memory over the timed steps, and the peak
 of forward+backward above what was allocated before the forward ("activation" memory: saved
@@ -117,7 +118,7 @@ def _worker(args) -> None:
 
         with torch.device("meta"):
             model = BigLinear()
-        rows = args.micro_batch * seq
+        rows = args.linear_rows
 
         def batch(g):
             return torch.randn(rows, d_in, device=device, generator=g), None
@@ -183,12 +184,12 @@ def _worker(args) -> None:
             times.append(time.perf_counter() - t0)
             act_peaks.append(act)
     step = statistics.median(times)
-    tokens = args.micro_batch * seq * args.accum / step
+    per_micro = args.linear_rows if mode in LINEAR_MODES else args.micro_batch * seq
     result = {
         "mode": mode,
         "step_s": step,
-        "tokens_per_s": tokens,
-        "tflops": fpt * args.micro_batch * seq * args.accum / step / 1e12,
+        "tokens_per_s": per_micro * args.accum / step,
+        "tflops": fpt * per_micro * args.accum / step / 1e12,
         "peak_gib": overall / 2**30 if cuda else None,
         "act_gib": max(act_peaks) / 2**30 if cuda else None,
         "gathered_mib": meter.peak / 2**20 if meter else None,
@@ -202,7 +203,8 @@ def _worker(args) -> None:
 def _run_mode(args, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--mode", mode]
     for key in ("model", "micro_batch", "seq", "steps", "warmup", "accum", "partitioner", "precision",
-                "offload_optimizer", "options", "tiles", "linear", "linear_tiles", "budget_gib", "prefetch_mb"):
+                "offload_optimizer", "options", "tiles", "linear", "linear_tiles", "linear_rows", "budget_gib",
+                "prefetch_mb"):
         value = getattr(args, key)
         if value is not None and value != "":
             cmd += ["--" + key.replace("_", "-"), str(value)]
@@ -239,6 +241,7 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, default=4, help="tiles per MLP Linear in tiled_mlp")
     parser.add_argument("--linear", default="16384,65536", help="IN,OUT features of the huge Linear")
     parser.add_argument("--linear-tiles", type=int, default=8)
+    parser.add_argument("--linear-rows", type=int, default=2048, help="rows (tokens) per step of the linear modes")
     parser.add_argument("--budget-gib", type=float, default=None, help="device memory budget of the linear modes")
     parser.add_argument("--modes", default=None, help=f"comma list of {', '.join(GPT_MODES + LINEAR_MODES)}")
     parser.add_argument("--timeout", type=float, default=900)

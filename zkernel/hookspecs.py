@@ -6,7 +6,8 @@ Two plugin managers use these specs (see `zkernel.plugin_manager`):
   ``zkernel``, plugins passed in code, dotted paths from config). Only the
   registration hooks are called on it.
 * the *runtime* manager of one engine holds only the component objects the
-  config selected (one partitioner, one optimizer, one tier per role). The
+  config selected (one partitioner, one optimizer, one tier per role, one
+  component per model-transform family: tiling, activation checkpointing). The
   lifecycle hooks are called on it, so an installed but unselected component
   never sees a ``fetch``.
 

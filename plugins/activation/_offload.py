@@ -23,6 +23,13 @@ installs hooks there, so for each region:
 So the compute device holds one region's inputs being recomputed plus
 ``prefetch`` regions arriving, instead of every region's. Tensors that are
 parameters, empty, or not on the compute device are kept as they are.
+
+[Note: shared inputs] A tensor every region receives (an attention mask,
+rotary tables, a scalar made once per forward) is alive on the device for the
+whole forward anyway, and offloading it per region would copy it out and back
+once per region. So only the first region that saves it offloads it; a later
+region that saves the very same tensor (same storage, view and version, its
+first saver's reference still alive) keeps it as it is.
 Without CUDA every copy is a plain copy in program order (the host is the
 compute device then; the copies are still made, which keeps the behaviour
 the same and observable, but buy nothing).
@@ -116,6 +123,8 @@ class SavedInputOffloader:
         self._seq = itertools.count()
         # Regions by sequence number (forward order); entries vanish with their region.
         self._regions: weakref.WeakValueDictionary[int, _Region] = weakref.WeakValueDictionary()
+        # Tensors saved by some region, to recognise one every region saves (a mask, say).
+        self._seen: dict[tuple, tuple[weakref.ref, int]] = {}
 
     @contextlib.contextmanager
     def region(self):
@@ -137,11 +146,22 @@ class SavedInputOffloader:
             and not tensor.is_sparse
         )
 
+    def _shared(self, tensor: torch.Tensor) -> bool:
+        """Whether an earlier region saved this very tensor too (see [Note: shared inputs])."""
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is not None and seen[1] == tensor._version:
+            return True
+        if len(self._seen) > 4096:
+            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
+        self._seen[key] = (weakref.ref(tensor), tensor._version)
+        return False
+
     def _pack(self, region: _Region, tensor: torch.Tensor) -> Any:
-        if not self._offloadable(tensor):
+        if not self._offloadable(tensor) or self._shared(tensor):
             self.stats.kept_tensors += 1
             return tensor
-        with torch.no_grad():
+        with torch.no_grad(), torch.profiler.record_function("zkernel::activation_offload"):
             source = tensor.detach()
             host = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=self.pin)
             if self.cuda:
@@ -197,25 +217,28 @@ class SavedInputOffloader:
         pending = [s for s in region.alive() if s.host is not None and s.device_copy is None]
         if not pending:
             return
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            copies = [torch.empty(s.host.shape, dtype=s.host.dtype, device=self.device) for s in pending]
-            self.h2d.wait_stream(compute)  # the memory may have been in use by queued compute work
-            for saved in pending:
-                if saved.d2h_event is not None:
-                    self.h2d.wait_event(saved.d2h_event)
-            with torch.cuda.stream(self.h2d):
-                for saved, copy in zip(pending, copies):
-                    copy.copy_(saved.host, non_blocking=True)
-            for copy in copies:  # freed unused (a backward cut short) only after the copy landed
-                copy.record_stream(self.h2d)
-            event = record_event(self.h2d)
-        else:
-            copies = [s.host.clone() for s in pending]
-            event = None
+        with torch.profiler.record_function("zkernel::activation_restore"):
+            copies, event = self._copy_in(pending)
         for saved, copy in zip(pending, copies):
             saved.device_copy, saved.h2d_event = copy, event
             self._count_resident(copy)
+
+    def _copy_in(self, pending: list[_Saved]) -> tuple[list[torch.Tensor], Any]:
+        """Device copies of ``pending``'s host tensors, and the event after which they hold the values."""
+        if not self.cuda:
+            return [s.host.clone() for s in pending], None
+        compute = torch.cuda.current_stream(self.device)
+        copies = [torch.empty(s.host.shape, dtype=s.host.dtype, device=self.device) for s in pending]
+        self.h2d.wait_stream(compute)  # the memory may have been in use by queued compute work
+        for saved in pending:
+            if saved.d2h_event is not None:
+                self.h2d.wait_event(saved.d2h_event)
+        with torch.cuda.stream(self.h2d):
+            for saved, copy in zip(pending, copies):
+                copy.copy_(saved.host, non_blocking=True)
+        for copy in copies:  # freed unused (a backward cut short) only after the copy landed
+            copy.record_stream(self.h2d)
+        return copies, record_event(self.h2d)
 
     def _count_resident(self, tensor: torch.Tensor) -> None:
         stats = self.stats
