@@ -142,6 +142,10 @@ class GatheredBytes:
 
 def train_tricky_transformed(configs: list[dict], steps: int, accum: int, micro: int, seed: int) -> list[dict]:
     """Train TrickyNet under each config on this rank's share; losses, user-visible state, restored module."""
+    if not dist.is_initialized():
+        # Ours, so that closing each engine leaves it up: re-creating the default group over and
+        # over on the same port can hang in init_process_group.
+        dist.init_process_group("gloo")
     out = []
     for config in configs:
         torch.manual_seed(seed)
