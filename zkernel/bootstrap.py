@@ -21,6 +21,7 @@ from zkernel.runtime import RuntimeContext
 from zkernel.streams import Streams
 from zkernel.timeline import Timeline
 from zkernel.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
+from zkernel.transforms import apply_transforms, register_transforms
 
 log = get_logger()
 
@@ -191,8 +192,10 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     runtime.register(optimizer_tier, name=f"tier:{cfg.offload.optimizer}:optimizer")
     if params_tier is not optimizer_tier:
         runtime.register(params_tier, name=f"tier:{cfg.offload.params}:params")
+    register_transforms(runtime, selection, base)
     runtime.check_pending()
 
+    apply_transforms(runtime, model, selection, base)  # tiling, activation checkpointing
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
     original_tensors = tuple(
         (n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())

@@ -302,6 +302,7 @@ class Engine:
                 param = self._module.get_parameter(name)
                 if param.dtype != dtype:
                     param.data = param.data.to(dtype)
+        self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
         self._closed = True
         self.timeline.close()
         self._finalizer.detach()

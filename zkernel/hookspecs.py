@@ -6,7 +6,8 @@ Two plugin managers use these specs (see `zkernel.plugin_manager`):
   ``zkernel``, plugins passed in code, dotted paths from config). Only the
   registration hooks are called on it.
 * the *runtime* manager of one engine holds only the component objects the
-  config selected (one partitioner, one optimizer, one tier per role). The
+  config selected (one partitioner, one optimizer, one tier per role, one
+  component per model-transform family: tiling, activation checkpointing). The
   lifecycle hooks are called on it, so an installed but unselected component
   never sees a ``fetch``.
 
@@ -81,6 +82,99 @@ def zkernel_register_optimizers(registry: ComponentRegistry) -> None:
     Called like `zkernel_register_partitioners`; the factory is called as
     ``factory(context)`` (``context.config.optimizer`` holds lr, betas, eps,
     weight decay and the component's own options).
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_register_tilings(registry: ComponentRegistry) -> None:
+    """Offer tiling components that config can select by ``[tiling] name``.
+
+    Called like `zkernel_register_partitioners`; the factory is called as
+    ``factory(context)`` (``context.config.tiling`` holds ``modules``,
+    ``min_numel`` and ``tiles``; ``context.options`` the component's own
+    options) and returns an object implementing `zkernel_apply_tiling` and
+    `zkernel_restore_module`, which joins the runtime manager.
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_register_activation_checkpointers(registry: ComponentRegistry) -> None:
+    """Offer activation checkpointing components, selected by ``[activation_checkpointing] name``.
+
+    Called like `zkernel_register_partitioners`; the factory is called as
+    ``factory(context)`` (``context.config.activation_checkpointing`` holds
+    ``modules`` and ``offload``; ``context.options`` the component's own
+    options) and returns an object implementing
+    `zkernel_apply_activation_checkpointing` and `zkernel_restore_module`,
+    which joins the runtime manager.
+
+    All implementations are called; results are ignored.
+    """
+
+
+# ---------------------------------------------------------------------------
+# Model transforms (see [Note: model transforms] in zkernel.transforms)
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def zkernel_apply_tiling(module: torch.nn.Module, context: RuntimeContext) -> None:
+    """Split the layers ``[tiling]`` selects into tiles, in place, before partitioning.
+
+    Called by `zkernel.initialize` once, on every rank, on the runtime manager
+    (so only the selected tiling component), before
+    `zkernel_apply_activation_checkpointing` and `zkernel_partition_params`.
+    Parameters may still be on the meta device.
+
+    Each tile must be a submodule with parameters of its own (so a
+    partitioner that gathers per module, zero3, fetches and releases each
+    tile on its own), and the replacement must compute what the layer did.
+    Names and shapes the user sees stay the untiled ones: the replacing module
+    declares its pieces through ``zkernel_composed_parameters`` (see
+    `zkernel.param_map`), which also keeps ``state_dict`` untiled.
+
+    :param module: the user's model, changed in place.
+    :param context: rank, world size, device, config; ``context.options`` is
+        the component's validated options.
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_apply_activation_checkpointing(module: torch.nn.Module, context: RuntimeContext) -> None:
+    """Make the modules ``[activation_checkpointing]`` selects recompute their activations in backward.
+
+    Called by `zkernel.initialize` once, on every rank, on the runtime manager
+    (so only the selected component), after `zkernel_apply_tiling` and before
+    `zkernel_partition_params`. The component changes how the selected modules
+    run (not their parameters or names); forward pre/post hooks registered on
+    them later (the scheduler's) still bracket each call.
+
+    A recomputation runs inside backward, which the scheduler recognises
+    (see [Note: recompute] in `zkernel.scheduler`): a component needs no
+    further call into the kernel for it.
+
+    :param module: the user's model, changed in place.
+    :param context: rank, world size, device, config, side streams;
+        ``context.options`` is the component's validated options.
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_restore_module(module: torch.nn.Module) -> None:
+    """Undo what an apply hook did to ``module``: the model the user passed in comes back.
+
+    Called by `Engine.close` on every rank after every parameter got its
+    whole value back in its original dtype, on the runtime manager; model
+    transform components implement it. Pluggy calls implementations in
+    reverse registration order, so the transform applied last is undone first.
 
     All implementations are called; results are ignored.
     """

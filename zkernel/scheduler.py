@@ -33,6 +33,24 @@ until the end of backward, in this and every later step.
 
 The execution order of module-bound groups in the first forward is the trace
 the prefetcher follows from then on.
+
+[Note: recompute] Activation checkpointing (a plugin of its own family, or
+``torch.utils.checkpoint`` in the user's model) runs a module's forward a
+second time inside backward, to rebuild what it did not save. Fired as in a
+forward, the hooks would gather the unit for the recomputation, release it,
+and gather it again for its backward (two gathers), and append it to the
+trace being recorded (a trace twice as long, in the wrong order). The
+scheduler tells the two apart by asking autograd whether this thread is
+running a backward pass (``torch._C._current_graph_task_id() != -1``, the
+test ``torch.utils.checkpoint`` itself uses), so no plugin has to announce a
+recomputation and a user's own checkpointing is handled the same way. In a
+recomputation the pre-hook fetches for ``Phase.BACKWARD`` (prefetching in
+backward order) and records nothing; the post-hook neither releases nor
+registers gradient hooks (the unit is whole already, and it must stay so). The unit thus stays whole from its recomputation
+through its backward and is released, as always, once its gradients are
+ready: one gather for both. The cost is that every unit of a checkpointed
+region is whole during that region's backward, so a region holds at most
+its own parameters at once.
 """
 
 from __future__ import annotations
@@ -50,6 +68,11 @@ from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
 
 log = get_logger()
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs a backward pass now (a forward here is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _ReleasedParamGuard(TorchFunctionMode):
@@ -137,6 +160,9 @@ class Scheduler:
     # -- forward ----------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, _args) -> None:
+        if _in_backward():  # a recomputation (see [Note: recompute])
+            self._pre_backward(self.groups_of_module[id(module)])
+            return
         for group in self.groups_of_module[id(module)]:
             if not self.trace_done:
                 self._recording.append(group)
@@ -144,6 +170,8 @@ class Scheduler:
             self._prefetch_after(group, Phase.FORWARD)
 
     def _post_forward(self, module: nn.Module, _args, output):
+        if _in_backward():  # kept whole until its gradients are ready (see [Note: recompute])
+            return output
         groups = self.groups_of_module[id(module)]
         for group in groups:
             if group.index not in self.external:
@@ -212,6 +240,8 @@ class Scheduler:
             while 0 <= i < len(self.trace) and ahead < host_bytes:
                 nxt = self.trace[i]
                 i += step
+                if phase is Phase.BACKWARD and nxt.index in self._reduced:
+                    continue  # its gradients are done: nothing in this backward reads it again
                 if nxt.gathered:
                     continue
                 if ahead < gather_bytes:
