@@ -118,6 +118,7 @@ class CpuTier(OptimizerTier):
         self._state: dict[int, tuple] = {}  # declared optimizer state per group (for the GPU share)
         self._device_tier = DeviceOptimizerTier(context)
         self.gpu_share_numel = 0
+        self._planned_numel = 0
         self._staging = _StagingPool(self.options.staging_buffers, self.compute_dtype, self.options.pin_memory)
 
     def _pin(self) -> bool | None:
@@ -126,12 +127,28 @@ class CpuTier(OptimizerTier):
     # -- placement ----------------------------------------------------------------
 
     def demand(self, numel, state, compute_dtype):
-        staging = 0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size()
-        host = numel * (4 + 4 + staging) + sum(s.nbytes for s in state)
-        return {Resource.HOST: host}
+        self._planned_numel = numel
+        share = self._adopt_time_share()
+        host = int(numel * (1 - share)) * 4 * 2 + int(sum(s.nbytes for s in state) * (1 - share))
+        device = int(numel * share) * 16
+        return {Resource.HOST: host, Resource.DEVICE: device} if device else {Resource.HOST: host}
+
+    def _adopt_time_share(self) -> float:
+        """A numeric gpu_share is placed as groups are adopted ([Note: GPU share])."""
+        share = self.options.gpu_share
+        return share if self.cuda and share != "auto" else 0.0
 
     def adopt(self, group, master, state):
         numel = master.numel()
+        budget = int(self._adopt_time_share() * self._planned_numel)
+        if group.module is not None and numel <= budget - self.gpu_share_numel:
+            # Module-bound groups come in module order, the next forward's order: the first ones
+            # stay on the GPU from the start, so their host buffers never exist.
+            self._device_tier.adopt(group, master, state)
+            self._slots[group.index] = _Slot(landing=torch.empty(0), on_device=True)
+            self._state[group.index] = tuple(state)
+            self.gpu_share_numel += numel
+            return
         host_master = host_empty(numel, torch.float32, pin=self._pin())
         host_master.copy_(master)
         group.master = host_master
@@ -157,13 +174,13 @@ class CpuTier(OptimizerTier):
         total = sum(g.master.numel() for g in order)
         if self.options.gpu_share == "auto":
             free = torch.cuda.get_device_properties(self.device).total_memory - torch.cuda.max_memory_reserved(self.device)
-            budget = int(0.8 * max(0, free)) // 16
+            budget = self.gpu_share_numel + int(0.8 * max(0, free)) // 16
         else:
             budget = int(self.options.gpu_share * total)
-        for group in order:
+        for group in order:  # the next forward's order: the first-needed groups first
             numel = group.master.numel()
-            if numel > budget - self.gpu_share_numel:
-                break
+            if self._on_device(group) or numel > budget - self.gpu_share_numel:
+                continue
             self._move_to_device(group)
             self.gpu_share_numel += numel
         log.info(
@@ -278,6 +295,8 @@ class CpuTier(OptimizerTier):
 
     def release(self, group):
         slot = self._slots[group.index]
+        if slot.on_device:
+            return self._device_tier.release(group)
         if slot.pooled and group.copy_out is not None:
             # Its upload is queued on h2d by now: the buffer is free once h2d got past it.
             self._staging.give(group.copy_out, record_event(self.streams.h2d) if self.cuda else None)
