@@ -1,7 +1,7 @@
 """zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
 
 Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`,
-`from_deepspeed_config`, `estimate`, `CheckpointError`.
+`from_deepspeed_config`, `estimate`, `CheckpointError`, `RankDivergenceError`.
 Nothing is loaded at import time; `initialize` builds the plugin managers.
 """
 
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "RankDivergenceError",
     "Config",
     "ConfigError",
     "Engine",
@@ -38,6 +39,10 @@ def __getattr__(name):
         from zkernel.estimator import estimate
 
         return estimate
+    if name == "RankDivergenceError":
+        from zkernel.divergence import RankDivergenceError
+
+        return RankDivergenceError
     if name == "CheckpointError":
         from zkernel.checkpoint.format import CheckpointError
 

@@ -152,7 +152,7 @@ def initialize(
 
 
 def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
-    dist_info = init_distributed()
+    dist_info = init_distributed(timeout_s=cfg.collective_timeout)
     if dist_info.created_group:
         lifecycle.own_process_group()
     if cfg.seed is not None:

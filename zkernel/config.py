@@ -203,6 +203,8 @@ class Config:
     trace_hooks: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     log_format: str = attrs.field(default="console", validator=_one_of("log_format", LOG_FORMATS))
     seed: int | None = None
+    # Seconds a collective may take before the process group gives up (when zkernel creates it).
+    collective_timeout: float = attrs.field(default=600.0, validator=_non_negative_number("collective_timeout"))
     # Per-step timeline of compute and transfers, logged as `zkernel.step.timeline` (INFO).
     timeline: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     # Chrome-trace JSON of the timeline (Perfetto opens it); "{rank}" is replaced by the rank.

@@ -174,13 +174,14 @@ class Engine:
         """
         self._check_open()
         args, kwargs = tree_map(self._prepare_input, (args, kwargs))
-        self.scheduler.begin_forward(self.is_accumulation_boundary)
+        self.scheduler.begin_forward(self.is_accumulation_boundary, self.micro_steps)
         self._enter_guard()
         try:
             with torch.profiler.record_function("zkernel::forward"), self._compute_span("forward"):
                 out = self._module(*args, **kwargs)
         except BaseException:
             self._exit_guard()
+            self.scheduler.abandon_forward()
             raise
         if not torch.is_grad_enabled():
             self._exit_guard()
@@ -254,6 +255,7 @@ class Engine:
             self.pipeline.step(coefficient)
         if self.loss_scaler is not None:
             self.loss_scaler.update(coefficient is None)
+        self.scheduler.window_used.clear()
         self.timeline.end_step(self.global_steps)
         self.global_steps += 1
 
@@ -305,6 +307,7 @@ class Engine:
         self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
         self._closed = True
         self.timeline.close()
+        self.scheduler.paths.close()
         self._finalizer.detach()
         lifecycle.unregister_cleanup(id(self))
         _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)

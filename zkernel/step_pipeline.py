@@ -90,6 +90,7 @@ class StepPipeline:
         self._publish_params = publish
         self._landing_order: list[ParamGroup] = []
         self._landed: set[int] = set()
+        self._unused: set[int] = set()  # groups no rank gave a gradient in this window: not stepped
         # Forward need order, refined after every boundary backward.
         self._order: list[ParamGroup] = list(reversed(self.trainable))
         # Host steps started during backward: group index -> (job, coefficient it used).
@@ -113,6 +114,8 @@ class StepPipeline:
         ``speculative``: the coefficient to assume otherwise (see [Note: early and speculative steps])."""
         self._landing_order = []
         self._landed = set()
+        if boundary:
+            self._unused = set()
         self._early_coefficient = None
         self._early_exact = False
         self._speculative = speculative
@@ -129,14 +132,20 @@ class StepPipeline:
             return False
         return self.speculate == "always" or self._last_clean
 
-    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool) -> None:
-        """Hand a reduced gradient to the tier (called by the scheduler, in autograd's thread)."""
+    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool, used: bool = True) -> None:
+        """Hand a reduced gradient to the tier (called by the scheduler, in autograd's thread).
+
+        ``used``: some parameter of the group got a gradient in this window on this rank (a
+        group that got none is not stepped, as torch skips parameters whose ``grad`` is None)."""
         self.wait_update(group)  # the previous step must be done with the landing buffer
         self.tier.land(group, reduced, final)
         if not final:
             return
         self._landing_order.append(group)
         self._landed.add(group.index)
+        if not used:
+            self._unused.add(group.index)
+            return
         if self._early_coefficient is not None and self.tier.steps_on_host(group) and not self._abort_speculation:
             self.tier.prepare(group)
             options = self._step_options(self._early_coefficient)
@@ -150,7 +159,18 @@ class StepPipeline:
             return None
         landed = self._landing_order + [g for g in self.trainable if g.index not in self._landed]
         self._order = list(reversed(landed))
+        self._agree_on_unused()
         return self._global_norm() if need_norm else None
+
+    def _agree_on_unused(self) -> None:
+        """A group is skipped only when no rank used it (all ranks must skip, or publish, together)."""
+        if not self.distributed:
+            return
+        flags = torch.tensor([g.index not in self._unused for g in self.trainable], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._unused = {g.index for g, used in zip(self.trainable, flags.tolist()) if not used}
 
     def _global_norm(self) -> float:
         sharded = [g for g in self.trainable if g.grad_is_shard]
@@ -194,8 +214,19 @@ class StepPipeline:
         module-bound once their update is in, and never for a skipped step.
         """
         self._last_clean = coefficient is not None and (self._early_exact or coefficient == self._speculative)
-        eager = [g for g in self._order if g.module is None]
-        lazy = [g for g in self._order if g.module is not None]
+        for group in self._order:
+            if group.index in self._unused:  # as torch skips a parameter whose grad is None
+                early = self._early.pop(group.index, None)
+                job = self.worker.submit(self._after_early, early[0], group, self._step_options(early[1]), None) if early else None
+                if job is not None:
+                    self._updates[group.index] = job
+                elif self.tier.steps_on_host(group):
+                    self._updates[group.index] = self.worker.submit(self._host_skip, group)
+                else:
+                    self.tier.end_window(group)
+        order = [g for g in self._order if g.index not in self._unused]
+        eager = [g for g in order if g.module is None]
+        lazy = [g for g in order if g.module is not None]
         host = [g for g in (*eager, *lazy) if self.tier.steps_on_host(g)]
         for group in host:  # the tier starts bringing state in, in this order, as far as it has room
             if group.index not in self._early:
