@@ -114,6 +114,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [
         "--seconds", str(args.seconds),
         "--partitioner", args.partitioner,
+        "--offload-optimizer", args.offload_optimizer,
+        "--offload-params", args.offload_params,
         "--seed", str(args.seed),
         "--lr", str(args.lr),
         "--micro-batch", str(args.micro_batch),
