@@ -75,6 +75,11 @@ class CpuTierOptions:
     # Page-locked compute-dtype buffers the host step rounds updated parameters into before their
     # upload, shared by all groups (each as large as the largest group).
     staging_buffers: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    # Dtype gradients cross to the host in: "fp32" (as reduced), or "bf16" (half the bytes over the
+    # link and in host memory, and a shorter host step; the gradient is rounded to bf16 before the
+    # optimizer reads it, as DeepSpeed's offload does; the norm is still taken in fp32). With
+    # gradient accumulation the landing buffer stays fp32 and the host adds in fp32.
+    grad_dtype: str = attrs.field(default="fp32", validator=attrs.validators.in_(("fp32", "bf16")))
     # Fraction of trainable elements whose optimizer stays on the GPU ([Note: GPU share]), or "auto".
     gpu_share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _check_share(v))
 
@@ -117,6 +122,11 @@ class CpuTier(OptimizerTier):
         self._pending: deque = deque()  # CPU-only landings not completed yet
         self._state: dict[int, tuple] = {}  # declared optimizer state per group (for the GPU share)
         self._device_tier = DeviceOptimizerTier(context)
+        bf16 = self.options.grad_dtype == "bf16" and self.cuda
+        self._landing_dtype = (
+            torch.bfloat16 if bf16 and context.config.gradient_accumulation_steps == 1 else torch.float32
+        )
+        self._transfer_dtype = torch.bfloat16 if bf16 else torch.float32
         self.gpu_share_numel = 0
         self._planned_numel = 0
         self._staging = _StagingPool(self.options.staging_buffers, self.compute_dtype, self.options.pin_memory)
@@ -129,7 +139,8 @@ class CpuTier(OptimizerTier):
     def demand(self, numel, state, compute_dtype):
         self._planned_numel = numel
         share = self._adopt_time_share()
-        host = int(numel * (1 - share)) * 4 * 2 + int(sum(s.nbytes for s in state) * (1 - share))
+        landing = torch.empty((), dtype=self._landing_dtype).element_size()
+        host = int(numel * (1 - share)) * (4 + landing) + int(sum(s.nbytes for s in state) * (1 - share))
         device = int(numel * share) * 16
         return {Resource.HOST: host, Resource.DEVICE: device} if device else {Resource.HOST: host}
 
@@ -161,7 +172,7 @@ class CpuTier(OptimizerTier):
         if pooled:
             group.copy_out = None  # lent from the staging pool for each step (`acquire`)
             self._staging.expect(numel)
-        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), pooled=pooled)
+        self._slots[group.index] = _Slot(landing=host_empty(numel, self._landing_dtype, pin=self._pin()), pooled=pooled)
         self._state[group.index] = tuple(state)
 
     def _on_device(self, group) -> bool:
@@ -232,12 +243,12 @@ class CpuTier(OptimizerTier):
         one through pinned staging and a host-side add (worker thread)."""
         d2h = self.streams.d2h
         if first:
-            slot.landing.copy_(tensor, non_blocking=True)
             slot.sq_norm = tensor.pow(2).sum() if final else None
+            slot.landing.copy_(tensor.to(slot.landing.dtype), non_blocking=True)
             slot.landed_event = record_event(d2h)
             return
-        staging = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-        staging.copy_(tensor, non_blocking=True)
+        staging = torch.empty(tensor.numel(), dtype=self._transfer_dtype, pin_memory=True)
+        staging.copy_(tensor.to(self._transfer_dtype), non_blocking=True)
         slot.landed_event = None
         copied = record_event(d2h)
         slot.accumulation = self.worker.submit(_accumulate, slot.landing, staging, copied, final)
