@@ -10,7 +10,7 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel import lifecycle
+from zkernel import lifecycle, native
 from zkernel.config import Config, ConfigError, load_config
 from zkernel.distributed import init_distributed, local_world_size
 from zkernel.engine import Engine, EngineParts
@@ -155,6 +155,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     dist_info = init_distributed(timeout_s=cfg.collective_timeout)
     if dist_info.created_group:
         lifecycle.own_process_group()
+    native.share_cores(local_world_size(dist_info))
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     compute_dtype = COMPUTE_DTYPES[cfg.precision]

@@ -224,19 +224,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 # -- zkernel estimate -------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
 def parse_size(text: str) -> int:
-    """Bytes from ``"80GiB"``, ``"1.5TB"``, ``"512e6"``."""
-    import re
+    """Bytes from ``"80GiB"``, ``"1.5TB"``, ``"512e6"`` (an argparse type)."""
+    from zkernel.sizes import parse_size as parse
 
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match[2].lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; valid: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(float(match[1]) * _UNITS[unit])
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def format_size(nbytes: int | None) -> str:

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from zkernel.config import Config, ConfigError, build_options, choice, integer, load_config
+from zkernel.tiers import available_host_bytes
 
 CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
 PARTITIONERS = ("none", "zero1", "zero2", "zero3")
@@ -530,16 +531,6 @@ class Capacity:
     disk_bytes: int | None  # free at nvme_path, None when no path is known
 
 
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def detect_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
     """GPUs and the smallest one's total memory (torch.cuda), MemAvailable, free disk at ``nvme_path``."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -550,7 +541,7 @@ def detect_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
         while not path.exists() and path != path.parent:
             path = path.parent
         disk = shutil.disk_usage(path).free
-    return Capacity(gpus=gpus, gpu_bytes=gpu_bytes, ram_bytes=_mem_available(), disk_bytes=disk)
+    return Capacity(gpus=gpus, gpu_bytes=gpu_bytes, ram_bytes=available_host_bytes(), disk_bytes=disk)
 
 
 def shortfalls(per_rank: Mapping[str, int], capacity: Capacity, ranks_per_machine: int, device: str) -> list[str]:

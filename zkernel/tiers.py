@@ -38,6 +38,7 @@ import torch
 
 from zkernel.config import ConfigError
 from zkernel.groups import ParamGroup, ReducedGradient, StateSpec
+from zkernel.sizes import format_bytes, parse_size
 
 
 @attrs.frozen
@@ -268,13 +269,25 @@ class Capacity:
 
     @classmethod
     def measure(cls, device: torch.device, nvme_path: str | os.PathLike | None) -> Capacity:
-        free: dict[Resource, int | None] = {Resource.HOST: _available_host_bytes()}
+        free: dict[Resource, int | None] = {Resource.HOST: available_host_bytes()}
         free[Resource.DEVICE] = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         free[Resource.DISK] = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
         return cls(free)
 
 
-def _available_host_bytes() -> int | None:
+# Overrides the host memory zkernel plans with (a size: "480GiB"), for machines whose
+# MemAvailable understates what the process may use (memory that a VM balloons in on demand).
+HOST_MEMORY_ENV = "ZKERNEL_HOST_MEMORY"
+
+
+def available_host_bytes() -> int | None:
+    """Host memory free for this machine's ranks: ``ZKERNEL_HOST_MEMORY`` if set, else MemAvailable."""
+    override = os.environ.get(HOST_MEMORY_ENV)
+    if override:
+        try:
+            return parse_size(override)
+        except ValueError as error:
+            raise ConfigError(f"{HOST_MEMORY_ENV}: {error}") from None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -306,7 +319,7 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
             total = need * world_size_local
             usable = int(free * (1 - HOST_MARGIN)) if resource is Resource.HOST else free
         if total > usable:
-            short.append(f"{resource.value}: needs {_gib(total)} ({_gib(need)} per rank), {_gib(usable)} usable")
+            short.append(f"{resource.value}: needs {format_bytes(total)} ({format_bytes(need)} per rank), {format_bytes(usable)} usable")
     if short:
         raise ConfigError(
             "the selected offload tiers do not fit: "
@@ -315,6 +328,3 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
             "with an offload.nvme_path on a larger disk, or free memory"
         )
 
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
