@@ -137,3 +137,21 @@ def deferred_statements(count: int, diverge_at: int | None) -> str:
     done.wait(3.0)
     check.close()
     return said[0] if said else "no error"
+
+
+def deferred_statements_then_close(diverge_at: int) -> str:
+    """Ranks diverge at the last statement and the check is closed at once (before any poll)."""
+    from types import SimpleNamespace
+
+    from zkernel.distributed import init_distributed
+    from zkernel.divergence import PathCheck
+
+    init_distributed()
+    rank, _ = _rank_world()
+    groups = [SimpleNamespace(index=i, name=f"layers.{i}") for i in range(3)]
+    said: list[str] = []
+    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=60.0, deferred=True, on_divergence=said.append)
+    for n in range(diverge_at + 1):
+        check.before(groups[2 if (rank == 1 and n == diverge_at) else 0], "forward", micro_step=7)
+    check.close()
+    return said[0] if said else "no error"

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.branch_scenarios import deferred_statements, diverge, reference_branching, train_branching
+from tests.branch_scenarios import deferred_statements, deferred_statements_then_close, diverge, reference_branching, train_branching
 from tests.harness import run_ranks
 
 STEPS, LR = 6, 2e-2
@@ -68,3 +68,7 @@ def test_deferred_path_check_names_the_divergence_and_tolerates_agreement():
         assert "micro-step 123" in text, text
         assert "rank 0 was about to gather for forward 'layers.0'" in text, text
         assert "rank 1 was about to gather for forward 'layers.2'" in text, text
+
+    # Diverged into units of equal sizes and ended before the watchdog looked: close still says so.
+    for text in run_ranks(2, deferred_statements_then_close, 40, timeout=120):
+        assert "micro-step 7: rank 0 was about to gather for forward 'layers.0', rank 1 was about to gather for forward 'layers.2'" in text, text

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -83,6 +84,7 @@ class PathCheck:
         if self.deferred:
             self._ring = _StatementRing(self.world, device if dist.get_backend() == "nccl" else torch.device("cpu"))
             self._on_divergence = on_divergence or _end_process
+            self._reported = False
             self._stop = threading.Event()
             self._watchdog = threading.Thread(target=self._watch, args=(poll_s,), name="zkernel-paths", daemon=True)
             self._watchdog.start()
@@ -121,18 +123,29 @@ class PathCheck:
             confirmed = sorted(n for n in found if n in suspects)
             suspects = set(found)
             if confirmed:
-                number = confirmed[0]
-                rows, micro_step = found[number]
-                message = self._message(rows, micro_step)
-                log.error("zkernel.ranks.diverged", message=message)
-                self._on_divergence(message)
+                self._report(found[confirmed[0]])
                 return
 
+    def _report(self, found: tuple[list[list[int]], int]) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        message = self._message(*found)
+        log.error("zkernel.ranks.diverged", message=message)
+        self._on_divergence(message)
+
     def close(self) -> None:
-        if self.enabled and self.deferred:
-            self._stop.set()
-            if self._watchdog is not threading.current_thread():
-                self._watchdog.join(timeout=5)
+        """Stop the watchdog after a last look at the ring: ranks that diverged into units of equal
+        sizes get through their collectives, and a job that ends soon after must not end quietly."""
+        if not (self.enabled and self.deferred) or self._stop.is_set():
+            return
+        self._stop.set()
+        if self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=5)
+        if not self._reported and self._ring.settle(timeout_s=10.0):
+            found = self._ring.disagreements()
+            if found:
+                self._report(found[min(found)])
 
 
 _RING = 1024  # statements the watchdog can see
@@ -163,6 +176,19 @@ class _StatementRing:
         source = torch.tensor(statement, dtype=torch.int64)
         self.mine[slot].copy_(source.pin_memory() if self.cuda else source, non_blocking=True)
         _all_gather(self.gathered[slot].view(-1), self.mine[slot])
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait (bounded: a hung collective must not hang the exit) until what was issued so far ran."""
+        if not self.cuda:
+            return True
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def disagreements(self) -> dict[int, tuple[list[list[int]], int]]:
         """Statement number -> (every rank's statement, micro-step) where complete rows disagree."""

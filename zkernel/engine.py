@@ -136,6 +136,7 @@ class Engine:
             parts.optimizer_tier,
             parts.params_tier,
             parts.worker,
+            self.scheduler.paths,
         )
         lifecycle.register_cleanup(id(self), self._finalizer)
 
@@ -456,8 +457,9 @@ def _free(handles, optimizer_tier, params_tier, worker) -> None:
         params_tier.close()
 
 
-def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker) -> None:
+def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker, paths) -> None:
     """Finalizer of an engine dropped without close (or alive at exit): local clean-up only."""
     lifecycle.unregister_cleanup(key)
+    paths.close()
     lifecycle.abandon(module_refs)
     _free(handles, optimizer_tier, params_tier, worker)
