@@ -197,3 +197,26 @@ def test_nccl_ranks_that_diverge_stop_with_the_module_named(branch, module):
     assert "ranks took different module paths in micro-step 1" in proc.stderr, proc.stderr[-3000:]
     assert f"rank 1 was about to gather for forward '{module}'" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 50  # well inside the collective timeout: the watchdog ended it
+
+
+def _timeline_collectives(config):
+    import zkernel
+    from zkernel.timeline import SpanKind
+
+    torch.manual_seed(SEED)
+    engine = zkernel.initialize(TrickyNet(), {**config, "timeline": True})
+    for step in batches(SEED + 1, 3, 1, torch.distributed.get_world_size(), MICRO):
+        tokens, targets = step[0][torch.distributed.get_rank()]
+        engine.backward(engine(tokens, targets))
+        engine.step()
+    engine.close()
+    last = engine.timeline.summaries[-1]
+    return {"count": last.count.get(SpanKind.COLLECTIVE, 0), "busy": last.busy_s.get(SpanKind.COLLECTIVE, 0.0),
+            "bytes": last.nbytes.get(SpanKind.COLLECTIVE, 0)}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_timeline_shows_the_collectives():
+    """zero3's all-gathers and reduce-scatters appear in the step timeline with their bytes."""
+    for rank_result in run_ranks(2, _timeline_collectives, _config("zero3")):
+        assert rank_result["count"] > 0 and rank_result["busy"] > 0 and rank_result["bytes"] > 0, rank_result

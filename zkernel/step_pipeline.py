@@ -138,6 +138,9 @@ class StepPipeline:
         ``used``: some parameter of the group got a gradient in this window on this rank (a
         group that got none is not stepped, as torch skips parameters whose ``grad`` is None)."""
         self.wait_update(group)  # the previous step must be done with the landing buffer
+        if reduced.work is not None:
+            full = reduced.keepalive if reduced.keepalive is not None else reduced.tensor
+            self.timeline.collective(reduced.work, f"{group.name} reduce", nbytes=full.numel() * full.element_size())
         self.tier.land(group, reduced, final)
         if not final:
             return
