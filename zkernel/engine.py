@@ -65,6 +65,8 @@ class EngineParts:
     original_dtypes: tuple[tuple[str, torch.dtype], ...]
     # (name, shape, dtype) of every parameter and buffer at initialize (state dicts, checkpoints).
     original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    # The planner's decision when the config had "auto" values (`zkernel.planning.Plan`), else None.
+    placement_plan: Any = None
 
 
 class Engine:
@@ -86,6 +88,8 @@ class Engine:
         self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
         self._worker = parts.worker
         self.timeline = parts.timeline
+        # What the planner chose and why (`zkernel.planning.Plan`) when the config said "auto"; else None.
+        self.placement_plan = parts.placement_plan
         self.loss_scaler = (
             DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window)
             if config.precision == "fp16"

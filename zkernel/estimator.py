@@ -43,7 +43,7 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.config import Config, ConfigError, build_options, choice, integer, load_config
+from zkernel.config import Config, ConfigError, auto_keys, build_options, choice, integer, load_config
 from zkernel.tiers import available_host_bytes
 
 CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
@@ -439,16 +439,24 @@ def estimate(
     world_size: int = 1,
     *,
     device: str | None = None,
+    partitioner_options: Any = None,
 ) -> dict[str, dict[str, int]]:
     """Predicted bytes one rank holds, by category (memory_report's) and by where it lives.
 
     ``device`` names the compute device in the result (default ``"cuda"`` when
     CUDA is available, else ``"cpu"``, as `zkernel.initialize` would pick);
     tiers add ``"cpu"`` and ``"nvme"``. ``grads`` is the peak after backward.
+    ``partitioner_options``: the partitioner's validated options object, when
+    the caller has it (else they are built from the config, which loads the plugins).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     cfg = load_config(config)
+    if auto_keys(cfg):
+        raise ConfigError(
+            f"{', '.join(auto_keys(cfg))} = 'auto' is resolved by the planner at initialize: "
+            "zkernel.planning.plan(model, config, world_size) (or `zkernel estimate --plan`) shows its choice"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     report: dict[str, dict[str, int]] = {c: {} for c in CATEGORIES}
 
@@ -459,7 +467,7 @@ def estimate(
 
     # An optimizer stepping where the parameters live writes its update straight into them.
     params_home = place(Role.PARAM_SHARD) if cfg.partitioner == "zero3" else device
-    for group in group_buffers(as_module(model), cfg, world_size):
+    for group in group_buffers(as_module(model), cfg, world_size, partitioner_options):
         for buffer in group:
             category = _ROLES[buffer.role][0]
             where = place(buffer.role)
