@@ -173,10 +173,6 @@ class ActivationCheckpointingConfig:
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
 def _size(key: str):
     """Bytes from an integer or a string with a unit ("16GiB", "1.5TB"); None stays None."""
 
@@ -186,11 +182,12 @@ def _size(key: str):
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         if isinstance(value, str):
-            import re
+            from zkernel.sizes import parse_size
 
-            match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
-            if match and match[2].lower() in _SIZE_UNITS:
-                return int(float(match[1]) * _SIZE_UNITS[match[2].lower()])
+            try:
+                return parse_size(value)
+            except ValueError:
+                pass
         raise ConfigError(
             f"{key} must be a size in bytes: an integer >= 0 or a string such as \"16GiB\" "
             f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"

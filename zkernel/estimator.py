@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from zkernel.config import Config, ConfigError, auto_keys, build_options, choice, integer, load_config
-from zkernel.tiers import available_host_bytes
+from zkernel.machine import available_host_bytes
 
 CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
 PARTITIONERS = ("none", "zero1", "zero2", "zero3")

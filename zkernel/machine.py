@@ -30,7 +30,10 @@ from pathlib import Path
 import attrs
 import torch
 
+from zkernel import sizes
+from zkernel.config import ConfigError
 from zkernel.log import get_logger
+from zkernel.sizes import parse_size
 
 log = get_logger()
 
@@ -47,8 +50,20 @@ class LocalCapacity:
     disk_bytes: int | None
 
 
+# Overrides the host memory zkernel plans with (a size: "480GiB"), for machines whose
+# MemAvailable understates what the process may use (memory that a VM balloons in on demand).
+HOST_MEMORY_ENV = "ZKERNEL_HOST_MEMORY"
+
+
 def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, else free pages x page size from sysconf, else None."""
+    """``ZKERNEL_HOST_MEMORY`` if set; else MemAvailable from /proc/meminfo, else free pages x page
+    size from sysconf, else None."""
+    override = os.environ.get(HOST_MEMORY_ENV)
+    if override:
+        try:
+            return parse_size(override)
+        except ValueError as error:
+            raise ConfigError(f"{HOST_MEMORY_ENV}: {error}") from None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -83,12 +98,7 @@ def local_capacity(device: torch.device, nvme_path: str | os.PathLike | None) ->
 
 def format_bytes(nbytes: int | None) -> str:
     """``"1.50 GiB"``, ``"512.00 KiB"``, ``"12 B"``; ``"unknown"`` for None."""
-    if nbytes is None:
-        return "unknown"
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes} B"
+    return "unknown" if nbytes is None else sizes.format_bytes(nbytes)
 
 
 @attrs.frozen

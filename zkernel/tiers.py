@@ -38,7 +38,8 @@ import torch
 
 from zkernel.config import ConfigError
 from zkernel.groups import ParamGroup, ReducedGradient, StateSpec
-from zkernel.sizes import format_bytes, parse_size
+from zkernel.machine import available_host_bytes
+from zkernel.sizes import format_bytes
 
 
 @attrs.frozen
@@ -273,29 +274,6 @@ class Capacity:
         free[Resource.DEVICE] = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         free[Resource.DISK] = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
         return cls(free)
-
-
-# Overrides the host memory zkernel plans with (a size: "480GiB"), for machines whose
-# MemAvailable understates what the process may use (memory that a VM balloons in on demand).
-HOST_MEMORY_ENV = "ZKERNEL_HOST_MEMORY"
-
-
-def available_host_bytes() -> int | None:
-    """Host memory free for this machine's ranks: ``ZKERNEL_HOST_MEMORY`` if set, else MemAvailable."""
-    override = os.environ.get(HOST_MEMORY_ENV)
-    if override:
-        try:
-            return parse_size(override)
-        except ValueError as error:
-            raise ConfigError(f"{HOST_MEMORY_ENV}: {error}") from None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # Host memory the capacity check leaves to everything else (the process, the OS, other ranks'
