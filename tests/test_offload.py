@@ -31,7 +31,8 @@ def test_cpu_tier_single_process_matches_torch(stage, optimizer):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_tier_multi_rank_matches_torch(world):
-    configs = [offload_config(s, o) for s in STAGES for o in OPTIMIZERS]
+    # Both Adams on 2 ranks; on 3 (uneven shards) the native one, whose host path differs most.
+    configs = [offload_config(s, o) for s in STAGES for o in (OPTIMIZERS if world == 2 else ("cpu_adam",))]
     results = run_ranks(world, train_many, configs, STEPS, ACCUM, MICRO, SEED)
     expected = reference(world)
     for rank_results in results:
@@ -56,11 +57,13 @@ def test_params_on_host_single_process_matches_torch(optimizer_tier, optimizer):
 
 
 def test_params_on_host_multi_rank_matches_torch():
-    configs = [params_offload_config(t, o) for t, o in PARAM_COMBOS]
     for world in (2, 3):
+        # Every combination on 2 ranks; uneven shards on 3 with both roles on the host.
+        configs = [params_offload_config(t, o) for t, o in (PARAM_COMBOS if world == 2 else PARAM_COMBOS[1:2])]
         results = run_ranks(world, train_many, configs, STEPS, ACCUM, MICRO, SEED)
         for rank_results in results:
-            for (tier, opt), result in zip(PARAM_COMBOS, rank_results):
+            for cfg, result in zip(configs, rank_results):
+                tier, opt = cfg["offload"]["optimizer"], cfg["optimizer"]["name"]
                 assert_matches(result["losses"], reference(world), f"params cpu, {tier}/{opt}, world {world}")
 
 
