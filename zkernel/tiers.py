@@ -40,6 +40,19 @@ from zkernel.config import ConfigError
 from zkernel.groups import ParamGroup, ReducedGradient, StateSpec
 
 
+@attrs.frozen
+class StoredBytes:
+    """Bytes a tier holds outside memory (a swap file's region), for `zkernel_memory_tensors`.
+
+    `Engine.memory_report` counts ``nbytes`` under ``place`` (e.g. ``"nvme"``),
+    once per ``key`` as it counts a tensor once per storage.
+    """
+
+    place: str
+    key: Any
+    nbytes: int
+
+
 class Resource(enum.Enum):
     """What a tier's buffers consume, for the capacity check at `initialize`."""
 
@@ -151,8 +164,10 @@ class ParamsTier(abc.ABC):
     @abc.abstractmethod
     def adopt(self, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor | None:
         """Place ``group``'s initial compute-dtype shard (on the compute device); return the tensor
-        the group keeps as ``param_shard`` (its home, or None when the home is not a tensor).
-        Called by `initialize` before the optimizer tier adopts the group."""
+        the group keeps as ``param_shard`` (its home, or None when the home is not a tensor, such
+        as a swap file: the optimizer tier then allocates no update buffer of its own, and
+        `before_update` lends one per step). Called by `initialize` before the optimizer tier
+        adopts the group."""
 
     def prefetch_host(self, group: ParamGroup) -> None:
         """Start bringing the shard to host memory without waiting (a disk tier reads it)."""
@@ -171,8 +186,13 @@ class ParamsTier(abc.ABC):
         gather stream for a prefetch): free it unless it is the home itself."""
 
     def before_update(self, group: ParamGroup) -> None:
-        """Called in the stepping thread before the optimizer writes ``group.copy_out``: wait for
-        any transfer still reading the buffer it is about to overwrite."""
+        """Called in the stepping thread after `OptimizerTier.acquire` and before the optimizer writes
+        ``group.copy_out``: wait for any transfer still reading the buffer it is about to overwrite.
+
+        A tier whose home is not a tensor (``param_shard`` None, e.g. a file) may lend here the
+        buffer the optimizer writes the rounded update into, as ``group.copy_out`` (only where the
+        optimizer tier left it None, see `update_target`), and takes it back in `commit`, so the
+        update reaches the home without another pass over memory."""
 
     @abc.abstractmethod
     def commit(self, group: ParamGroup) -> Any:
@@ -257,4 +277,4 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

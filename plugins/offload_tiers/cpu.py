@@ -91,6 +91,8 @@ class _Slot:
     sq_norm: torch.Tensor | Future | None = None
     accumulation: Future | None = None  # host-side add of a later micro-batch
     on_device: bool = False  # moved to the GPU share: the inner device tier holds it
+    # This tier's own ``copy_out`` (a params tier may lend another for a step: not counted here).
+    staging: torch.Tensor | None = None
 
 
 class CpuTier(OptimizerTier):
@@ -135,7 +137,7 @@ class CpuTier(OptimizerTier):
         group.copy_out = update_target(
             group, torch.device("cpu"), self.compute_dtype, lambda n, dt: host_empty(n, dt, pin=self._pin())
         )
-        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()))
+        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), staging=group.copy_out)
         self._state[group.index] = tuple(state)
 
     def _on_device(self, group) -> bool:
@@ -292,7 +294,7 @@ class CpuTier(OptimizerTier):
         if slot.on_device:
             return self._device_tier.zkernel_memory_tensors(group)
         return {
-            "params": [group.copy_out] if group.copy_out is not None else [],
+            "params": [slot.staging] if slot.staging is not None else [],
             "grads": [slot.landing],
             "master_weights": [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],

@@ -1,0 +1,338 @@
+"""Tier ``nvme`` (optimizer state and ZeRO-3 parameter shards in swap files), against single-process torch,
+with its lifecycle (run directories, buffers, threads) and the faults a user hits (real files)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import zkernel
+from tests.harness import run_ranks
+from tests.models import TrickyNet, batches, reference_losses
+from tests.nvme_scenarios import RUN_GLOB, nvme_config, steps, write_failure
+from tests.scenarios import train, train_many
+from tests.test_partitioners import ACCUM, LR, MICRO, SEED, STEPS, WD, assert_matches, config, reference
+from zkernel.aio import ChecksumError, live_aligned_buffers
+from zkernel.config import ConfigError
+from zkernel.estimator import installed_tiers
+from zkernel.timeline import SpanKind
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_IO = {"aio_threads": 2}
+
+
+def optimizer_on_nvme(stage: str, optimizer: str, path, **options) -> dict:
+    cfg = config(stage)  # accumulation 2, clipping 0.5, several groups
+    cfg["optimizer"] = {**cfg["optimizer"], "name": optimizer}
+    cfg["offload"] = {"optimizer": "nvme", "nvme_path": str(path), "optimizer_options": {**SMALL_IO, **options}}
+    return cfg
+
+
+def params_on_nvme(optimizer_tier: str, optimizer: str, path, **options) -> dict:
+    cfg = config("zero3")
+    cfg["optimizer"] = {**cfg["optimizer"], "name": optimizer}
+    cfg["offload"] = {"optimizer": optimizer_tier, "params": "nvme", "nvme_path": str(path),
+                      "params_options": {**SMALL_IO, **options}}
+    if optimizer_tier == "nvme":
+        cfg["offload"]["optimizer_options"] = dict(SMALL_IO)
+    return cfg
+
+
+STAGES = ("zero1", "zero2", "zero3")
+OPTIMIZERS = ("cpu_adam", "adamw")
+PARAM_COMBOS = (("none", "adamw"), ("cpu", "cpu_adam"), ("nvme", "adamw"))
+
+
+def _runs(path: Path) -> list[Path]:
+    return sorted(path.glob(RUN_GLOB))
+
+
+# -- numerics -----------------------------------------------------------------------------------
+
+
+def test_plugins_list_nvme():
+    assert "nvme" in installed_tiers(zkernel.Config())
+    out = subprocess.run([sys.executable, "-m", "zkernel.cli", "plugins"], capture_output=True, text=True, cwd=ROOT)
+    assert any(line.split()[:2] == ["offload", "tier"] and "nvme" in line.split() for line in out.stdout.splitlines()), out.stdout
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizer_on_nvme_matches_torch(stage, tmp_path):
+    """zero1/2/3 x cpu_adam/adamw, accumulation and clipping; the second run streams through a pool
+    that holds exactly one group at a time (no overlap, every group waits for the previous write)."""
+    for optimizer in OPTIMIZERS:
+        result = train(optimizer_on_nvme(stage, optimizer, tmp_path), STEPS, ACCUM, MICRO, SEED)
+        assert_matches(result["losses"], reference(1), f"{stage} {optimizer} optimizer on nvme")
+        memory = result["memory"]
+        assert set(memory["master_weights"]) == {"nvme"} and set(memory["optimizer_state"]) == {"nvme"}
+    tight = optimizer_on_nvme(stage, "cpu_adam", tmp_path, buffer_bytes=4096 * 4, sub_group_size=1024)
+    assert_matches(train(tight, STEPS, ACCUM, MICRO, SEED)["losses"], reference(1), f"{stage} tight pool")
+
+
+@pytest.mark.parametrize(("optimizer_tier", "optimizer"), PARAM_COMBOS)
+def test_params_on_nvme_matches_torch(optimizer_tier, optimizer, tmp_path):
+    """zero3 with parameter shards on NVMe, beside each optimizer tier; then with a pool too small for
+    the read-ahead (blocks given back and read again)."""
+    result = train(params_on_nvme(optimizer_tier, optimizer, tmp_path), STEPS, ACCUM, MICRO, SEED)
+    assert_matches(result["losses"], reference(1), f"params nvme, optimizer {optimizer_tier}/{optimizer}")
+    assert set(result["memory"]["params"]) == {"nvme"}
+    tight = params_on_nvme(optimizer_tier, optimizer, tmp_path, buffer_bytes=4096 * 3, lookahead_host_bytes=1 << 20)
+    assert_matches(train(tight, STEPS, ACCUM, MICRO, SEED)["losses"], reference(1), f"params nvme tight, {optimizer_tier}")
+
+
+def test_early_steps_started_during_backward_match_torch(tmp_path):
+    """Without clipping each host step starts as soon as its group's last gradient landed: the tier
+    is told to read ahead from autograd's thread, in landing order."""
+    cfg = params_on_nvme("nvme", "cpu_adam", tmp_path)
+    cfg["gradient_clipping"] = 0.0
+    torch.manual_seed(SEED)
+    expected = reference_losses(TrickyNet(), batches(SEED + 1, STEPS, ACCUM, 1, MICRO), LR, WD, 0.0)
+    torch.manual_seed(SEED)
+    engine = zkernel.initialize(TrickyNet(), cfg)
+    from tests.scenarios import _train_steps
+
+    assert_matches(_train_steps(engine, STEPS, ACCUM, MICRO, SEED), expected, "early steps, both roles on nvme")
+    assert engine.pipeline.early_steps > 0
+    engine.close()
+
+
+def test_bf16_on_nvme_equals_the_cpu_tier_bit_for_bit(tmp_path):
+    """Same arithmetic, other storage: bf16 losses through NVMe equal those through host memory exactly
+    (the params tier lends the optimizer its update buffer for each step)."""
+    for stage in ("zero2", "zero3"):
+        host = optimizer_on_nvme(stage, "cpu_adam", tmp_path)
+        host["offload"] = {"optimizer": "cpu"}
+        disk = optimizer_on_nvme(stage, "cpu_adam", tmp_path)
+        if stage == "zero3":
+            host["offload"]["params"] = "cpu"
+            disk["offload"].update(params="nvme", params_options=dict(SMALL_IO))
+        for cfg in (host, disk):
+            cfg["precision"] = "bf16"
+        a, b = (train(c, STEPS, ACCUM, MICRO, SEED)["losses"] for c in (host, disk))
+        assert a == b, f"{stage}: {a} vs {b}"
+
+
+def test_nvme_on_two_ranks_matches_torch(tmp_path):
+    """Every partitioner with the optimizer on NVMe, and zero3 with parameters on NVMe beside each
+    optimizer tier, on two gloo ranks sharing one nvme_path."""
+    configs = [optimizer_on_nvme(s, o, tmp_path) for s in STAGES for o in OPTIMIZERS]
+    configs += [params_on_nvme(t, o, tmp_path) for t, o in PARAM_COMBOS]
+    results = run_ranks(2, train_many, configs, STEPS, ACCUM, MICRO, SEED)
+    for rank_results in results:
+        for cfg, result in zip(configs, rank_results):
+            label = f"{cfg['partitioner']} {cfg['optimizer']['name']} {cfg['offload']} world 2"
+            assert_matches(result["losses"], reference(2), label)
+    assert not _runs(tmp_path)
+
+
+def test_nvme_on_three_ranks_matches_torch(tmp_path):
+    configs = [optimizer_on_nvme("zero2", "cpu_adam", tmp_path), params_on_nvme("nvme", "cpu_adam", tmp_path)]
+    for rank_results in run_ranks(3, train_many, configs, STEPS, ACCUM, MICRO, SEED):
+        for cfg, result in zip(configs, rank_results):
+            assert_matches(result["losses"], reference(3), f"{cfg['partitioner']} {cfg['offload']} world 3")
+
+
+def test_timeline_records_disk_transfers_with_their_bytes(tmp_path):
+    cfg = nvme_config(tmp_path, params="nvme")
+    cfg["timeline"] = True
+    engine = zkernel.initialize(TrickyNet(), cfg)
+    steps(engine, 3)
+    engine.close()
+    summaries = engine.timeline.summaries
+    moved = {kind: sum(s.nbytes.get(kind, 0) for s in summaries) for kind in (SpanKind.NVME_READ, SpanKind.NVME_WRITE, SpanKind.PARAM_NVME_READ)}
+    assert all(n > 0 for n in moved.values()), moved
+    assert moved[SpanKind.NVME_READ] <= engine.optimizer_tier.bytes_read
+
+
+# -- lifecycle ---------------------------------------------------------------------------------
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate()}
+
+
+def test_close_removes_the_run_directory_buffers_and_threads(tmp_path):
+    warm = zkernel.initialize(TrickyNet(), nvme_config(tmp_path, name="cpu_adam"))  # process-wide pools start here
+    steps(warm, 1)
+    warm.close()
+    tasks, buffers, names = len(os.listdir("/proc/self/task")), live_aligned_buffers(), _threads()
+    engine = zkernel.initialize(TrickyNet(), nvme_config(tmp_path, params="nvme", name="cpu_adam", precision="bf16"))
+    steps(engine, 2)
+    [run] = _runs(tmp_path)
+    files = sorted(run.glob("*.swap"))
+    assert run.stat().st_mode & 0o777 == 0o700
+    assert files and {f.stat().st_mode & 0o777 for f in files} == {0o600}
+    assert {f.name.split("-")[0] for f in files} == {"optimizer", "params"}  # both roles, one directory
+    assert len(os.listdir("/proc/self/task")) > tasks and live_aligned_buffers()[0] > buffers[0]
+    assert {"zkernel-nvme-optimizer-io", "zkernel-nvme-params-io"} <= _threads()
+    engine.close()
+    assert not _runs(tmp_path)
+    assert live_aligned_buffers() == buffers
+    assert len(os.listdir("/proc/self/task")) == tasks and _threads() == names
+
+
+def _script(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "tests.nvme_scenarios", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def test_clean_exit_and_a_killed_run(tmp_path):
+    """A run that exits without close leaves nothing; a killed run's directory is removed by the next
+    start, while a live run's (another process on the same path) is left alone."""
+    done = _script("clean_exit", str(tmp_path))
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err[-2000:]
+    assert Path(out.strip()).name.startswith("zkernel-run-") and not _runs(tmp_path)
+
+    killed = _script("live_run", str(tmp_path), stdin=subprocess.PIPE)
+    live = _script("live_run", str(tmp_path), stdin=subprocess.PIPE)
+    try:
+        dead_dir = Path(killed.stdout.readline().strip())
+        live_dir = Path(live.stdout.readline().strip())
+        assert dead_dir.is_dir() and live_dir.is_dir(), killed.stderr.read()[-2000:]
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+        assert dead_dir.is_dir()  # nobody cleaned up after it
+        engine = zkernel.initialize(TrickyNet(), nvme_config(tmp_path))
+        assert not dead_dir.exists() and live_dir.is_dir()
+        assert set(_runs(tmp_path)) == {live_dir, engine.optimizer_tier.run_dir.path}
+        engine.close()
+    finally:
+        live.stdin.close()
+        live.wait(timeout=60)
+        for proc in (killed, live):
+            proc.kill() if proc.poll() is None else None
+            proc.stdout.close()
+            proc.stderr.close()
+    assert live.returncode == 0
+    assert not _runs(tmp_path)
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+def test_missing_nvme_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=r"offload.nvme_path '.*nope' does not exist"):
+        zkernel.initialize(TrickyNet(), nvme_config(missing))
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        zkernel.initialize(TrickyNet(), nvme_config(missing, optimizer="cpu", params="nvme"))
+
+
+def test_read_only_nvme_path_is_a_clear_error(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes to any directory: the read-only mount is tested in test_read_only_and_small_disks")
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match=r"offload.nvme_path .* is not writable"):
+            zkernel.initialize(TrickyNet(), nvme_config(tmp_path))
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_read_only_and_small_disks(tmp_path):
+    """In a private mount namespace: a read-only file system, and a 1 MiB tmpfs for a model whose
+    optimizer state needs 3 MiB: each a clear error at initialize, with the numbers."""
+    unshare = shutil.which("unshare")
+    readonly, small = tmp_path / "ro", tmp_path / "small"
+    readonly.mkdir()
+    small.mkdir()
+    script = (
+        f"mount -t tmpfs -o ro,size=1m tmpfs {readonly} && mount -t tmpfs -o size=1m tmpfs {small} && "
+        f"exec {sys.executable} -m tests.nvme_scenarios fenced_paths {readonly} {small}"
+    )
+    if unshare is None:
+        pytest.skip("no unshare(1) to mount file systems in a private namespace")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([unshare, "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    if "mount" in proc.stderr and proc.returncode != 0 and "read-only" not in proc.stdout:
+        pytest.skip(f"cannot mount tmpfs in a user namespace here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    assert "is not writable (Read-only file system)" in lines["read-only"], lines
+    assert "disk at offload.nvme_path: needs 3.01 MiB" in lines["small"] and "usable" in lines["small"], lines
+
+
+def test_capacity_shortfall_names_the_numbers(tmp_path, monkeypatch):
+    from zkernel import bootstrap
+    from zkernel.tiers import Capacity, Resource
+
+    monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: Capacity({Resource.DISK: 1000})))
+    with pytest.raises(ConfigError, match=r"disk at offload.nvme_path: needs \d+\.\d\d MiB \(\d+\.\d\d MiB per rank\), 0\.00 MiB usable"):
+        zkernel.initialize(TrickyNet(), nvme_config(tmp_path, params="nvme"))
+    assert not _runs(tmp_path)  # the run directory made before the check is gone again
+
+
+def test_option_errors_name_the_key(tmp_path):
+    cfg = nvme_config(tmp_path)
+    cfg["offload"]["optimizer_options"]["buffer_size"] = 1
+    with pytest.raises(ConfigError, match=r"unknown config key offload.optimizer_options.buffer_size; valid: .*buffer_bytes"):
+        zkernel.initialize(TrickyNet(), cfg)
+    cfg = nvme_config(tmp_path, buffer_bytes=4096)
+    cfg["partitioner_options"] = {"persistence_threshold": 10**6}  # one group bigger than the pool
+    with pytest.raises(ConfigError, match=r"buffer_bytes = 4096 cannot hold group '<persistent>'.* raise buffer_bytes to at least"):
+        zkernel.initialize(TrickyNet(), cfg)
+    assert not _runs(tmp_path)
+
+
+def _flip(path: Path, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0x01]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_altered_optimizer_swap_file_is_named_and_not_trained_on(tmp_path):
+    engine = zkernel.initialize(TrickyNet(), nvme_config(tmp_path, stage="zero2"))
+    steps(engine, 2)
+    engine.pipeline.wait_all()
+    engine.optimizer_tier.wait_writes()
+    files = sorted(engine.optimizer_tier.run_dir.path.glob("optimizer-*.swap"))
+    victim = files[-1]
+    _flip(victim, 4096 + 5)  # a byte of exp_avg (the master comes first, on its own 4 KiB)
+    with pytest.raises(ChecksumError) as info:
+        steps(engine, 1, start=2)
+    assert info.value.filename == str(victim) and str(victim) in str(info.value)
+    assert "CRC32C mismatch" in str(info.value)
+    engine.close()  # the master extents are intact: the model comes back
+    assert not _runs(tmp_path)
+
+
+def test_altered_parameter_swap_file_is_named_and_not_trained_on(tmp_path):
+    engine = zkernel.initialize(TrickyNet(), nvme_config(tmp_path, optimizer="cpu", params="nvme"))
+    steps(engine, 2)
+    engine.pipeline.wait_all()
+    engine.params_tier.wait_writes()
+    victim = sorted(engine.params_tier.run_dir.path.glob("params-*.swap"))[0]
+    _flip(victim, 3)
+    with pytest.raises(ChecksumError) as info:
+        steps(engine, 1, start=2)
+    assert info.value.filename == str(victim)
+    _flip(victim, 3)  # put it back: close() gathers every shard once more
+    engine.close()
+
+
+@pytest.mark.parametrize("role", ["optimizer", "params"])
+def test_a_disk_that_refuses_writes(role, tmp_path):
+    """RLIMIT_FSIZE in a process of its own: pre-allocation fails at initialize with the numbers; a
+    write-back that fails mid-training is an error naming the swap file, and closing the engine gives
+    back exactly the model of three clean steps (nothing lost or read back half-written)."""
+    out = run_ranks(1, write_failure, str(tmp_path), role)[0]
+    assert "cannot reserve" in out["preallocate_error"] and "File too large" in out["preallocate_error"]
+    assert out["left_after_failed_init"] == []
+    assert out["errno"] == 27 and "File too large" in out["error"]  # EFBIG
+    assert out["filename"].startswith(str(tmp_path)) and out["filename"].endswith(".swap")
+    assert any("kept in host memory" in note for note in out["notes"])
+    assert out["steps"] == 3 and out["same_as_clean_steps"]
+    assert out["left_after_close"] == []
