@@ -5,8 +5,13 @@
     python bench/zero_throughput.py --model 1.3b --modes plain,fsdp2_offload,zero3+cpu --clip 1.0 --timeline
 
 A zkernel mode is a partitioner, optionally ``+tier`` for ``offload.optimizer``
-(``zero3+cpu``, ``zero2+nvme``); offloaded modes use the ``cpu_adam``
-optimizer unless ``--zk-optimizer`` says otherwise. ``fsdp2_offload`` is FSDP2
+(``zero3+cpu``, ``zero2+nvme``) and ``/tier`` for ``offload.params`` (zero3:
+``zero3+nvme/nvme`` puts both on NVMe, ``zero3+cpu/nvme`` the optimizer on the
+CPU and the parameters on NVMe, ``zero3+none/cpu`` only the parameters on the
+CPU); modes whose optimizer is offloaded use the ``cpu_adam`` optimizer unless
+``--zk-optimizer`` says otherwise. ``--tier-options`` and
+``--params-tier-options`` are the two roles' options (JSON); NVMe modes keep
+their files under ``--nvme-path`` and report the disk bytes moved per step. ``fsdp2_offload`` is FSDP2
 with ``CPUOffloadPolicy(pin_memory=True)``. ``--clip`` applies global-norm
 clipping in every mode (torch's ``clip_grad_norm_`` for the anchors).
 
@@ -81,14 +86,15 @@ def _worker(args) -> None:
     else:
         import zkernel
 
-        partitioner, _, tier = mode.partition("+")
+        partitioner, _, tiers = mode.partition("+")
+        tier, _, params_tier = tiers.partition("/")
         if partitioner == "zero3":
             with torch.device("meta"):
                 model = GPT(**preset, seq=SEQ)
         else:
             with device:
                 model = GPT(**preset, seq=SEQ)
-        optimizer = args.zk_optimizer or ("cpu_adam" if tier else "adamw")
+        optimizer = args.zk_optimizer or ("cpu_adam" if tier in ("cpu", "nvme") else "adamw")
         config = {
             "partitioner": partitioner,
             "precision": "bf16",
@@ -96,9 +102,15 @@ def _worker(args) -> None:
             "timeline": args.timeline,
             "optimizer": {"name": optimizer, "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
         }
-        if tier:
-            config["offload"] = {"optimizer": tier, "optimizer_options": json.loads(args.tier_options or "{}")}
-            if tier == "nvme":
+        if tier or params_tier:
+            config["offload"] = {
+                "optimizer": tier or "none",
+                "optimizer_options": json.loads(args.tier_options or "{}") if tier not in ("", "none") else {},
+                "params": params_tier or "none",
+                "params_options": json.loads(args.params_tier_options or "{}") if params_tier not in ("", "none") else {},
+            }
+            if "nvme" in (tier, params_tier):
+                os.makedirs(args.nvme_path, exist_ok=True)
                 config["offload"]["nvme_path"] = args.nvme_path
         if args.options:
             config["partitioner_options"] = json.loads(args.options)
@@ -121,7 +133,10 @@ def _worker(args) -> None:
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator(device=device).manual_seed(1 + local)
     times = []
+    disk = _disk_counters(engine) if mode.startswith("zero") else None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup and disk is not None:
+            disk = _disk_counters(engine)
         idx = torch.randint(0, VOCAB, (args.micro_batch, SEQ), device=device, generator=g)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -142,7 +157,14 @@ def _worker(args) -> None:
         "loss": float(loss),
     }
     if mode.startswith("zero"):
-        result["host_gib"] = sum(engine.memory_report()[c].get("cpu", 0) for c in engine.memory_report()) / 2**30
+        report = engine.memory_report()
+        result["host_gib"] = sum(report[c].get("cpu", 0) for c in report) / 2**30
+        result["nvme_gib"] = sum(report[c].get("nvme", 0) for c in report) / 2**30
+        moved = [b - a for a, b in zip(disk, _disk_counters(engine))]
+        if any(moved):
+            result["disk_read_gb_per_step"] = moved[0] / args.steps / 1e9
+            result["disk_written_gb_per_step"] = moved[1] / args.steps / 1e9
+            result["disk_gbps_over_step"] = (moved[0] + moved[1]) / args.steps / step / 1e9
         summaries = engine.timeline.summaries
         if summaries:
             result["timeline"] = summaries[-1].log_fields()
@@ -154,13 +176,20 @@ def _worker(args) -> None:
         dist.destroy_process_group()
 
 
+def _disk_counters(engine) -> list[int]:
+    """Bytes the engine's NVMe tiers have read and written so far (both roles)."""
+    tiers = {id(t): t for t in (engine.optimizer_tier, engine.params_tier)}.values()
+    return [sum(getattr(t, name, 0) for t in tiers) for name in ("bytes_read", "bytes_written")]
+
+
 def _run_mode(args, mode: str) -> dict | None:
     cmd = [sys.executable]
     if args.nproc > 1 or mode.startswith("fsdp2"):
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29533"]
     cmd += [__file__, "--worker", "--mode", mode, "--model", args.model, "--micro-batch", str(args.micro_batch),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options,
-            "--clip", str(args.clip), "--tier-options", args.tier_options, "--nvme-path", args.nvme_path]
+            "--clip", str(args.clip), "--tier-options", args.tier_options,
+            "--params-tier-options", args.params_tier_options, "--nvme-path", args.nvme_path]
     if args.zk_optimizer:
         cmd += ["--zk-optimizer", args.zk_optimizer]
     if args.timeline:
@@ -191,6 +220,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0, help="global-norm gradient clipping in every mode (0 = off)")
     parser.add_argument("--zk-optimizer", default=None, help="zkernel optimizer (default: cpu_adam when offloaded, else adamw)")
     parser.add_argument("--tier-options", default="", help="offload.optimizer_options as JSON")
+    parser.add_argument("--params-tier-options", default="", help="offload.params_options as JSON")
     parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme", help="offload.nvme_path for +nvme modes")
     parser.add_argument("--timeline", action="store_true", help="zkernel modes: record the step timeline and print its last step")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -220,6 +250,9 @@ def main() -> None:
         vs_off = f"{r['tokens_per_s'] / offload['tokens_per_s']:.3f}" if offload else "-"
         print(f"{r['mode']:14} {r['tokens_per_s']:>10.0f} {r['tflops_per_gpu']:>12.1f} {r['peak_gib']:>9.1f} {r['step_s']:>7.3f} {ratio:>15} {mem:>13} {vs_plain:>9} {vs_off:>13}")
     for r in results:
+        if "disk_gbps_over_step" in r:
+            print(f"  {r['mode']} disk: {r['nvme_gib']:.1f} GiB on NVMe, per step {r['disk_read_gb_per_step']:.2f} GB read + "
+                  f"{r['disk_written_gb_per_step']:.2f} GB written = {r['disk_gbps_over_step']:.2f} GB/s over the whole step")
         if "timeline" in r:
             print(f"  {r['mode']} host {r['host_gib']:.1f} GiB, early steps {r['early_steps']}, rollbacks {r['rollbacks']}: {r['timeline']}")
 

@@ -113,6 +113,16 @@ def write_failure(nvme_path: str, role: str) -> dict:
     return out
 
 
+def write_failures(nvme_path: str) -> dict:
+    """`write_failure` for the optimizer role, then the params role, each in a directory of its own."""
+    out = {}
+    for role in ("optimizer", "params"):
+        path = Path(nvme_path) / role
+        path.mkdir()
+        out[role] = write_failure(str(path), role)
+    return out
+
+
 def _live_run(nvme_path: str) -> None:
     """Train one step, say where the run directory is, and wait to be killed."""
     engine = zkernel.initialize(TrickyNet(), nvme_config(nvme_path, params="nvme"))

@@ -17,7 +17,7 @@ import torch
 import zkernel
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches, reference_losses
-from tests.nvme_scenarios import RUN_GLOB, nvme_config, steps, write_failure
+from tests.nvme_scenarios import RUN_GLOB, nvme_config, steps, write_failures
 from tests.scenarios import train, train_many
 from tests.test_partitioners import ACCUM, LR, MICRO, SEED, STEPS, WD, assert_matches, config, reference
 from zkernel.aio import ChecksumError, live_aligned_buffers
@@ -66,26 +66,29 @@ def test_plugins_list_nvme():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_optimizer_on_nvme_matches_torch(stage, tmp_path):
-    """zero1/2/3 x cpu_adam/adamw, accumulation and clipping; the second run streams through a pool
-    that holds exactly one group at a time (no overlap, every group waits for the previous write)."""
+    """zero1/2/3 x cpu_adam/adamw, accumulation and clipping."""
     for optimizer in OPTIMIZERS:
         result = train(optimizer_on_nvme(stage, optimizer, tmp_path), STEPS, ACCUM, MICRO, SEED)
         assert_matches(result["losses"], reference(1), f"{stage} {optimizer} optimizer on nvme")
         memory = result["memory"]
         assert set(memory["master_weights"]) == {"nvme"} and set(memory["optimizer_state"]) == {"nvme"}
-    tight = optimizer_on_nvme(stage, "cpu_adam", tmp_path, buffer_bytes=4096 * 4, sub_group_size=1024)
-    assert_matches(train(tight, STEPS, ACCUM, MICRO, SEED)["losses"], reference(1), f"{stage} tight pool")
 
 
 @pytest.mark.parametrize(("optimizer_tier", "optimizer"), PARAM_COMBOS)
 def test_params_on_nvme_matches_torch(optimizer_tier, optimizer, tmp_path):
-    """zero3 with parameter shards on NVMe, beside each optimizer tier; then with a pool too small for
-    the read-ahead (blocks given back and read again)."""
+    """zero3 with parameter shards on NVMe, beside each optimizer tier."""
     result = train(params_on_nvme(optimizer_tier, optimizer, tmp_path), STEPS, ACCUM, MICRO, SEED)
     assert_matches(result["losses"], reference(1), f"params nvme, optimizer {optimizer_tier}/{optimizer}")
     assert set(result["memory"]["params"]) == {"nvme"}
-    tight = params_on_nvme(optimizer_tier, optimizer, tmp_path, buffer_bytes=4096 * 3, lookahead_host_bytes=1 << 20)
-    assert_matches(train(tight, STEPS, ACCUM, MICRO, SEED)["losses"], reference(1), f"params nvme tight, {optimizer_tier}")
+
+
+def test_tight_pools_match_torch(tmp_path):
+    """Both roles through pools far smaller than the model: the optimizer's holds one group at a time
+    (its reads wait for the previous group's writes), the parameters' cannot hold the read-ahead
+    (blocks are given back and read again), 1024-element extents (several requests per tensor)."""
+    cfg = params_on_nvme("nvme", "cpu_adam", tmp_path, buffer_bytes=4096 * 3, lookahead_host_bytes=1 << 20)
+    cfg["offload"]["optimizer_options"].update(buffer_bytes=4096 * 4, sub_group_size=1024)
+    assert_matches(train(cfg, STEPS, ACCUM, MICRO, SEED)["losses"], reference(1), "tight pools")
 
 
 def test_early_steps_started_during_backward_match_torch(tmp_path):
@@ -323,16 +326,15 @@ def test_altered_parameter_swap_file_is_named_and_not_trained_on(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("role", ["optimizer", "params"])
-def test_a_disk_that_refuses_writes(role, tmp_path):
-    """RLIMIT_FSIZE in a process of its own: pre-allocation fails at initialize with the numbers; a
-    write-back that fails mid-training is an error naming the swap file, and closing the engine gives
-    back exactly the model of three clean steps (nothing lost or read back half-written)."""
-    out = run_ranks(1, write_failure, str(tmp_path), role)[0]
-    assert "cannot reserve" in out["preallocate_error"] and "File too large" in out["preallocate_error"]
-    assert out["left_after_failed_init"] == []
-    assert out["errno"] == 27 and "File too large" in out["error"]  # EFBIG
-    assert out["filename"].startswith(str(tmp_path)) and out["filename"].endswith(".swap")
-    assert any("kept in host memory" in note for note in out["notes"])
-    assert out["steps"] == 3 and out["same_as_clean_steps"]
-    assert out["left_after_close"] == []
+def test_a_disk_that_refuses_writes(tmp_path):
+    """RLIMIT_FSIZE in a process of its own, for each role: pre-allocation fails at initialize with the
+    numbers; a write-back that fails mid-training is an error naming the swap file, and closing the
+    engine gives back exactly the model of the steps taken (nothing lost or read back half-written)."""
+    for role, out in run_ranks(1, write_failures, str(tmp_path))[0].items():
+        assert "cannot reserve" in out["preallocate_error"] and "File too large" in out["preallocate_error"], role
+        assert out["left_after_failed_init"] == [], role
+        assert out["errno"] == 27 and "File too large" in out["error"], role  # EFBIG
+        assert out["filename"].startswith(str(tmp_path)) and out["filename"].endswith(".swap"), role
+        assert any("kept in host memory" in note for note in out["notes"]), role
+        assert out["steps"] == 3 and out["same_as_clean_steps"], role
+        assert out["left_after_close"] == [], role

@@ -132,7 +132,6 @@ class _SwapSlot:
     zeros: list[Extent] = attrs.field(factory=list)  # extents to fill with zeros at `acquire`
     rescue: torch.Tensor | None = None  # the newest file image, when its last write failed
     fenced: bool = True  # see [Note: block reuse]
-    staging: torch.Tensor | None = None  # this tier's own ``copy_out`` (not one a params tier lends)
     discard: bool = False  # a read whose group will not step (a skipped step): free on arrival
 
     @property
@@ -187,12 +186,12 @@ class NvmeTier(CpuTier):
         slot = _SwapSlot(weakref.ref(group), group.name, file, segments)
         self._swap[group.index] = slot
         self._write_master(slot, master)
-        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()))
-        group.master = None
-        group.optim_state = {}
-        group.copy_out = slot.staging = update_target(
+        group.copy_out = update_target(  # (reads the initial ``group.master``)
             group, torch.device("cpu"), self.compute_dtype, lambda n, dt: host_empty(n, dt, pin=self._pin())
         )
+        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), staging=group.copy_out)
+        group.master = None  # in memory only while the group steps
+        group.optim_state = {}
 
     def _check_pool_fits(self, group, nbytes: int) -> None:
         limit = self.nvme_options.buffer_bytes
@@ -236,6 +235,7 @@ class NvmeTier(CpuTier):
     def prepare(self, group):
         self._raise_failures()  # [Note: write failures]: before any update of the next step
         with self._cv:
+            self._pool()  # pinned here, on a thread bound to the device, not on the I/O reaper
             self._enqueue(self._swap[group.index])
             self._pump()
 
@@ -466,7 +466,6 @@ class NvmeTier(CpuTier):
                 self._fence()
                 for slot in self._swap.values():
                     self._free_block(slot)
-                    slot.staging = None
                     group = slot.group()
                     if group is not None:
                         group.copy_out = None
@@ -488,7 +487,7 @@ class NvmeTier(CpuTier):
         path = str(slot.file.path)
         stored = {s.name: StoredBytes("nvme", (path, s.name), s.nbytes) for s in slot.segments}
         return {
-            "params": [slot.staging] if slot.staging is not None else [],
+            "params": [landing.staging] if landing.staging is not None else [],
             "grads": [landing.landing],
             "master_weights": [stored["master"]],
             "optimizer_state": [stored[s.name] for s in slot.segments[1:]],

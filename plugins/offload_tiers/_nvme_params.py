@@ -221,11 +221,13 @@ class NvmeParamsTier(ParamsTier):
         copies = [s.host for s in self._slots.values() if s.host is not None] + self._retired
         return any(c.uploads for c in copies)
 
-    def _collect_uploads(self) -> None:
-        """Forget finished uploads and free retired copies nobody uses any more (``_cv`` held)."""
-        for copy in [s.host for s in self._slots.values() if s.host is not None] + self._retired:
-            if copy.uploads:
-                copy.uploads = [e for e in copy.uploads if not e.query()]
+    def _collect_uploads(self, *, query: bool = True) -> None:
+        """Forget finished uploads and free retired copies nobody uses any more (``_cv`` held).
+        ``query=False`` on the reaper thread, which makes no CUDA calls (it has no device bound)."""
+        if query:
+            for copy in [s.host for s in self._slots.values() if s.host is not None] + self._retired:
+                if copy.uploads:
+                    copy.uploads = [e for e in copy.uploads if not e.query()]
         still = []
         for copy in self._retired:
             if copy.busy:
@@ -277,7 +279,7 @@ class NvmeParamsTier(ParamsTier):
                 copy.error = error
             copy.reading -= 1
             if copy.reading == 0 and not copy.current:
-                self._collect_uploads()
+                self._collect_uploads(query=False)
             self._cv.notify_all()
 
     def _raise_failures(self) -> None:
@@ -457,7 +459,7 @@ class NvmeParamsTier(ParamsTier):
             if slot.host is copy and not copy.in_use:
                 slot.host = None  # on disk now: read again when it is needed (the pool stays free)
                 self._retire(copy)
-            self._collect_uploads()
+            self._collect_uploads(query=False)
             self._cv.notify_all()
 
     # -- shutdown and accounting --------------------------------------------------------------------------
