@@ -145,24 +145,29 @@ def partitioned_construction(width: int, depth: int, steps: int) -> dict:
     }
 
 
-def fp16_overflow(inject_rank: int, inject_step: int, steps: int) -> dict:
-    """fp16 run where one rank's loss becomes inf at one step: every rank must skip it."""
+def fp16_overflow(inject_rank: int, inject_step: int, steps: int, extra: dict | None = None, where: str = "loss") -> dict:
+    """fp16 run where one rank's loss (or, ``where="embed"``, only the embedding's gradient, which
+    lands last) becomes inf at one step: every rank must skip it."""
     torch.manual_seed(0)
-    engine = zkernel.initialize(
-        TrickyNet(), {"partitioner": "zero2", "precision": "fp16", "optimizer": {"lr": 1e-3}, "initial_loss_scale": 1024.0}
-    )
+    config = {"partitioner": "zero2", "precision": "fp16", "optimizer": {"lr": 1e-3}, "initial_loss_scale": 1024.0}
+    engine = zkernel.initialize(TrickyNet(), {**config, **(extra or {})})
     world, rank = _world_rank()
     scales, checksums = [], []
+    poison = {"on": False}
+    engine.module.embed.weight.register_hook(lambda g: g * float("inf") if poison["on"] else g)
     for i, step in enumerate(batches(11, steps, 1, world, 2)):
         tokens, targets = step[0][rank]
         loss = engine(tokens, targets)
-        if i == inject_step and rank == inject_rank:
+        injected = i == inject_step and rank == inject_rank
+        poison["on"] = injected and where == "embed"
+        if injected and where == "loss":
             loss = loss * float("inf")
         engine.backward(loss)
         engine.step()
         scales.append(engine.loss_scaler.scale)
         checksums.append(float(sum(g.master.double().sum() for g in engine.trainable_groups)))
-    return {"scales": scales, "checksums": checksums, "skipped": engine.skipped_steps}
+    return {"scales": scales, "checksums": checksums, "skipped": engine.skipped_steps, "rollbacks": engine.pipeline.rollbacks,
+            "early_steps": engine.pipeline.early_steps, "aborted": engine.pipeline.aborted_speculations}
 
 
 def user_access(config: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
@@ -229,3 +234,19 @@ def memory_after_step(model_name: str, configs: list[dict]) -> list[dict]:
         out.append({"backward": backward, "step": engine.memory_report()})
         engine.close()
     return out
+
+
+def train_with_pipeline_stats(config: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
+    """`train`, plus how many host steps started during backward and how many were rolled back."""
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config)
+    losses = _train_steps(engine, steps, accum, micro, seed)
+    pipeline = engine.pipeline
+    pipeline.wait_all()  # the last step's host jobs may still run (ZeRO-3 publishes lazily)
+    return {
+        "losses": losses,
+        "early_steps": pipeline.early_steps,
+        "rollbacks": pipeline.rollbacks,
+        "aborted": pipeline.aborted_speculations,
+        "groups": len(engine.trainable_groups),
+    }

@@ -128,6 +128,8 @@ def test_cuda_gpu_share_matches_torch():
     for stage in OFFLOAD_STAGES:
         cfg = _offload_config(stage, "cpu_adam")
         cfg["offload"]["optimizer_options"] = {"gpu_share": 0.5}
+        if stage != "zero3":
+            cfg["partitioner_options"] = {"bucket_size": 300}  # several buckets, so half of them can move
         configs.append(cfg)
     results = train_many(configs, STEPS, ACCUM, MICRO, SEED)
     expected = _reference(1)
@@ -149,3 +151,22 @@ def test_cuda_params_on_host_match_torch(optimizer_tier):
         for i, (a, b) in enumerate(zip(result["losses"], _reference(1))):
             assert abs(a - b) <= 2e-5 * abs(b), f"params cpu, optimizer {optimizer_tier}, prefetch {prefetch}, step {i}: {a} vs {b}"
         assert "cpu" in result["memory"]["params"]
+
+
+def test_cuda_bf16_gradient_transfer_tracks_fp32():
+    """grad_dtype = "bf16": gradients cross to the host rounded to bf16 (half the bytes)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    configs = []
+    for accum in (1, ACCUM):
+        cfg = _offload_config("zero3", "cpu_adam")
+        cfg["offload"]["optimizer_options"] = {"grad_dtype": "bf16"}
+        cfg["gradient_accumulation_steps"] = accum
+        configs.append(cfg)
+    for accum, cfg in zip((1, ACCUM), configs):
+        result = train_many([cfg], STEPS, accum, MICRO, SEED)[0]
+        reference = _reference(1) if accum == ACCUM else None
+        assert result["losses"][-1] < result["losses"][0]
+        if reference is not None:
+            for a, b in zip(result["losses"], reference):
+                assert abs(a - b) <= 1e-2 * abs(b), (result["losses"], reference)
+        assert result["memory"]["grads"].get("cpu", 0) > 0

@@ -61,3 +61,70 @@ def test_params_on_host_multi_rank_matches_torch():
         for rank_results in results:
             for (tier, opt), result in zip(PARAM_COMBOS, rank_results):
                 assert_matches(result["losses"], reference(world), f"params cpu, {tier}/{opt}, world {world}")
+
+
+SPECULATION_CASES = {
+    # clipping never fires: from the second step every host step starts during backward and stands
+    "never_clips": ({"gradient_clipping": 1e6}, "auto"),
+    # clipping fires every step: speculative steps are skipped per group, or rolled back and redone
+    "always_clips": ({}, "always"),
+    # no clipping at all: the coefficient is known up front, every step starts during backward
+    "no_clipping": ({"gradient_clipping": 0.0}, "never"),
+}
+
+
+def _speculation_config(stage: str, optimizer: str, case: str) -> dict:
+    overrides, policy = SPECULATION_CASES[case]
+    cfg = offload_config(stage, optimizer, speculate=policy)
+    cfg.update(overrides)
+    return cfg
+
+
+def _reference_for(case: str, world: int) -> list[float]:
+    import torch
+
+    from tests.models import TrickyNet, batches, reference_losses
+    from tests.test_partitioners import CLIP, LR, WD
+
+    overrides, _ = SPECULATION_CASES[case]
+    torch.manual_seed(SEED)
+    clip = overrides.get("gradient_clipping", CLIP)
+    return reference_losses(TrickyNet(), batches(SEED + 1, STEPS, ACCUM, world, MICRO), LR, WD, clip)
+
+
+@pytest.mark.parametrize("case", SPECULATION_CASES)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_early_and_speculative_host_steps_match_torch(case, optimizer):
+    from tests.scenarios import train_with_pipeline_stats
+
+    result = train_with_pipeline_stats(_speculation_config("zero3", optimizer, case), STEPS, ACCUM, MICRO, SEED)
+    assert_matches(result["losses"], _reference_for(case, 1), f"{case} {optimizer}")
+    if case == "never_clips":
+        assert result["early_steps"] >= (STEPS - 1) * result["groups"] and result["rollbacks"] == 0
+    elif case == "no_clipping":
+        assert result["early_steps"] == STEPS * result["groups"]
+    else:
+        assert result["rollbacks"] + result["aborted"] > 0
+
+
+def test_speculative_steps_on_two_ranks_match_torch():
+    configs = [_speculation_config(s, "cpu_adam", c) for s in ("zero2", "zero3") for c in ("never_clips", "always_clips")]
+    results = run_ranks(2, train_many, configs, STEPS, ACCUM, MICRO, SEED)
+    for rank_results in results:
+        for cfg, result in zip(configs, rank_results):
+            case = "never_clips" if cfg["gradient_clipping"] == 1e6 else "always_clips"
+            assert_matches(result["losses"], _reference_for(case, 2), f"{cfg['partitioner']} {case} world 2")
+
+
+def test_fp16_overflow_on_one_rank_rolls_back_speculative_steps_everywhere():
+    from tests.scenarios import fp16_overflow
+
+    extra = {"optimizer": {"name": "cpu_adam", "lr": 1e-3}, "partitioner_options": {"bucket_size": 300},
+             "offload": {"optimizer": "cpu", "optimizer_options": {"speculate": "always"}}}
+    results = run_ranks(2, fp16_overflow, 1, 2, 4, extra, "embed")
+    for r in results:
+        assert r["skipped"] == 1 and r["scales"] == [1024.0, 1024.0, 512.0, 512.0]
+        # Rank 0's groups stepped during backward before the overflow on rank 1 was known: rolled back.
+        assert r["checksums"][2] == pytest.approx(r["checksums"][1], rel=1e-6, abs=1e-6)
+        assert r["checksums"][3] != r["checksums"][2]
+    assert results[0]["rollbacks"] > 0

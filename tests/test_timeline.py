@@ -235,6 +235,7 @@ def test_spans_from_many_threads_are_all_counted():
     while any(w.is_alive() for w in workers):
         tl.end_step(steps)  # racing the workers' appends
         steps += 1
+        time.sleep(0.01)  # a busy loop would close more steps than the timeline keeps summaries of
     for w in workers:
         w.join()
     tl.end_step(steps)

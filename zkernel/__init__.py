@@ -1,7 +1,7 @@
 """zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
 
 Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`,
-`from_deepspeed_config`, `estimate`.
+`from_deepspeed_config`, `estimate`, `CheckpointError`, `RankDivergenceError`.
 Nothing is loaded at import time; `initialize` builds the plugin managers.
 """
 
@@ -11,6 +11,8 @@ from zkernel.hookspecs import hookimpl, hookspec
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "RankDivergenceError",
     "Config",
     "ConfigError",
     "Engine",
@@ -37,6 +39,14 @@ def __getattr__(name):
         from zkernel.estimator import estimate
 
         return estimate
+    if name == "RankDivergenceError":
+        from zkernel.divergence import RankDivergenceError
+
+        return RankDivergenceError
+    if name == "CheckpointError":
+        from zkernel.checkpoint.format import CheckpointError
+
+        return CheckpointError
     if name == "Engine":
         from zkernel.engine import Engine
 

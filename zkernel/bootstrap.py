@@ -21,6 +21,7 @@ from zkernel.runtime import RuntimeContext
 from zkernel.streams import Streams
 from zkernel.timeline import Timeline
 from zkernel.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
+from zkernel.transforms import apply_transforms, register_transforms
 
 log = get_logger()
 
@@ -151,7 +152,7 @@ def initialize(
 
 
 def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
-    dist_info = init_distributed()
+    dist_info = init_distributed(timeout_s=cfg.collective_timeout)
     if dist_info.created_group:
         lifecycle.own_process_group()
     if cfg.seed is not None:
@@ -206,9 +207,14 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     runtime.register(optimizer_tier, name=f"tier:{cfg.offload.optimizer}:optimizer")
     if params_tier is not optimizer_tier:
         runtime.register(params_tier, name=f"tier:{cfg.offload.params}:params")
+    register_transforms(runtime, selection, base)
     runtime.check_pending()
 
+    apply_transforms(runtime, model, selection, base)  # tiling, activation checkpointing
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
+    original_tensors = tuple(
+        (n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())
+    )
     produced = runtime.hook.zkernel_partition_params(
         module=model, context=attrs.evolve(partition_context, options=selection["partitioner"].options)
     )
@@ -243,6 +249,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         can_rollback=placer.can_rollback and bool(groups),
         speculate=getattr(optimizer_tier, "speculate", "never"),
         original_dtypes=original_dtypes,
+        original_tensors=original_tensors,
     )
     return Engine(model, cfg, dist_info, parts)
 
@@ -253,8 +260,13 @@ def _bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def consolidate(directory) -> dict[str, torch.Tensor]:
-    """Rebuild a full fp32 state dict from a checkpoint directory (no process group needed)."""
-    raise NotImplementedError(
-        "zkernel.consolidate is not implemented yet (checkpointing lands with its own issue)"
-    )
+def consolidate(directory, tag: str | None = None, *, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Rebuild the full fp32 state dict of a checkpoint directory (no process group needed).
+
+    One tensor at a time, reading only the bytes each needs; the result loads
+    with ``load_state_dict(strict=True)`` into the plain model. See
+    `zkernel.checkpoint.consolidate`.
+    """
+    from zkernel.checkpoint import consolidate as run
+
+    return run(directory, tag, progress=progress)

@@ -1,4 +1,4 @@
-"""The ``zkernel`` command: ``plugins``, ``demo``, ``config``, ``estimate``.
+"""The ``zkernel`` command: ``plugins``, ``demo``, ``config``, ``estimate``, ``consolidate``.
 
 The CLI is a front-end, so unlike the library it prints to stdout and
 configures logging (`configure_logging`): zkernel's events as console text for
@@ -114,6 +114,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [
         "--seconds", str(args.seconds),
         "--partitioner", args.partitioner,
+        "--offload-optimizer", args.offload_optimizer,
+        "--offload-params", args.offload_params,
         "--seed", str(args.seed),
         "--lr", str(args.lr),
         "--micro-batch", str(args.micro_batch),
@@ -359,6 +361,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- zkernel consolidate ------------------------------------------------------------
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from zkernel.checkpoint import CheckpointError, consolidate_to_file
+
+    try:
+        path = consolidate_to_file(args.directory, args.out, args.tag, progress=True)
+    except (CheckpointError, OSError) as exc:
+        print(f"zkernel consolidate: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
 # -- entry point ------------------------------------------------------------------
 
 
@@ -425,6 +442,14 @@ def build_parser() -> argparse.ArgumentParser:
     machine.add_argument("--nvme-path", default=None, help="where an nvme tier would write (overrides the config's offload.nvme_path)")
     _add_logging_options(est, default=argparse.SUPPRESS)
     est.set_defaults(func=cmd_estimate)
+    consolidate = sub.add_parser(
+        "consolidate", help="write a checkpoint's full fp32 state dict to a safetensors file (no GPUs needed)"
+    )
+    consolidate.add_argument("directory", help="the checkpoint directory engine.save_checkpoint wrote")
+    consolidate.add_argument("out", help="the .safetensors file to write")
+    consolidate.add_argument("--tag", default=None, help="which checkpoint (default: the one 'latest' names)")
+    _add_logging_options(consolidate, default=argparse.SUPPRESS)
+    consolidate.set_defaults(func=cmd_consolidate)
     return parser
 
 

@@ -19,6 +19,7 @@ import attrs
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOG_FORMATS = ("console", "json")
+ACTIVATION_OFFLOADS = ("none", "cpu")
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,14 @@ def _non_negative_number(key: str):
             raise ConfigError(f"{key} must be a number >= 0, got {value!r}")
         if math.isinf(value):
             raise ConfigError(f"{key} must be finite, got {value!r}")
+
+    return check
+
+
+def _non_negative_int(key: str):
+    def check(_inst, _attr, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{key} must be an integer >= 0, got {value!r}")
 
     return check
 
@@ -129,6 +138,39 @@ class OffloadConfig:
 
 
 @attrs.frozen(kw_only=True)
+class TilingConfig:
+    """``[tiling]``: which ``nn.Linear`` layers are split into tiles, and by which component.
+
+    Keys other than these go to ``options`` (the selected component's own).
+    """
+
+    name: str = attrs.field(default="linear", validator=_name("tiling.name"))
+    # fnmatch patterns of module names (``"blocks.*.fc"``) of the layers to tile.
+    modules: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple("tiling.modules"))
+    # Also tile every layer whose weight has at least this many elements; 0 = off.
+    min_numel: int = attrs.field(default=0, validator=_non_negative_int("tiling.min_numel"))
+    tiles: int = attrs.field(default=4, validator=_positive_int("tiling.tiles"))
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
+
+
+@attrs.frozen(kw_only=True)
+class ActivationCheckpointingConfig:
+    """``[activation_checkpointing]``: which modules recompute their activations in backward.
+
+    Keys other than these go to ``options`` (the selected component's own).
+    """
+
+    name: str = attrs.field(default="recompute", validator=_name("activation_checkpointing.name"))
+    # Class names (``"Block"``) or fnmatch patterns of module names (``"blocks.*"``).
+    modules: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple("activation_checkpointing.modules"))
+    # Where the saved inputs of each checkpointed module wait for backward.
+    offload: str = attrs.field(
+        default="none", validator=_one_of("activation_checkpointing.offload", ACTIVATION_OFFLOADS)
+    )
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
+
+
+@attrs.frozen(kw_only=True)
 class Config:
     """The whole configuration of one engine. See README's config reference."""
 
@@ -142,6 +184,8 @@ class Config:
     )
     optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
     offload: OffloadConfig = attrs.field(factory=OffloadConfig)
+    tiling: TilingConfig = attrs.field(factory=TilingConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = attrs.field(factory=ActivationCheckpointingConfig)
     # Options of the selected partitioner (its own attrs class validates them).
     partitioner_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
     # Bytes of parameters the prefetcher keeps in flight ahead of the running module (ZeRO-3).
@@ -159,6 +203,8 @@ class Config:
     trace_hooks: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     log_format: str = attrs.field(default="console", validator=_one_of("log_format", LOG_FORMATS))
     seed: int | None = None
+    # Seconds a collective may take before the process group gives up (when zkernel creates it).
+    collective_timeout: float = attrs.field(default=600.0, validator=_non_negative_number("collective_timeout"))
     # Per-step timeline of compute and transfers, logged as `zkernel.step.timeline` (INFO).
     timeline: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     # Chrome-trace JSON of the timeline (Perfetto opens it); "{rank}" is replaced by the rank.
@@ -179,7 +225,12 @@ class Config:
             )
 
 
-_SECTIONS = {"optimizer": OptimizerConfig, "offload": OffloadConfig}
+_SECTIONS = {
+    "optimizer": OptimizerConfig,
+    "offload": OffloadConfig,
+    "tiling": TilingConfig,
+    "activation_checkpointing": ActivationCheckpointingConfig,
+}
 
 
 def config_value(config: Config, dotted: str) -> Any:

@@ -63,6 +63,8 @@ class EngineParts:
     speculate: str
     # (parameter name, dtype at initialize), to give the parameters back at close.
     original_dtypes: tuple[tuple[str, torch.dtype], ...]
+    # (name, shape, dtype) of every parameter and buffer at initialize (state dicts, checkpoints).
+    original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
 
 
 class Engine:
@@ -80,6 +82,8 @@ class Engine:
         self.optimizer_tier = parts.optimizer_tier
         self.params_tier = parts.params_tier
         self._original_dtypes = parts.original_dtypes
+        # name -> (shape, dtype) of each parameter and buffer as the plain model had it.
+        self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
         self._worker = parts.worker
         self.timeline = parts.timeline
         self.loss_scaler = (
@@ -101,6 +105,7 @@ class Engine:
             hyper=StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
             publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
             speculate=parts.speculate,
+            max_norm=config.gradient_clipping,
         )
         self.scheduler = Scheduler(
             hook,
@@ -169,13 +174,14 @@ class Engine:
         """
         self._check_open()
         args, kwargs = tree_map(self._prepare_input, (args, kwargs))
-        self.scheduler.begin_forward(self.is_accumulation_boundary)
+        self.scheduler.begin_forward(self.is_accumulation_boundary, self.micro_steps)
         self._enter_guard()
         try:
             with torch.profiler.record_function("zkernel::forward"), self._compute_span("forward"):
                 out = self._module(*args, **kwargs)
         except BaseException:
             self._exit_guard()
+            self.scheduler.abandon_forward()
             raise
         if not torch.is_grad_enabled():
             self._exit_guard()
@@ -249,6 +255,7 @@ class Engine:
             self.pipeline.step(coefficient)
         if self.loss_scaler is not None:
             self.loss_scaler.update(coefficient is None)
+        self.scheduler.window_used.clear()
         self.timeline.end_step(self.global_steps)
         self.global_steps += 1
 
@@ -306,13 +313,14 @@ class Engine:
                 param = self._module.get_parameter(name)
                 if param.dtype != dtype:
                     param.data = param.data.to(dtype)
+        self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
         self._closed = True
         self.timeline.close()
+        self.scheduler.paths.close()
         self._finalizer.detach()
         lifecycle.unregister_cleanup(id(self))
         _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
         lifecycle.release(self._module)
-        lifecycle.destroy_owned_process_group()
         log.debug("zkernel.engine.closed", rank=self.dist.rank)
         if failed is not None:
             raise failed
@@ -321,15 +329,70 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
-    def save_checkpoint(self, directory) -> None:
-        raise NotImplementedError(
-            "engine.save_checkpoint is not implemented yet (checkpointing lands with its own issue)"
-        )
+    def save_checkpoint(self, directory, tag: str | None = None):
+        """Write a checkpoint to ``directory/tag`` (default tag ``step<global steps>``); collective.
 
-    def load_checkpoint(self, directory) -> None:
-        raise NotImplementedError(
-            "engine.load_checkpoint is not implemented yet (checkpointing lands with its own issue)"
-        )
+        Call on every rank after `step` ended an accumulation window. Each rank
+        writes its own shards (masters, optimizer state, frozen values) from
+        wherever its tiers keep them; rank 0 commits with ``manifest.json`` and
+        points ``directory/latest`` at it. A save that fails or is killed leaves
+        the previous checkpoint loadable. Returns the checkpoint's path. See
+        `zkernel.checkpoint`.
+        """
+        from zkernel.checkpoint.save import save
+
+        return save(self, directory, tag)
+
+    def load_checkpoint(self, directory, tag: str | None = None) -> str:
+        """Restore parameters, optimizer state, counters, loss scale and RNG states; collective.
+
+        ``tag`` defaults to the one ``directory/latest`` names. The checkpoint
+        may come from another world size, partitioner or offload setting. Returns
+        the tag loaded.
+        """
+        from zkernel.checkpoint.load import load
+
+        return load(self, directory, tag)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full model state dict, as the plain model's ``state_dict()`` would give it; collective.
+
+        CPU tensors with the plain model's keys (tied parameters under each name),
+        shapes and dtypes (trainable parameters from their fp32 masters), buffers
+        included, on every rank. Under zero3 ``engine.module.state_dict()``
+        cannot gather released parameters and raises; use this instead.
+        """
+        from zkernel.checkpoint.state_dict import full_state_dict
+
+        return full_state_dict(self)
+
+    def training_state(self) -> dict[str, Any]:
+        """Counters and scales a checkpoint keeps so training continues as if uninterrupted (JSON values)."""
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "last_grad_norm": self.last_grad_norm,
+            "lr": self.lr,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Take back what `training_state` gave (a loss scale is restored only when both runs use fp16)."""
+        self.micro_steps = int(state["micro_steps"])
+        self.global_steps = int(state["global_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.last_grad_norm = state["last_grad_norm"]
+        self.lr = float(state["lr"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def refresh_param_shard(self, group: ParamGroup) -> None:
+        """After a load replaced ``group``'s master: its parameter shard takes the rounded values."""
+        if group.param_shard is None and self.params_tier.on_compute_device:
+            return  # gathers cast the master
+        values = self.optimizer_tier.read_master(group)
+        self.params_tier.write_shard(group, values.to(group.param_shard.dtype if group.param_shard is not None else self.compute_dtype))
 
     # -- internals --------------------------------------------------------------
 

@@ -128,3 +128,31 @@ class StepOptions:
     weight_decay: float
     # Multiply the gradient by this before use (loss-scale inverse times clip coefficient).
     grad_scale: float = 1.0
+
+
+@attrs.frozen
+class Fragment:
+    """A run of one parameter's elements that a rank's flat shard of a group holds.
+
+    The checkpoint keys data by parameter and element offset, never by group:
+    elements ``[start, start + numel)`` of ``group.params[param]`` (flattened,
+    row-major) sit at ``[offset, offset + numel)`` of this rank's shard tensors
+    (the fp32 master, each per-element optimizer state, the parameter shard).
+    """
+
+    param: int  # index into ``group.params``
+    start: int  # first element within the flattened parameter
+    numel: int
+    offset: int  # first element within this rank's shard
+
+
+@attrs.frozen
+class ShardLayout:
+    """What this rank's shard of a group holds (`zkernel_describe_shard`)."""
+
+    # Elements of the shard tensors (padding included), e.g. ``group.master.numel()``.
+    numel: int
+    # Every parameter element the shard holds, once; padding is in none of them.
+    fragments: tuple[Fragment, ...]
+    # Every rank holds the same shard (plain data parallel): only rank 0 writes it.
+    replicated: bool = False

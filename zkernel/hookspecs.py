@@ -6,7 +6,8 @@ Two plugin managers use these specs (see `zkernel.plugin_manager`):
   ``zkernel``, plugins passed in code, dotted paths from config). Only the
   registration hooks are called on it.
 * the *runtime* manager of one engine holds only the component objects the
-  config selected (one partitioner, one optimizer, one tier per role). The
+  config selected (one partitioner, one optimizer, one tier per role, one
+  component per model-transform family: tiling, activation checkpointing). The
   lifecycle hooks are called on it, so an installed but unselected component
   never sees a ``fetch``.
 
@@ -17,7 +18,7 @@ stays inside the plugin, batched.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from zkernel.groups import OptimizerDeclaration, ParamGroup, Phase, ReducedGradient, StepOptions
+    from zkernel.groups import OptimizerDeclaration, ParamGroup, Phase, ReducedGradient, ShardLayout, StepOptions
     from zkernel.registry import ComponentRegistry
     from zkernel.runtime import RuntimeContext
 
@@ -81,6 +82,99 @@ def zkernel_register_optimizers(registry: ComponentRegistry) -> None:
     Called like `zkernel_register_partitioners`; the factory is called as
     ``factory(context)`` (``context.config.optimizer`` holds lr, betas, eps,
     weight decay and the component's own options).
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_register_tilings(registry: ComponentRegistry) -> None:
+    """Offer tiling components that config can select by ``[tiling] name``.
+
+    Called like `zkernel_register_partitioners`; the factory is called as
+    ``factory(context)`` (``context.config.tiling`` holds ``modules``,
+    ``min_numel`` and ``tiles``; ``context.options`` the component's own
+    options) and returns an object implementing `zkernel_apply_tiling` and
+    `zkernel_restore_module`, which joins the runtime manager.
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_register_activation_checkpointers(registry: ComponentRegistry) -> None:
+    """Offer activation checkpointing components, selected by ``[activation_checkpointing] name``.
+
+    Called like `zkernel_register_partitioners`; the factory is called as
+    ``factory(context)`` (``context.config.activation_checkpointing`` holds
+    ``modules`` and ``offload``; ``context.options`` the component's own
+    options) and returns an object implementing
+    `zkernel_apply_activation_checkpointing` and `zkernel_restore_module`,
+    which joins the runtime manager.
+
+    All implementations are called; results are ignored.
+    """
+
+
+# ---------------------------------------------------------------------------
+# Model transforms (see [Note: model transforms] in zkernel.transforms)
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def zkernel_apply_tiling(module: torch.nn.Module, context: RuntimeContext) -> None:
+    """Split the layers ``[tiling]`` selects into tiles, in place, before partitioning.
+
+    Called by `zkernel.initialize` once, on every rank, on the runtime manager
+    (so only the selected tiling component), before
+    `zkernel_apply_activation_checkpointing` and `zkernel_partition_params`.
+    Parameters may still be on the meta device.
+
+    Each tile must be a submodule with parameters of its own (so a
+    partitioner that gathers per module, zero3, fetches and releases each
+    tile on its own), and the replacement must compute what the layer did.
+    Names and shapes the user sees stay the untiled ones: the replacing module
+    declares its pieces through ``zkernel_composed_parameters`` (see
+    `zkernel.param_map`), which also keeps ``state_dict`` untiled.
+
+    :param module: the user's model, changed in place.
+    :param context: rank, world size, device, config; ``context.options`` is
+        the component's validated options.
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_apply_activation_checkpointing(module: torch.nn.Module, context: RuntimeContext) -> None:
+    """Make the modules ``[activation_checkpointing]`` selects recompute their activations in backward.
+
+    Called by `zkernel.initialize` once, on every rank, on the runtime manager
+    (so only the selected component), after `zkernel_apply_tiling` and before
+    `zkernel_partition_params`. The component changes how the selected modules
+    run (not their parameters or names); forward pre/post hooks registered on
+    them later (the scheduler's) still bracket each call.
+
+    A recomputation runs inside backward, which the scheduler recognises
+    (see [Note: recompute] in `zkernel.scheduler`): a component needs no
+    further call into the kernel for it.
+
+    :param module: the user's model, changed in place.
+    :param context: rank, world size, device, config, side streams;
+        ``context.options`` is the component's validated options.
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
+def zkernel_restore_module(module: torch.nn.Module) -> None:
+    """Undo what an apply hook did to ``module``: the model the user passed in comes back.
+
+    Called by `Engine.close` on every rank after every parameter got its
+    whole value back in its original dtype, on the runtime manager; model
+    transform components implement it. Pluggy calls implementations in
+    reverse registration order, so the transform applied last is undone first.
 
     All implementations are called; results are ignored.
     """
@@ -282,24 +376,41 @@ def zkernel_rollback_optimizer(group: ParamGroup, options: StepOptions) -> bool 
 # ---------------------------------------------------------------------------
 
 
-@hookspec
-def zkernel_persist_state(group: ParamGroup, state: dict[str, Any]) -> None:
-    """Contribute ``group``'s state to a checkpoint being written.
+@hookspec(firstresult=True)
+def zkernel_describe_shard(group: ParamGroup) -> ShardLayout | None:
+    """Say which elements of which parameters this rank's shard of ``group`` holds.
 
-    Called by `Engine.save_checkpoint` on every rank for every group; each
-    implementation adds its own entries to ``state`` (tensors on CPU, keyed by
-    a name the same plugin reads back in `zkernel_restore_state`).
+    Called by `zkernel.checkpoint` on every rank for every group, between
+    steps: when a checkpoint is saved or loaded and by `Engine.state_dict`.
+    The partitioner that made the group answers. Checkpoints are keyed by
+    parameter name and element offset, so they outlive groups, which differ
+    by partitioner, unit policy, bucket size and world size.
 
-    All implementations are called.
+    :return: a `zkernel.groups.ShardLayout`: ``numel`` is the length of the
+        shard tensors (``group.master`` and each per-element optimizer state of
+        a trainable group, ``group.param_shard`` of a frozen one), and
+        ``fragments`` place every parameter element the shard holds; the
+        fragments of all ranks cover each parameter of the group exactly once,
+        or, with ``replicated``, every rank's fragments cover it (rank 0's are
+        written). A frozen group without ``param_shard`` (parameters whole on
+        every rank) answers None and its parameters are saved whole.
+
+    Stops at the first non-None result.
     """
 
 
 @hookspec
-def zkernel_restore_state(group: ParamGroup, state: dict[str, Any]) -> None:
-    """Take ``group``'s state back from a checkpoint being loaded.
+def zkernel_restore_state(group: ParamGroup) -> None:
+    """``group``'s shard was replaced from a checkpoint: refresh every copy derived from it.
 
-    Called by `Engine.load_checkpoint` on every rank for every group, with the
-    entries written by `zkernel_persist_state` (re-sharded for this world size).
+    Called by `Engine.load_checkpoint` on every rank for every group, in the
+    same order on all ranks (the call may be collective), after the optimizer
+    tier took the loaded master and state (`OptimizerTier.write_state`, which
+    also refreshed ``group.param_shard``) or, for a frozen group, after the
+    params tier took the loaded shard (`ParamsTier.write_shard`). A partitioner
+    that keeps whole parameters makes them match the shard again (ZeRO-1/2: the
+    all-gather of a publish); one whose parameters are released until their
+    next fetch drops anything gathered or prefetched before the load.
 
     All implementations are called.
     """

@@ -12,9 +12,11 @@ the host worker thread, the process group zkernel created) is freed by
 `Engine.close`, by a finalizer when the engine is garbage-collected, and at
 interpreter exit for engines still alive then. The finalizer and the exit
 handler run only local clean-up, never a collective: other ranks may be gone.
-The process group is destroyed when zkernel created it and no engine uses it
-any more (at the last close, or at exit); a job that never calls
-``destroy_process_group`` then still exits cleanly.
+The process group zkernel created stays up after `Engine.close` (the next
+engine of the job reuses it: destroying and re-creating the default group in
+one process has hung in ``init_process_group``) and is destroyed at
+interpreter exit, so a job that never calls ``destroy_process_group`` still
+exits cleanly.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def own_process_group() -> None:
 
 
 def destroy_owned_process_group() -> None:
-    """Destroy the process group zkernel created, once no live engine is left."""
+    """Destroy the process group zkernel created, once no live engine is left (at exit)."""
     global _owned_group
     if _owned_group and not _cleanups and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

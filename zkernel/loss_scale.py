@@ -16,6 +16,15 @@ class DynamicLossScaler:
         self.min_scale = min_scale
         self._clean_steps = 0
 
+    def state_dict(self) -> dict[str, float | int]:
+        """JSON-serialisable state, for checkpoints."""
+        return {"scale": self.scale, "window": self.window, "min_scale": self.min_scale, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self.min_scale = float(state["min_scale"])
+        self._clean_steps = int(state["clean_steps"])
+
     def update(self, overflow: bool) -> None:
         """Record one boundary step: back off on overflow, grow after ``window`` clean steps."""
         if overflow:

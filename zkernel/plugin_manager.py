@@ -45,6 +45,8 @@ BUILTIN_PLUGINS = {
     "tier_nvme": "zkernel_plugins.offload_tiers.nvme",
     "optimizer_adamw": "zkernel_plugins.optimizers.adamw",
     "optimizer_cpu_adam": "zkernel_plugins.optimizers.cpu_adam",
+    "tiling_linear": "zkernel_plugins.tiling.linear",
+    "activation_recompute": "zkernel_plugins.activation.recompute",
 }
 
 @attrs.frozen

@@ -9,6 +9,12 @@ walking the families, `resolve_components` resolves every slot, and
 `zkernel.bootstrap.initialize` builds every selected component from the
 resolved slots, so adding a family means: its hook spec in `zkernel.hookspecs`,
 its section in `zkernel.config`, and one member here.
+
+A family whose components change the model before it is partitioned (tiling,
+activation checkpointing) also names its *apply* hook in the spec; the
+selected component then joins the runtime manager and `zkernel.transforms`
+calls that hook on the model, family by family in declaration order, with no
+further code per family (see [Note: model transforms] there).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class FamilySpec:
     label: str  # as `zkernel plugins` prints it
     hook: str  # the registration hook that offers components of this family
     slots: tuple[Slot, ...]
+    # The hook that applies the selected component to the model before partitioning, or "".
+    apply: str = ""
 
 
 class Family(enum.Enum):
@@ -58,6 +66,19 @@ class Family(enum.Enum):
     OPTIMIZER = FamilySpec(
         "optimizer", "zkernel_register_optimizers", (Slot("optimizer.name", "optimizer.options", "optimizer"),)
     )
+    # Model transforms, applied in this order: tiling replaces layers, checkpointing wraps blocks.
+    TILING = FamilySpec(
+        "tiling",
+        "zkernel_register_tilings",
+        (Slot("tiling.name", "tiling.options", "tiling"),),
+        apply="zkernel_apply_tiling",
+    )
+    ACTIVATION_CHECKPOINTING = FamilySpec(
+        "activation checkpointing",
+        "zkernel_register_activation_checkpointers",
+        (Slot("activation_checkpointing.name", "activation_checkpointing.options", "activation_checkpointing"),),
+        apply="zkernel_apply_activation_checkpointing",
+    )
 
     @property
     def label(self) -> str:
@@ -70,6 +91,10 @@ class Family(enum.Enum):
     @property
     def slots(self) -> tuple[Slot, ...]:
         return self.value.slots
+
+    @property
+    def apply(self) -> str:
+        return self.value.apply
 
 
 @attrs.frozen

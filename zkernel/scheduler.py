@@ -31,8 +31,30 @@ caught by a `TorchFunctionMode` active during the engine's forward: the first
 op touching a released parameter fetches its group, which is then kept whole
 until the end of backward, in this and every later step.
 
-The execution order of module-bound groups in the first forward is the trace
-the prefetcher follows from then on.
+The prefetcher follows the order groups ran in earlier passes, relearnt from
+every pass (see [Note: trace] in `zkernel.trace`). Forward post-hooks run even
+when the forward raises (``always_call``), and the engine then releases every
+group, so an exception leaves nothing gathered or in flight. Ranks that run
+different modules raise `zkernel.divergence.RankDivergenceError` (see
+[Note: divergent ranks]).
+
+[Note: recompute] Activation checkpointing (a plugin of its own family, or
+``torch.utils.checkpoint`` in the user's model) runs a module's forward a
+second time inside backward, to rebuild what it did not save. Fired as in a
+forward, the hooks would gather the unit for the recomputation, release it,
+and gather it again for its backward (two gathers), and append it to the
+trace being recorded (a trace twice as long, in the wrong order). The
+scheduler tells the two apart by asking autograd whether this thread is
+running a backward pass (``torch._C._current_graph_task_id() != -1``, the
+test ``torch.utils.checkpoint`` itself uses), so no plugin has to announce a
+recomputation and a user's own checkpointing is handled the same way. In a
+recomputation the pre-hook fetches for ``Phase.BACKWARD`` (prefetching in
+backward order) and records nothing; the post-hook neither releases nor
+registers gradient hooks (the unit is whole already, and it must stay so). The unit thus stays whole from its recomputation
+through its backward and is released, as always, once its gradients are
+ready: one gather for both. The cost is that every unit of a checkpointed
+region is whole during that region's backward, so a region holds at most
+its own parameters at once.
 """
 
 from __future__ import annotations
@@ -46,10 +68,17 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from zkernel.divergence import PathCheck
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
+from zkernel.trace import ModuleTrace
 
 log = get_logger()
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs a backward pass now (a forward here is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _ReleasedParamGuard(TorchFunctionMode):
@@ -85,7 +114,7 @@ class Scheduler:
         *,
         params_tier,
         streams,
-        on_reduced: Callable[[ParamGroup, ReducedGradient, bool], None],
+        on_reduced: Callable[[ParamGroup, ReducedGradient, bool, bool], None],
         wait_update: Callable[[ParamGroup], None],
         update_pending: Callable[[ParamGroup], bool],
     ) -> None:
@@ -106,10 +135,12 @@ class Scheduler:
         for g in self.bound:
             self.groups_of_module.setdefault(id(g.module), []).append(g)
         self.external: set[int] = set()  # group indices kept whole through a step
-        self.trace: list[ParamGroup] = []
-        self.trace_done = False
-        self._recording: list[ParamGroup] = []
-        self._position: dict[int, int] = {}
+        # Trainable groups any of whose parameters got a gradient in this accumulation window.
+        self.window_used: set[int] = set()
+        self.tracer = ModuleTrace()
+        self.paths = PathCheck(self.groups, streams_device(streams), enabled=True)
+        self._prefetched: set[int] = set()  # groups whose gather the prefetcher issued and nobody consumed
+        self.micro_step = 0  # the engine's micro-step, for errors
         self._ready_count = {g.index: 0 for g in self.groups}
         self._reduced: set[int] = set()
         self._boundary = True
@@ -123,7 +154,7 @@ class Scheduler:
         modules = {id(g.module): g.module for g in self.bound}
         for module in modules.values():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(module.register_forward_hook(self._post_forward))
+            self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         for group in self.groups:
             if not group.requires_grad:
                 continue
@@ -137,13 +168,18 @@ class Scheduler:
     # -- forward ----------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, _args) -> None:
+        if _in_backward():  # a recomputation (see [Note: recompute])
+            self._pre_backward(self.groups_of_module[id(module)])
+            return
         for group in self.groups_of_module[id(module)]:
-            if not self.trace_done:
-                self._recording.append(group)
+            position = self.tracer.visit(group)
             self._fetch(group, Phase.FORWARD)
-            self._prefetch_after(group, Phase.FORWARD)
+            if position is not None:
+                self._prefetch_after(group, Phase.FORWARD, position)
 
     def _post_forward(self, module: nn.Module, _args, output):
+        if _in_backward():  # kept whole until its gradients are ready (see [Note: recompute])
+            return output
         groups = self.groups_of_module[id(module)]
         for group in groups:
             if group.index not in self.external:
@@ -163,6 +199,11 @@ class Scheduler:
         self.external.add(group.index)
         self._fetch(group, Phase.FORWARD)
 
+    @property
+    def trace(self) -> list[ParamGroup]:
+        """The order of the current kind of pass, as the prefetcher follows it."""
+        return self.tracer.trace
+
     def _fetch(self, group: ParamGroup, phase: Phase) -> None:
         with torch.profiler.record_function("zkernel::fetch"), self.plugin_call():
             self.fetch_now(group, phase)
@@ -171,6 +212,9 @@ class Scheduler:
         """Fetch ``group`` through every stage: its pending update, its shard on the device, the gather."""
         self._wait_update(group)
         if not group.gathered:
+            if phase is not Phase.USER and group.index not in self._prefetched:
+                self.paths.before(group, phase.value, self.micro_step)
+            self._prefetched.discard(group.index)
             self.params_tier.to_device(group, consume=True, block=True)
         self.hook.zkernel_fetch_params(group=group, phase=phase)
         self.params_tier.drop_device(group)
@@ -180,6 +224,7 @@ class Scheduler:
             self.hook.zkernel_release_params(group=group, phase=phase)
             if phase is Phase.BACKWARD:
                 self.params_tier.drop_device(group)
+                self._prefetched.discard(group.index)
 
     @contextlib.contextmanager
     def plugin_call(self):
@@ -190,15 +235,10 @@ class Scheduler:
         finally:
             self.in_hook = outer
 
-    def _prefetch_after(self, group: ParamGroup, phase: Phase) -> None:
-        """Start each stage of the groups ahead in the traced order, each within its own look-ahead
-        (see [Note: parameter stages] in `zkernel.tiers`): the all-gather for the nearest
+    def _prefetch_after(self, group: ParamGroup, phase: Phase, pos: int) -> None:
+        """Start each stage of the groups ahead of trace position ``pos``, each within its own
+        look-ahead (see [Note: parameter stages] in `zkernel.tiers`): the all-gather for the nearest
         ``prefetch_bytes``, the upload to the device and the read into host memory further ahead."""
-        if not self.trace_done:
-            return
-        pos = self._position.get(group.index)
-        if pos is None:
-            return
         tier = self.params_tier
         gather_bytes = self.prefetch_bytes
         device_bytes = max(gather_bytes, tier.lookahead_device_bytes)
@@ -209,9 +249,12 @@ class Scheduler:
         ahead = 0
         i = pos + step
         with self.plugin_call():
-            while 0 <= i < len(self.trace) and ahead < host_bytes:
-                nxt = self.trace[i]
+            trace = self.tracer.trace
+            while 0 <= i < len(trace) and ahead < host_bytes:
+                nxt = trace[i]
                 i += step
+                if phase is Phase.BACKWARD and nxt.index in self._reduced:
+                    continue  # its gradients are done: nothing in this backward reads it again
                 if nxt.gathered:
                     continue
                 if ahead < gather_bytes:
@@ -219,6 +262,9 @@ class Scheduler:
                     # timing (every rank issues the same gathers in the same order), so it waits
                     # for the group's update and its upload rather than skip it.
                     self._wait_update(nxt)
+                    if nxt.index not in self._prefetched:
+                        self.paths.before(nxt, phase.value, self.micro_step)
+                        self._prefetched.add(nxt.index)
                     on_device = tier.on_compute_device
                     with contextlib.nullcontext() if on_device else self.streams.prefetch_context():
                         tier.to_device(nxt, consume=True, block=True)
@@ -237,7 +283,9 @@ class Scheduler:
         for group in groups:
             if not group.gathered:
                 self._fetch(group, Phase.BACKWARD)
-            self._prefetch_after(group, Phase.BACKWARD)
+            position = self.tracer.position(group)
+            if position is not None:
+                self._prefetch_after(group, Phase.BACKWARD, position)
 
     def _make_grad_ready_hook(self, group: ParamGroup):
         # The hook lives in the parameter's C++ autograd state, which Python's cycle
@@ -254,6 +302,7 @@ class Scheduler:
         return on_grad_ready
 
     def _grad_ready(self, index: int, total: int) -> None:
+        self.window_used.add(index)
         self._ready_count[index] += 1
         if self._ready_count[index] == total:
             self._group_grads_ready(self._group_by_index[index])
@@ -262,9 +311,10 @@ class Scheduler:
         if group.module is not None and group.index not in self.external:
             self._release(group, Phase.BACKWARD)
         with torch.profiler.record_function("zkernel::reduce"), self.plugin_call():
+            self.paths.before(group, "reduce", self.micro_step)
             reduced = self.hook.zkernel_reduce_gradients(group=group, boundary=self._boundary)
             if reduced is not None:
-                self._on_reduced(group, reduced, self._boundary)
+                self._on_reduced(group, reduced, self._boundary, group.index in self.window_used)
         self._reduced.add(group.index)
 
     def begin_backward(self, boundary: bool) -> None:
@@ -279,27 +329,32 @@ class Scheduler:
         self._reduced.clear()
         for index in self._ready_count:
             self._ready_count[index] = 0
-        self._end_trace()
+        self.tracer.end()
 
-    def begin_forward(self, boundary: bool) -> None:
+    def begin_forward(self, boundary: bool, micro_step: int) -> None:
         self._boundary = boundary
+        self.micro_step = micro_step
+        self.tracer.begin(torch.is_grad_enabled())
 
     def finish_forward(self) -> None:
         """Called by the engine after a forward without autograd: no backward will release."""
         if not torch.is_grad_enabled():
             self._release_gathered()
-            self._end_trace()
+            self.tracer.end()
+
+    def abandon_forward(self) -> None:
+        """The forward raised: release every group and drop what was prefetched (nothing stays whole)."""
+        with contextlib.suppress(Exception):
+            self._release_gathered()
+        self.tracer.begin(self.tracer.grad)  # the failed pass teaches nothing
 
     def _release_gathered(self) -> None:
         for group in self.bound:
             self._release(group, Phase.BACKWARD)
 
-    def _end_trace(self) -> None:
-        if self.trace_done or not self._recording:
-            return
-        self.trace = self._recording
-        self._position = {}
-        for i, group in enumerate(self.trace):
-            self._position.setdefault(group.index, i)
-        self.trace_done = True
-        log.debug("zkernel.scheduler.trace", groups=len(self.trace))
+
+
+def streams_device(streams) -> torch.device:
+    """The compute device of an engine's side streams (CPU without CUDA)."""
+    stream = getattr(streams, "h2d", None)
+    return torch.device("cuda", stream.device_index) if stream is not None else torch.device("cpu")

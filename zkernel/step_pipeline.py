@@ -51,6 +51,7 @@ from zkernel.timeline import SpanKind, Timeline
 log = get_logger()
 
 SPECULATE_POLICIES = ("auto", "always", "never")
+_NOT_STEPPED = object()  # an early job that left its group for the step proper
 
 
 class StepPipeline:
@@ -70,6 +71,7 @@ class StepPipeline:
         hyper: StepOptions,
         publish: Callable[[ParamGroup], None],
         speculate: str = "auto",
+        max_norm: float = 0.0,
     ) -> None:
         if speculate not in SPECULATE_POLICIES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_POLICIES)}, got {speculate!r}")
@@ -82,11 +84,13 @@ class StepPipeline:
         self.timeline = timeline
         self.can_rollback = can_rollback
         self.speculate = speculate
+        self.max_norm = max_norm
         # Hyperparameters of the next step (the engine replaces it when ``engine.lr`` changes).
         self.hyper = hyper
         self._publish_params = publish
         self._landing_order: list[ParamGroup] = []
         self._landed: set[int] = set()
+        self._unused: set[int] = set()  # groups no rank gave a gradient in this window: not stepped
         # Forward need order, refined after every boundary backward.
         self._order: list[ParamGroup] = list(reversed(self.trainable))
         # Host steps started during backward: group index -> (job, coefficient it used).
@@ -94,12 +98,14 @@ class StepPipeline:
         self._early_coefficient: float | None = None
         self._early_exact = False
         self._speculative: float | None = None  # this window's no-clip coefficient
+        self._abort_speculation = False  # a group's own gradient showed this window will clip or skip
         # Pending updates of parameter shards: group index -> job resolving to a CUDA event or None.
         self._updates: dict[int, Future] = {}
         self._last_clean = False  # the last boundary step applied no clip factor and no skip
         self._rebalanced = False
         self.rollbacks = 0
         self.early_steps = 0
+        self.aborted_speculations = 0  # windows whose speculation a group's own gradient stopped
 
     # -- backward (main thread, then autograd's thread) ------------------------
 
@@ -108,9 +114,12 @@ class StepPipeline:
         ``speculative``: the coefficient to assume otherwise (see [Note: early and speculative steps])."""
         self._landing_order = []
         self._landed = set()
+        if boundary:
+            self._unused = set()
         self._early_coefficient = None
         self._early_exact = False
         self._speculative = speculative
+        self._abort_speculation = False
         if not boundary:
             return
         if known is not None:
@@ -123,19 +132,25 @@ class StepPipeline:
             return False
         return self.speculate == "always" or self._last_clean
 
-    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool) -> None:
-        """Hand a reduced gradient to the tier (called by the scheduler, in autograd's thread)."""
+    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool, used: bool = True) -> None:
+        """Hand a reduced gradient to the tier (called by the scheduler, in autograd's thread).
+
+        ``used``: some parameter of the group got a gradient in this window on this rank (a
+        group that got none is not stepped, as torch skips parameters whose ``grad`` is None)."""
         self.wait_update(group)  # the previous step must be done with the landing buffer
         self.tier.land(group, reduced, final)
         if not final:
             return
         self._landing_order.append(group)
         self._landed.add(group.index)
-        if self._early_coefficient is not None and self.tier.steps_on_host(group):
+        if not used:
+            self._unused.add(group.index)
+            return
+        if self._early_coefficient is not None and self.tier.steps_on_host(group) and not self._abort_speculation:
             self.tier.prepare(group)
-            job = self.worker.submit(self._host_step, group, self._step_options(self._early_coefficient))
+            options = self._step_options(self._early_coefficient)
+            job = self.worker.submit(self._early_step, group, options, self._early_exact)
             self._early[group.index] = (job, self._early_coefficient)
-            self.early_steps += 1
 
     def end_backward(self, boundary: bool, need_norm: bool) -> float | None:
         """After a backward: complete landings; at a boundary return the global norm when asked."""
@@ -144,7 +159,18 @@ class StepPipeline:
             return None
         landed = self._landing_order + [g for g in self.trainable if g.index not in self._landed]
         self._order = list(reversed(landed))
+        self._agree_on_unused()
         return self._global_norm() if need_norm else None
+
+    def _agree_on_unused(self) -> None:
+        """A group is skipped only when no rank used it (all ranks must skip, or publish, together)."""
+        if not self.distributed:
+            return
+        flags = torch.tensor([g.index not in self._unused for g in self.trainable], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._unused = {g.index for g, used in zip(self.trainable, flags.tolist()) if not used}
 
     def _global_norm(self) -> float:
         sharded = [g for g in self.trainable if g.grad_is_shard]
@@ -187,16 +213,26 @@ class StepPipeline:
         visible (the partitioner's all-gather); it is called here for groups that are not
         module-bound once their update is in, and never for a skipped step.
         """
-        clean = coefficient is not None and (self._early_exact or coefficient == self._early_coefficient)
         self._last_clean = coefficient is not None and (self._early_exact or coefficient == self._speculative)
-        eager = [g for g in self._order if g.module is None]
-        lazy = [g for g in self._order if g.module is not None]
+        for group in self._order:
+            if group.index in self._unused:  # as torch skips a parameter whose grad is None
+                early = self._early.pop(group.index, None)
+                job = self.worker.submit(self._after_early, early[0], group, self._step_options(early[1]), None) if early else None
+                if job is not None:
+                    self._updates[group.index] = job
+                elif self.tier.steps_on_host(group):
+                    self._updates[group.index] = self.worker.submit(self._host_skip, group)
+                else:
+                    self.tier.end_window(group)
+        order = [g for g in self._order if g.index not in self._unused]
+        eager = [g for g in order if g.module is None]
+        lazy = [g for g in order if g.module is not None]
         host = [g for g in (*eager, *lazy) if self.tier.steps_on_host(g)]
         for group in host:  # the tier starts bringing state in, in this order, as far as it has room
             if group.index not in self._early:
                 self.tier.prepare(group)
         for group in host:
-            self._updates[group.index] = self._submit_host(group, coefficient, clean)
+            self._updates[group.index] = self._submit_host(group, coefficient)
         for group in (*eager, *lazy):
             if not self.tier.steps_on_host(group):
                 event = self._device_step(group, coefficient)
@@ -216,26 +252,24 @@ class StepPipeline:
                 self.params_tier.before_update(group)
             self.tier.after_first_step(self._order)
 
-    def _submit_host(self, group: ParamGroup, coefficient: float | None, clean: bool) -> Future:
+    def _submit_host(self, group: ParamGroup, coefficient: float | None) -> Future:
+        final = None if coefficient is None else self._step_options(coefficient)
         early = self._early.get(group.index)
         if early is None:
-            if coefficient is None:
+            if final is None:
                 return self.worker.submit(self._host_skip, group)
-            return self.worker.submit(self._host_step, group, self._step_options(coefficient), True)
+            return self.worker.submit(self._host_step, group, final, True)
         job, used = early
-        if clean:
-            return self.worker.submit(self._host_finish, job, group)
-        self.rollbacks += 1
-        redo = None if coefficient is None else self._step_options(coefficient)
-        return self.worker.submit(self._host_redo, job, group, self._step_options(used), redo)
+        return self.worker.submit(self._after_early, job, group, self._step_options(used), final)
 
     def _step_options(self, coefficient: float) -> StepOptions:
         return attrs.evolve(self.hyper, grad_scale=coefficient)
 
     # Host jobs (worker thread). Each returns the event of the parameter-shard upload, or None.
 
-    def _host_step(self, group: ParamGroup, options: StepOptions, end_window: bool = False):
-        self.tier.acquire(group)
+    def _host_step(self, group: ParamGroup, options: StepOptions, end_window: bool = False, acquired: bool = False):
+        if not acquired:
+            self.tier.acquire(group)
         self.params_tier.before_update(group)
         with self.timeline.span(SpanKind.CPU_STEP, label=group.name):
             self._optimizer_step(group, options)
@@ -245,17 +279,43 @@ class StepPipeline:
         return event
 
     def _finish_update(self, group: ParamGroup):
-        """Write the group's optimizer state back and take its updated parameters home."""
+        """Take the group's updated parameters home, then let the tier write its state back."""
+        event = self.params_tier.commit(group)
         self.tier.release(group)
-        return self.params_tier.commit(group)
-
-    def _host_finish(self, early: Future, group: ParamGroup):
-        event = early.result()
-        self.tier.end_window(group)
         return event
 
-    def _host_redo(self, early: Future, group: ParamGroup, used: StepOptions, redo: StepOptions | None):
-        early.result()
+    def _early_step(self, group: ParamGroup, options: StepOptions, exact: bool):
+        """A step during backward. A speculative one is not taken when the group's own gradient
+        already shows the window will clip or skip (a non-finite step cannot be undone, and a
+        rollback after a large spike loses precision); the window then stops speculating."""
+        self.tier.acquire(group)
+        if not exact:
+            if self._abort_speculation or self._will_clip_or_skip(group, options.grad_scale):
+                if not self._abort_speculation:
+                    self.aborted_speculations += 1
+                self._abort_speculation = True
+                return _NOT_STEPPED
+        self.early_steps += 1
+        return self._host_step(group, options, acquired=True)
+
+    def _will_clip_or_skip(self, group: ParamGroup, unscale: float) -> bool:
+        (sq,) = self.tier.grad_sq_norm([group]) or (0.0,)
+        if isinstance(sq, Future):
+            sq = sq.result()
+        norm = math.sqrt(float(sq)) * unscale if math.isfinite(float(sq)) else float("inf")
+        return not math.isfinite(norm) or (self.max_norm > 0 and norm > self.max_norm)
+
+    def _after_early(self, early: Future, group: ParamGroup, used: StepOptions, final: StepOptions | None):
+        """Once the coefficient is known: keep, redo or undo a step taken during backward."""
+        event = early.result()
+        if event is _NOT_STEPPED:
+            if final is None:
+                return self._host_skip(group)
+            return self._host_step(group, final, True)
+        if final is not None and final.grad_scale == used.grad_scale:
+            self.tier.end_window(group)
+            return event
+        self.rollbacks += 1
         self.tier.acquire(group)
         self.params_tier.before_update(group)
         with self.timeline.span(SpanKind.CPU_STEP, label=f"{group.name} rollback"):
@@ -264,8 +324,8 @@ class StepPipeline:
                 raise RuntimeError(
                     f"the optimizer declared it can roll a step back but did not roll back group {group.name!r}"
                 )
-            if redo is not None:
-                self._optimizer_step(group, redo)
+            if final is not None:
+                self._optimizer_step(group, final)
         event = self._finish_update(group)
         self.tier.end_window(group)
         return event

@@ -53,6 +53,19 @@ class StoredBytes:
     nbytes: int
 
 
+@attrs.frozen
+class ShardState:
+    """A trainable group's fp32 master and optimizer state on this rank (checkpoints, state dicts).
+
+    ``master`` has the shard's numel; ``state`` maps each optimizer state name
+    to a tensor of the same numel (per-element, e.g. Adam's moments) or a 0-dim
+    one (e.g. a step count). Tensors may be on any device.
+    """
+
+    master: torch.Tensor
+    state: Mapping[str, torch.Tensor]
+
+
 class Resource(enum.Enum):
     """What a tier's buffers consume, for the capacity check at `initialize`."""
 
@@ -114,9 +127,10 @@ class OptimizerTier(abc.ABC):
         optimizer in the calling thread. Default: wait for nothing."""
 
     def release(self, group: ParamGroup) -> None:
-        """After the optimizer updated ``group``: start writing its master and state back where
-        they live (the params tier then takes the updated parameters, see `ParamsTier.commit`).
-        Default: they are resident."""
+        """After the optimizer updated ``group`` and the params tier took the updated parameters
+        (`ParamsTier.commit`, whose transfers are queued by now): start writing master and state
+        back where they live, and take back what `acquire` lent (e.g. a staging buffer, once the
+        transfers queued on it are done). Default: nothing."""
 
     @abc.abstractmethod
     def end_window(self, group: ParamGroup) -> None:
@@ -131,6 +145,35 @@ class OptimizerTier(abc.ABC):
         it finished, with the trainable groups in the order the next forward needs them, and the
         peak memory of a whole step known: a tier may now move groups between places (e.g. keep
         the first-needed groups' optimizer on the GPU). Default: nothing."""
+
+    def read_state(self, group: ParamGroup) -> ShardState:
+        """``group``'s current master and optimizer state, to be saved or gathered.
+
+        Called by `zkernel.checkpoint` (a checkpoint being written,
+        `Engine.state_dict`) on the main thread between steps, after every
+        pending step finished, one trainable group at a time in group order. A
+        tier that keeps them on disk reads them into host buffers. The caller
+        only reads the tensors (they may be the tier's own) and is done with
+        them before it asks for the next group, so a tier may reuse one staging
+        buffer. Default: not supported (checkpoints then raise, naming the tier).
+        """
+        raise NotImplementedError(
+            f"offload tier {type(self).__name__} does not implement read_state, so it cannot be checkpointed"
+        )
+
+    def write_state(self, group: ParamGroup, state: ShardState) -> None:
+        """Replace ``group``'s master and optimizer state with ``state`` (a checkpoint being loaded).
+
+        Called by `Engine.load_checkpoint` on the main thread between steps, one
+        trainable group at a time in group order, with host tensors the caller
+        owns (copy them). ``state.state`` holds every name the optimizer declared
+        (and the names already in ``group.optim_state``). The engine then brings
+        the parameter shard to the new master (`ParamsTier.write_shard`). Default:
+        not supported (loading raises, naming the tier).
+        """
+        raise NotImplementedError(
+            f"offload tier {type(self).__name__} does not implement write_state, so checkpoints cannot be loaded with it"
+        )
 
     def close(self) -> None:
         """Free buffers and files. Called once by `Engine.close` (and at interpreter exit)."""
@@ -199,6 +242,23 @@ class ParamsTier(abc.ABC):
         """After a step: move the updated compute-dtype values (``group.copy_out``, or the fp32
         ``group.master`` when there is no low-precision copy) to the shard's home. Returns a CUDA
         event after which the home holds them, or None when they are there in stream order."""
+
+    def read_shard(self, group: ParamGroup) -> torch.Tensor:
+        """The current values of a *frozen* group's parameter shard, to be saved or gathered.
+
+        Called like `OptimizerTier.read_state` (trainable groups' shards are derived from their
+        masters and never read here). Default: ``group.param_shard``, for tiers that keep it
+        resident; a tier that keeps it elsewhere reads it into a host buffer.
+        """
+        return group.param_shard
+
+    def write_shard(self, group: ParamGroup, values: torch.Tensor) -> None:
+        """Replace ``group``'s parameter shard with ``values`` (the shard's numel, in its dtype)
+        after a checkpoint load: a frozen group's from the checkpoint, a trainable one's from its
+        newly loaded master; complete on return, and no device copy of the old values is used
+        again. Default: copy into ``group.param_shard``."""
+        if group.param_shard is not None:
+            group.param_shard.copy_(values)
 
     def close(self) -> None:
         """Free buffers and files."""

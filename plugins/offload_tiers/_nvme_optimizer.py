@@ -68,9 +68,8 @@ import torch
 from zkernel import hookimpl
 from zkernel.aio import aligned_empty
 from zkernel.config import ConfigError
-from zkernel.host_memory import host_empty
 from zkernel.log import get_logger
-from zkernel.tiers import Resource, StoredBytes
+from zkernel.tiers import Resource, ShardState, StoredBytes
 from zkernel.timeline import SpanKind
 
 from ._arena import Block, PinnedArena, aligned
@@ -78,8 +77,7 @@ from ._io_queue import IoQueue
 from ._nvme_options import NvmeTierOptions
 from ._swap_dir import RunDirectory
 from ._swap_file import Extent, SwapFile, extents_of
-from .cpu import CpuTier, CpuTierOptions, _Slot
-from .device import update_target
+from .cpu import CpuTier, CpuTierOptions
 
 log = get_logger()
 
@@ -163,10 +161,9 @@ class NvmeTier(CpuTier):
     # -- placement ------------------------------------------------------------------------------
 
     def demand(self, numel, state, compute_dtype):
-        staging = 0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size()
         disk = 4 * numel + sum(s.nbytes for s in state)
         pool = self.nvme_options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)
-        return {Resource.HOST: numel * (4 + staging) + pool, Resource.DISK: disk}
+        return {Resource.HOST: numel * 4 + pool, Resource.DISK: disk}  # landing buffers and the pool
 
     def adopt(self, group, master, state):
         numel = master.numel()
@@ -186,10 +183,7 @@ class NvmeTier(CpuTier):
         slot = _SwapSlot(weakref.ref(group), group.name, file, segments)
         self._swap[group.index] = slot
         self._write_master(slot, master)
-        group.copy_out = update_target(  # (reads the initial ``group.master``)
-            group, torch.device("cpu"), self.compute_dtype, lambda n, dt: host_empty(n, dt, pin=self._pin())
-        )
-        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), staging=group.copy_out)
+        self._adopt_gradient(group, numel)  # (reads the initial ``group.master``)
         group.master = None  # in memory only while the group steps
         group.optim_state = {}
 
@@ -209,17 +203,11 @@ class NvmeTier(CpuTier):
         image = aligned_empty(aligned(segment.nbytes), torch.uint8, pin=False)
         image[: segment.nbytes].view(torch.float32).copy_(master.detach().reshape(-1))
         image[segment.nbytes :].zero_()
-        indices = [i for i, e in enumerate(slot.file.extents) if e.offset < aligned(segment.nbytes)]
-        futures = []
-        for i in indices:
-            done: Future = Future()
-            futures.append(done)
-            slot.file.write(self.io, i, image, kind=SpanKind.NVME_WRITE, label=slot.name, done=done.set_result)
-        for f in futures:
-            error = f.result().exception()
-            if error is not None:
-                error.add_note(f"writing the initial master of group {slot.name!r} to its swap file")
-                raise error
+        try:
+            slot.file.write_now(self.io, image, kind=SpanKind.NVME_WRITE, label=slot.name, only=(0, image.numel()))
+        except OSError as error:
+            error.add_note(f"writing the initial master of group {slot.name!r} to its swap file")
+            raise
 
     def _pool(self) -> PinnedArena:
         if self._arena is None:
@@ -295,10 +283,12 @@ class NvmeTier(CpuTier):
         self._cv.notify_all()
 
     def acquire(self, group):
-        super().acquire(group)
         with self._cv:
-            self._fence()
             slot = self._swap[group.index]
+            if slot.state is _State.STEPPING:  # acquired again before its release (a step not taken)
+                super().acquire(group)
+                return
+            self._fence()
             self._enqueue(slot)
             while slot.state is not _State.RESIDENT:
                 self._pump()
@@ -316,6 +306,7 @@ class NvmeTier(CpuTier):
             block.data[extent.offset : extent.offset + extent.nbytes].zero_()
         group.master = block.view(torch.float32, 0, slot.segments[0].numel)
         group.optim_state = {s.name: block.view(s.dtype, s.offset, s.numel).view(s.shape) for s in slot.segments[1:]}
+        super().acquire(group)  # the gradient, and a staging buffer for the update (reads ``group.master``)
 
     def release(self, group):
         with self._cv:
@@ -328,6 +319,7 @@ class NvmeTier(CpuTier):
             for i in range(len(slot.file.extents)):
                 slot.file.write(self.io, i, slot.block.data, kind=SpanKind.NVME_WRITE, label=slot.name,
                                 done=lambda f, slot=slot: self._on_write(slot, f))
+        super().release(group)  # the staging buffer goes back once its upload is queued
 
     def _on_write(self, slot: _SwapSlot, future: Future) -> None:
         with self._cv:
@@ -412,33 +404,69 @@ class NvmeTier(CpuTier):
     def after_first_step(self, order):
         return None
 
-    # -- reading the master outside a step --------------------------------------------------------
+    # -- reading and replacing state outside a step (close, state dicts, checkpoints) -------------
 
-    def read_master(self, group):
-        slot = self._swap[group.index]
-        numel = slot.segments[0].numel
+    def _current_image(self, slot: _SwapSlot, nbytes: int) -> torch.Tensor:
+        """A copy of the first ``nbytes`` of ``slot``'s newest file image: from its block while it has
+        one (resident, or written back and not returned yet), its rescue copy, or the file."""
+        image = aligned_empty(aligned(nbytes), torch.uint8, pin=False)
         with self._cv:
             while slot.state is _State.READING:
                 self._cv.wait()
-            if slot.block is not None:  # resident, or written back and not returned yet: the newest
-                return slot.block.view(torch.float32, 0, numel).clone()
+            if slot.block is not None:
+                image[:nbytes].copy_(slot.block.data[:nbytes])
+                return image
             if slot.rescue is not None:
-                return slot.rescue[: 4 * numel].view(torch.float32).clone()
-        image = aligned_empty(aligned(4 * numel), torch.uint8, pin=False)
-        indices, zeros = slot.file.plan_read(only=(0, aligned(4 * numel)))
-        futures = []
-        for i in indices:
-            done: Future = Future()
-            futures.append(done)
-            slot.file.read(self.io, i, image, kind=SpanKind.NVME_READ, label=slot.name, done=done.set_result)
-        for extent in zeros:
-            image[extent.offset : extent.offset + extent.nbytes].zero_()
-        for f in futures:
-            error = f.result().exception()
-            if error is not None:
-                error.add_note(f"reading the master of group {slot.name!r} from its swap file")
-                raise error
-        return image[: 4 * numel].view(torch.float32).clone()
+                image[:nbytes].copy_(slot.rescue[:nbytes])
+                return image
+        try:
+            slot.file.read_now(self.io, image, kind=SpanKind.NVME_READ, label=slot.name, only=(0, image.numel()))
+        except (OSError, EOFError) as error:
+            error.add_note(f"reading the optimizer state of group {slot.name!r} from its swap file")
+            raise
+        return image
+
+    def read_master(self, group):
+        slot = self._swap[group.index]
+        master = slot.segments[0]
+        return self._current_image(slot, master.nbytes)[: master.nbytes].view(torch.float32)
+
+    def read_state(self, group):
+        slot = self._swap[group.index]
+        image = self._current_image(slot, slot.footprint)
+        views = {s.name: image[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slot.segments}
+        master = views.pop("master")
+        return ShardState(master=master, state=views)
+
+    def write_state(self, group, state):
+        slot = self._swap[group.index]
+        missing = sorted({s.name for s in slot.segments[1:]} - set(state.state))
+        unknown = sorted(set(state.state) - {s.name for s in slot.segments})
+        if missing or unknown:
+            raise ValueError(
+                f"optimizer state of group {slot.name!r}: the nvme tier keeps exactly the declared state "
+                f"{[s.name for s in slot.segments[1:]]}; missing {missing}, undeclared {unknown}"
+            )
+        self.io.wait_idle()  # no write of the old state in flight
+        with self._cv:
+            self._fence()
+            if slot.state is not _State.ON_DISK:  # prepared for a step that was not taken
+                self._free_block(slot)
+                if slot in self._queue:
+                    self._queue.remove(slot)
+                slot.state = _State.ON_DISK
+        image = aligned_empty(slot.footprint, torch.uint8, pin=False)
+        image.zero_()
+        for segment in slot.segments:
+            source = state.master if segment.name == "master" else state.state[segment.name]
+            image[segment.offset : segment.offset + segment.nbytes].view(segment.dtype).copy_(source.reshape(-1))
+        try:
+            slot.file.write_now(self.io, image, kind=SpanKind.NVME_WRITE, label=slot.name)
+        except OSError as error:
+            slot.rescue = image  # [Note: write failures]: the loaded state stays in memory
+            error.add_note(f"writing the loaded optimizer state of group {slot.name!r} to its swap file")
+            raise
+        slot.rescue = None
 
     def wait_writes(self) -> None:
         """Block until every swap-file write started so far is done (a group's writes start when its
@@ -487,7 +515,7 @@ class NvmeTier(CpuTier):
         path = str(slot.file.path)
         stored = {s.name: StoredBytes("nvme", (path, s.name), s.nbytes) for s in slot.segments}
         return {
-            "params": [landing.staging] if landing.staging is not None else [],
+            "params": self._update_buffers(landing),
             "grads": [landing.landing],
             "master_weights": [stored["master"]],
             "optimizer_state": [stored[s.name] for s in slot.segments[1:]],

@@ -154,20 +154,21 @@ class NvmeParamsTier(ParamsTier):
         file.preallocate(f"the parameter shard of group {group.name!r}")
         slot = _ParamSlot(weakref.ref(group), group.name, file, numel, shard.dtype)
         self._slots[group.index] = slot
-        image = aligned_empty(aligned(nbytes), torch.uint8, pin=False)
-        image[:nbytes].view(shard.dtype).copy_(shard.detach().reshape(-1))
-        image[nbytes:].zero_()
-        futures = []
-        for i in range(len(file.extents)):
-            done: Future = Future()
-            futures.append(done)
-            file.write(self.io, i, image, kind=SpanKind.NVME_WRITE, label=f"params {group.name}", done=done.set_result)
-        for f in futures:
-            error = f.result().exception()
-            if error is not None:
-                error.add_note(f"writing the parameter shard of group {group.name!r} to its swap file")
-                raise error
+        self._write_image(slot, shard)
         return None  # the home is the file: ``param_shard`` stays None
+
+    def _write_image(self, slot: _ParamSlot, values: torch.Tensor) -> None:
+        """Write ``values`` (the whole shard) to ``slot``'s file now, and wait."""
+        image = aligned_empty(aligned(slot.nbytes), torch.uint8, pin=False)
+        image[: slot.nbytes].view(slot.dtype).copy_(values.detach().reshape(-1))
+        image[slot.nbytes :].zero_()
+        try:
+            slot.file.write_now(self.io, image, kind=SpanKind.NVME_WRITE, label=f"params {slot.name}")
+        except OSError as error:
+            slot.rescue = image  # [Note: write failures]: the newest values stay in memory
+            error.add_note(f"writing the parameter shard of group {slot.name!r} to its swap file")
+            raise
+        slot.rescue = None
 
     def _pool(self) -> PinnedArena:
         if self._arena is None:
@@ -461,6 +462,39 @@ class NvmeParamsTier(ParamsTier):
                 self._retire(copy)
             self._collect_uploads(query=False)
             self._cv.notify_all()
+
+    # -- checkpoints (between steps) ----------------------------------------------------------------------
+
+    def read_shard(self, group):
+        slot = self._slots[group.index]
+        self.io.wait_idle()  # no write of it in flight: the file (or the rescue copy) is the newest
+        with self._cv:
+            copy = slot.host
+            if slot.rescue is not None:
+                return slot.rescue[: slot.nbytes].view(slot.dtype).clone()
+            if copy is not None and copy.error is None and not copy.reading:
+                return copy.block.view(slot.dtype, 0, slot.numel).clone()
+        image = aligned_empty(aligned(slot.nbytes), torch.uint8, pin=False)
+        try:
+            slot.file.read_now(self.io, image, kind=SpanKind.PARAM_NVME_READ, label=slot.name)
+        except (OSError, EOFError) as error:
+            error.add_note(f"reading the parameter shard of group {slot.name!r} from its swap file")
+            raise
+        return image[: slot.nbytes].view(slot.dtype)
+
+    def write_shard(self, group, values):
+        slot = self._slots[group.index]
+        self.io.wait_idle()  # reads of the old values done, and no write of them still in flight
+        with self._cv:
+            old, slot.host = slot.host, None  # no copy of the old values is used again
+            if old is not None:
+                self._retire(old)
+            if slot.device is not None:
+                tensor, _ = slot.device
+                slot.device = None
+                if self.cuda:
+                    tensor.record_stream(torch.cuda.current_stream(self.device))
+        self._write_image(slot, values)
 
     # -- shutdown and accounting --------------------------------------------------------------------------
 

@@ -123,8 +123,37 @@ class SwapFile:
 
         future.add_done_callback(written)
 
+    def write_now(self, io: IoQueue, data: torch.Tensor, *, kind: SpanKind, label: str, only: tuple[int, int] | None = None) -> None:
+        """Write every extent (within the byte range ``only`` when given) from its place in ``data``
+        and wait for them; raise the first failure (its extents are then `INVALID`)."""
+        futures = []
+        for i, extent in enumerate(self.extents):
+            if only is None or only[0] <= extent.offset < only[1]:
+                futures.append(Future())
+                self.write(io, i, data, kind=kind, label=label, done=futures[-1].set_result)
+        _raise_first(futures)
+
+    def read_now(self, io: IoQueue, data: torch.Tensor, *, kind: SpanKind, label: str, only: tuple[int, int] | None = None) -> None:
+        """Read the file's image (within the byte range ``only`` when given) into ``data`` and wait,
+        each extent checked against its CRC32C; unwritten extents are zeros."""
+        indices, zeros = self.plan_read(only)
+        futures = []
+        for i in indices:
+            futures.append(Future())
+            self.read(io, i, data, kind=kind, label=label, done=futures[-1].set_result)
+        for extent in zeros:
+            data[extent.offset : extent.offset + extent.nbytes].zero_()
+        _raise_first(futures)
+
     def remove(self) -> None:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _raise_first(futures: list[Future]) -> None:
+    """Wait for every request (each future resolves to the I/O's own future); raise the first failure."""
+    errors = [e for e in (f.result().exception() for f in futures) if e is not None]
+    if errors:
+        raise errors[0]

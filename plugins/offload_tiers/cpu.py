@@ -53,10 +53,13 @@ from zkernel.host_memory import host_empty, host_zeros
 from zkernel.log import get_logger
 from zkernel.step_pipeline import SPECULATE_POLICIES
 from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, ParamsTier, Resource
+from zkernel.tiers import OptimizerTier, Resource, ShardState
 from zkernel.timeline import SpanKind
 
-from .device import DeviceOptimizerTier, shares_storage, update_target
+from ._cpu_params import CpuParamsOptions, CpuParamsTier
+from ._staging import POOLED, StagingPool
+from ._state import write_optimizer_state
+from .device import DeviceOptimizerTier, update_target
 
 log = get_logger()
 
@@ -70,6 +73,14 @@ class CpuTierOptions:
     # Start host steps before the global norm is known and roll them back when clipping or an
     # fp16 overflow applies: "auto" (when the previous step needed neither), "always", "never".
     speculate: str = attrs.field(default="auto", validator=attrs.validators.in_(SPECULATE_POLICIES))
+    # Page-locked compute-dtype buffers the host step rounds updated parameters into before their
+    # upload, shared by all groups (each as large as the largest group).
+    staging_buffers: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    # Dtype gradients cross to the host in: "fp32" (as reduced), or "bf16" (half the bytes over the
+    # link and in host memory, and a shorter host step; the gradient is rounded to bf16 before the
+    # optimizer reads it, as DeepSpeed's offload does; the norm is still taken in fp32). With
+    # gradient accumulation the landing buffer stays fp32 and the host adds in fp32.
+    grad_dtype: str = attrs.field(default="fp32", validator=attrs.validators.in_(("fp32", "bf16")))
     # Fraction of trainable elements whose optimizer stays on the GPU ([Note: GPU share]), or "auto".
     gpu_share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _check_share(v))
 
@@ -91,8 +102,10 @@ class _Slot:
     sq_norm: torch.Tensor | Future | None = None
     accumulation: Future | None = None  # host-side add of a later micro-batch
     on_device: bool = False  # moved to the GPU share: the inner device tier holds it
-    # This tier's own ``copy_out`` (a params tier may lend another for a step: not counted here).
-    staging: torch.Tensor | None = None
+    pooled: bool = False  # its rounded update goes through a shared staging buffer
+    # Where its rounded update goes when not pooled (the parameters' home, or None): this tier's
+    # own; a buffer a params tier lends as ``copy_out`` for one step is not counted here.
+    update: torch.Tensor | None = None
 
 
 class CpuTier(OptimizerTier):
@@ -113,7 +126,14 @@ class CpuTier(OptimizerTier):
         self._pending: deque = deque()  # CPU-only landings not completed yet
         self._state: dict[int, tuple] = {}  # declared optimizer state per group (for the GPU share)
         self._device_tier = DeviceOptimizerTier(context)
+        bf16 = self.options.grad_dtype == "bf16" and self.cuda
+        self._landing_dtype = (
+            torch.bfloat16 if bf16 and context.config.gradient_accumulation_steps == 1 else torch.float32
+        )
+        self._transfer_dtype = torch.bfloat16 if bf16 else torch.float32
         self.gpu_share_numel = 0
+        self._planned_numel = 0
+        self._staging = StagingPool(self.options.staging_buffers, self.compute_dtype, self.options.pin_memory)
 
     def _pin(self) -> bool | None:
         return self.options.pin_memory
@@ -121,12 +141,29 @@ class CpuTier(OptimizerTier):
     # -- placement ----------------------------------------------------------------
 
     def demand(self, numel, state, compute_dtype):
-        staging = 0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size()
-        host = numel * (4 + 4 + staging) + sum(s.nbytes for s in state)
-        return {Resource.HOST: host}
+        self._planned_numel = numel
+        share = self._adopt_time_share()
+        landing = torch.empty((), dtype=self._landing_dtype).element_size()
+        host = int(numel * (1 - share)) * (4 + landing) + int(sum(s.nbytes for s in state) * (1 - share))
+        device = int(numel * share) * 16
+        return {Resource.HOST: host, Resource.DEVICE: device} if device else {Resource.HOST: host}
+
+    def _adopt_time_share(self) -> float:
+        """A numeric gpu_share is placed as groups are adopted ([Note: GPU share])."""
+        share = self.options.gpu_share
+        return share if self.cuda and share != "auto" else 0.0
 
     def adopt(self, group, master, state):
         numel = master.numel()
+        budget = int(self._adopt_time_share() * self._planned_numel)
+        if group.module is not None and numel <= budget - self.gpu_share_numel:
+            # Module-bound groups come in module order, the next forward's order: the first ones
+            # stay on the GPU from the start, so their host buffers never exist.
+            self._device_tier.adopt(group, master, state)
+            self._slots[group.index] = _Slot(landing=torch.empty(0), on_device=True)
+            self._state[group.index] = tuple(state)
+            self.gpu_share_numel += numel
+            return
         host_master = host_empty(numel, torch.float32, pin=self._pin())
         host_master.copy_(master)
         group.master = host_master
@@ -134,11 +171,26 @@ class CpuTier(OptimizerTier):
             s.name: host_zeros(s.shape, s.dtype, pin=self._pin()) if s.per_element else torch.zeros(s.shape, dtype=s.dtype)
             for s in state
         }
-        group.copy_out = update_target(
-            group, torch.device("cpu"), self.compute_dtype, lambda n, dt: host_empty(n, dt, pin=self._pin())
-        )
-        self._slots[group.index] = _Slot(landing=host_empty(numel, torch.float32, pin=self._pin()), staging=group.copy_out)
+        self._adopt_gradient(group, numel)
         self._state[group.index] = tuple(state)
+
+    def _adopt_gradient(self, group, numel: int) -> None:
+        """The host side every host-stepped group has, whatever keeps its master: the gradient's
+        landing buffer and where the rounded update goes (``group.master`` is set)."""
+        group.copy_out = update_target(group, torch.device("cpu"), self.compute_dtype, lambda n, dt: POOLED)
+        pooled = group.copy_out is POOLED
+        if pooled:
+            group.copy_out = None  # lent from the staging pool for each step (`acquire`)
+            self._staging.expect(numel)
+        self._slots[group.index] = _Slot(
+            landing=host_empty(numel, self._landing_dtype, pin=self._pin()), pooled=pooled, update=group.copy_out
+        )
+
+    def _update_buffers(self, slot: _Slot) -> list[torch.Tensor]:
+        """What a group's rounded updates are written into, as `zkernel_memory_tensors` counts it."""
+        if slot.pooled:
+            return self._staging.buffers
+        return [slot.update] if slot.update is not None else []
 
     def _on_device(self, group) -> bool:
         slot = self._slots.get(group.index)
@@ -150,13 +202,13 @@ class CpuTier(OptimizerTier):
         total = sum(g.master.numel() for g in order)
         if self.options.gpu_share == "auto":
             free = torch.cuda.get_device_properties(self.device).total_memory - torch.cuda.max_memory_reserved(self.device)
-            budget = int(0.8 * max(0, free)) // 16
+            budget = self.gpu_share_numel + int(0.8 * max(0, free)) // 16
         else:
             budget = int(self.options.gpu_share * total)
-        for group in order:
+        for group in order:  # the next forward's order: the first-needed groups first
             numel = group.master.numel()
-            if numel > budget - self.gpu_share_numel:
-                break
+            if self._on_device(group) or numel > budget - self.gpu_share_numel:
+                continue
             self._move_to_device(group)
             self.gpu_share_numel += numel
         log.info(
@@ -208,12 +260,12 @@ class CpuTier(OptimizerTier):
         one through pinned staging and a host-side add (worker thread)."""
         d2h = self.streams.d2h
         if first:
-            slot.landing.copy_(tensor, non_blocking=True)
             slot.sq_norm = tensor.pow(2).sum() if final else None
+            slot.landing.copy_(tensor.to(slot.landing.dtype), non_blocking=True)
             slot.landed_event = record_event(d2h)
             return
-        staging = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-        staging.copy_(tensor, non_blocking=True)
+        staging = torch.empty(tensor.numel(), dtype=self._transfer_dtype, pin_memory=True)
+        staging.copy_(tensor.to(self._transfer_dtype), non_blocking=True)
         slot.landed_event = None
         copied = record_event(d2h)
         slot.accumulation = self.worker.submit(_accumulate, slot.landing, staging, copied, final)
@@ -266,6 +318,17 @@ class CpuTier(OptimizerTier):
             slot.landing.zero_()
             slot.landed = True
         group.grad = slot.landing
+        if slot.pooled and group.copy_out is None:
+            group.copy_out = self._staging.take(group.master.numel())
+
+    def release(self, group):
+        slot = self._slots[group.index]
+        if slot.on_device:
+            return self._device_tier.release(group)
+        if slot.pooled and group.copy_out is not None:
+            # Its upload is queued on h2d by now: the buffer is free once h2d got past it.
+            self._staging.give(group.copy_out, record_event(self.streams.h2d) if self.cuda else None)
+            group.copy_out = None
 
     def end_window(self, group):
         slot = self._slots[group.index]
@@ -278,6 +341,22 @@ class CpuTier(OptimizerTier):
     def read_master(self, group):
         return group.master
 
+    def read_state(self, group):
+        if self._on_device(group):
+            return self._device_tier.read_state(group)
+        return ShardState(master=group.master, state=dict(group.optim_state))
+
+    def write_state(self, group, state):
+        if self._on_device(group):
+            return self._device_tier.write_state(group, state)
+        group.master.copy_(state.master)
+        write_optimizer_state(group, state.state, torch.device("cpu"), make=self._host_like)
+
+    def _host_like(self, value: torch.Tensor) -> torch.Tensor:
+        if value.dim() == 0:
+            return torch.empty((), dtype=value.dtype)
+        return host_empty(value.shape, value.dtype, pin=self._pin())
+
     def close(self):
         for slot in self._slots.values():
             if slot.accumulation is not None:
@@ -285,6 +364,7 @@ class CpuTier(OptimizerTier):
         self._slots.clear()
         self._pending.clear()
         self._state.clear()
+        self._staging.close()
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
@@ -294,7 +374,7 @@ class CpuTier(OptimizerTier):
         if slot.on_device:
             return self._device_tier.zkernel_memory_tensors(group)
         return {
-            "params": [slot.staging] if slot.staging is not None else [],
+            "params": self._update_buffers(slot),
             "grads": [slot.landing],
             "master_weights": [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
@@ -306,121 +386,6 @@ def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final
     copied.synchronize()
     landing.add_(staging)
     return float(landing.pow(2).sum()) if final else None
-
-
-@attrs.frozen(kw_only=True)
-class CpuParamsOptions:
-    """``offload.params_options`` of the ``cpu`` tier."""
-
-    # Page-lock the host shards: None = where CUDA is available; True = required (error without CUDA).
-    pin_memory: bool | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(bool)))
-    # Bytes of shards ahead of the running unit, in the traced order, to upload to the device
-    # (the nearest `prefetch_bytes` of them are also gathered ahead).
-    prefetch_device_bytes: int = attrs.field(default=1 << 30, validator=attrs.validators.ge(0))
-
-
-class CpuParamsTier(ParamsTier):
-    """Compute-dtype parameter shards in (page-locked) host memory, uploaded to the device per gather.
-
-    Each group's shard lives on the host; a gather needs it on the device, so
-    `to_device` uploads it on the h2d stream into a transient device buffer
-    (allocated from that stream's pool) and records an event; the consumer (the
-    compute stream for a fetch, the gather stream for a prefetch) waits for that
-    event only. The buffer is freed once the gather consumed it. An optimizer
-    step on the host writes its rounded result straight into the home shard
-    (zero copy); one on the device is downloaded on the d2h stream. Each rank
-    moves only its own shard over its own link, so host bandwidth adds up with
-    the number of GPUs (bandwidth-centric partitioning).
-    """
-
-    on_compute_device = False
-
-    def __init__(self, context, role: str = "params") -> None:
-        self.options = context.options or CpuParamsOptions()
-        self.lookahead_device_bytes = self.options.prefetch_device_bytes
-        self.device = context.device
-        self.cuda = self.device.type == "cuda"
-        self.streams = context.streams
-        self.timeline = context.timeline
-        # group index -> (device copy, its upload event); reads of the home in flight: group -> event
-        self._device: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._home_reads: dict[int, Any] = {}
-        self._downloads: dict[int, Any] = {}
-
-    def demand(self, numel, compute_dtype):
-        return {Resource.HOST: numel * torch.empty((), dtype=compute_dtype).element_size()}
-
-    def adopt(self, group, shard):
-        home = host_empty(shard.numel(), shard.dtype, pin=self.options.pin_memory)
-        home.copy_(shard)
-        return home
-
-    def to_device(self, group, *, consume, block):
-        home = group.param_shard
-        if not self.cuda:
-            if consume:
-                group.device_shard = home
-            return True
-        entry = self._device.get(group.index)
-        if entry is None:
-            h2d = self.streams.h2d
-            nbytes = home.numel() * home.element_size()
-            with torch.cuda.stream(h2d), self.timeline.span(SpanKind.PARAM_H2D, stream=h2d, label=group.name, nbytes=nbytes):
-                copy = torch.empty(home.shape, dtype=home.dtype, device=self.device)
-                copy.copy_(home, non_blocking=True)
-            entry = (copy, record_event(h2d))
-            self._device[group.index] = entry
-            self._home_reads[group.index] = entry[1]
-        if consume:
-            torch.cuda.current_stream(self.device).wait_event(entry[1])
-            group.device_shard = entry[0]
-        return True
-
-    def drop_device(self, group):
-        entry = self._device.pop(group.index, None)
-        group.device_shard = None
-        if entry is not None:
-            copy = entry[0]
-            copy.record_stream(torch.cuda.current_stream(self.device))
-            if self.streams.gather is not None:
-                copy.record_stream(self.streams.gather)
-
-    def before_update(self, group):
-        for pending in (self._home_reads, self._downloads):
-            event = pending.pop(group.index, None)
-            if event is not None:
-                event.synchronize()
-
-    def commit(self, group):
-        home = group.param_shard
-        source = group.copy_out if group.copy_out is not None else group.master
-        stale = self._device.pop(group.index, None)  # a device copy of the old values
-        if stale is not None:
-            stale[0].record_stream(torch.cuda.current_stream(self.device))
-        if shares_storage(source, home):
-            return None
-        if source.device.type == "cpu" or not self.cuda:
-            home.copy_(source)
-            return None
-        d2h = self.streams.d2h
-        d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(d2h):
-            home.copy_(source, non_blocking=True)
-            source.record_stream(d2h)
-        event = record_event(d2h)
-        self._downloads[group.index] = event
-        return event
-
-    def close(self):
-        for event in (*self._home_reads.values(), *self._downloads.values()):
-            event.synchronize()
-        self._device.clear()
-        self._home_reads.clear()
-        self._downloads.clear()
-
-    @hookimpl
-    def zkernel_memory_tensors(self, group):
-        return {"params": [group.param_shard]} if group.param_shard is not None else None
 
 
 def cpu_tier(context, role: str):

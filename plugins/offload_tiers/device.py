@@ -21,8 +21,10 @@ import torch
 
 from zkernel import hookimpl
 from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, ParamsTier, Resource
+from zkernel.tiers import OptimizerTier, ParamsTier, Resource, ShardState
 from zkernel.timeline import SpanKind
+
+from ._state import write_optimizer_state
 
 
 def shares_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -111,6 +113,13 @@ class DeviceOptimizerTier(OptimizerTier):
 
     def read_master(self, group):
         return group.master
+
+    def read_state(self, group):
+        return ShardState(master=group.master, state=dict(group.optim_state))
+
+    def write_state(self, group, state):
+        group.master.copy_(state.master)
+        write_optimizer_state(group, state.state, group.master.device)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

@@ -18,7 +18,7 @@ from torch.optim import adamw as torch_adamw
 from zkernel import hookimpl
 from zkernel.config import boolean, choice
 
-from ._adam_state import adam_declaration
+from ._adam_state import adam_declaration, rollback_group, rollback_possible
 
 
 @attrs.frozen(kw_only=True)
@@ -40,10 +40,16 @@ class TorchAdamW:
 
     def __init__(self, context) -> None:
         self.options = context.options or AdamWOptions()
+        self._can_rollback = rollback_possible(context.config, self.options.decoupled_weight_decay)
 
     @hookimpl
     def zkernel_declare_optimizer(self, numel):
-        return adam_declaration(numel, can_rollback=False)
+        return adam_declaration(numel, can_rollback=self._can_rollback)
+
+    @hookimpl
+    def zkernel_rollback_optimizer(self, group, options):
+        rollback_group(group, options, self.options.decoupled_weight_decay, native_kernel=False)
+        return True
 
     @hookimpl
     def zkernel_step_optimizer(self, group, options) -> bool:

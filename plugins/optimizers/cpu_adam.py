@@ -26,7 +26,7 @@ from zkernel import hookimpl, native
 from zkernel.config import boolean, integer
 from zkernel.log import get_logger
 
-from ._adam_state import adam_declaration
+from ._adam_state import adam_declaration, rollback_group, rollback_possible
 from .adamw import torch_adam_step
 
 log = get_logger()
@@ -48,10 +48,16 @@ class CpuAdam:
     def __init__(self, context) -> None:
         self.options = (context.options if context is not None else None) or CpuAdamOptions()
         native.load()  # fail at selection time, naming the build step, if unbuilt
+        self._can_rollback = context is not None and rollback_possible(context.config, self.options.decoupled_weight_decay)
 
     @hookimpl
     def zkernel_declare_optimizer(self, numel):
-        return adam_declaration(numel, can_rollback=False)
+        return adam_declaration(numel, can_rollback=self._can_rollback)
+
+    @hookimpl
+    def zkernel_rollback_optimizer(self, group, options):
+        rollback_group(group, options, self.options.decoupled_weight_decay, native_kernel=True)
+        return True
 
     @hookimpl
     def zkernel_step_optimizer(self, group, options) -> bool:

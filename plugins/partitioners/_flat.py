@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zkernel.groups import Fragment, ShardLayout
+
 
 @attrs.frozen
 class FlatLayout:
@@ -62,6 +64,16 @@ class FlatLayout:
     def own(self) -> slice:
         start = self.rank * self.shard_size
         return slice(start, start + self.shard_size)
+
+    def shard_layout(self, replicated: bool = False) -> ShardLayout:
+        """Which parameter elements this rank's slice holds (see `zkernel_describe_shard`)."""
+        own = self.own if self.shards > 1 else slice(0, self.padded)
+        fragments = []
+        for index, (offset, numel) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(offset, own.start), min(offset + numel, own.stop)
+            if lo < hi:
+                fragments.append(Fragment(param=index, start=lo - offset, numel=hi - lo, offset=lo - own.start))
+        return ShardLayout(numel=own.stop - own.start, fragments=tuple(fragments), replicated=replicated)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's view into ``flat`` (a tensor of ``padded`` elements)."""

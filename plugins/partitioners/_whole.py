@@ -105,6 +105,11 @@ def publish(group: ParamGroup, world: int) -> None:
         all_gather_flat(state.full, state.full[state.flat.own])
 
 
+def describe(group: ParamGroup, replicated: bool):
+    """This rank's slice of the bucket (`zkernel_describe_shard`); ``replicated`` without sharding."""
+    return group.layout.flat.shard_layout(replicated=replicated)
+
+
 def gather_master(flat: FlatLayout, master: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
     """The whole fp32 flat buffer from every rank's master slice (collective when sharded)."""
     shard = master.to(device=device, dtype=torch.float32)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from zkernel import hookimpl
 
 from ._reduce import reduce_at_boundary
-from ._whole import BucketOptions, build_whole_groups, memory_of, restore
+from ._whole import BucketOptions, build_whole_groups, describe, memory_of, restore
 
 
 class DataParallel:
@@ -37,6 +37,12 @@ class DataParallel:
     @hookimpl
     def zkernel_restore_params(self, group, master):
         restore(group, master, self.context.device, world=1)
+
+    @hookimpl
+    def zkernel_describe_shard(self, group):
+        return describe(group, replicated=True)
+
+    # zkernel_restore_state: nothing to do; the parameters are views of the shard the tier refreshed.
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

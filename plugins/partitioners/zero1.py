@@ -16,7 +16,7 @@ from __future__ import annotations
 from zkernel import hookimpl
 
 from ._reduce import reduce_at_boundary
-from ._whole import BucketOptions, build_whole_groups, memory_of, publish, restore
+from ._whole import BucketOptions, build_whole_groups, describe, memory_of, publish, restore
 
 
 class Zero1:
@@ -41,6 +41,14 @@ class Zero1:
     @hookimpl
     def zkernel_restore_params(self, group, master):
         restore(group, master, self.context.device, self.context.world_size)
+
+    @hookimpl
+    def zkernel_describe_shard(self, group):
+        return describe(group, replicated=False)
+
+    @hookimpl
+    def zkernel_restore_state(self, group):
+        publish(group, self.context.world_size)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

@@ -57,6 +57,7 @@ from zkernel import hookimpl
 from zkernel.config import choice, integer
 from zkernel.groups import ParamGroup, Phase
 from zkernel.streams import record_event
+from zkernel.released import mark_gathered, mark_released
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
 from ._reduce import reduce_every_micro_batch
@@ -199,12 +200,15 @@ class Zero3:
 
     def _point_at(self, group: ParamGroup, full: torch.Tensor) -> None:
         for p, view in zip(group.params, group.layout.flat.views(full)):
+            mark_gathered(p)
             p.data = view
         group.gathered = True
 
     def _point_at_placeholder(self, group: ParamGroup) -> None:
-        for p in group.params:
+        """Between uses: empty ``.data``, and reads outside the engine raise (see `zkernel.released`)."""
+        for p, name in zip(group.params, group.param_names):
             p.data = self._placeholder(group.layout.full)
+            mark_released(p, name)
         group.gathered = False
 
     # -- fetch / release ------------------------------------------------------------
@@ -299,9 +303,22 @@ class Zero3:
             full = torch.empty(state.full.numel(), dtype=state.full.dtype, device=device)
             self._gather_into(group, full, async_op=False)
         for p, view in zip(group.params, state.flat.views(full)):
+            mark_gathered(p)
             p.data = view.clone()
         group.gathered = True
         state.full = full.new_empty(0)
+
+    @hookimpl
+    def zkernel_describe_shard(self, group):
+        return group.layout.flat.shard_layout()
+
+    @hookimpl
+    def zkernel_restore_state(self, group):
+        state: Zero3State = group.layout
+        self._drop_prefetch(state)
+        if state.persistent:
+            with torch.autograd._unsafe_preserve_version_counter(state.full):
+                self._gather_into(group, state.full, async_op=False)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

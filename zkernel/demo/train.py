@@ -56,6 +56,15 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--partitioner", default="zero3", help="partitioner to train with (default: zero3)"
     )
     parser.add_argument(
+        "--offload-optimizer",
+        default="cpu",
+        help="offload.optimizer tier: fp32 masters and Adam state in host memory, stepped by the native "
+        "CPU Adam while the device computes (default: cpu; 'none' keeps them on the device)",
+    )
+    parser.add_argument(
+        "--offload-params", default="none", help="offload.params tier (zero3 only; default: none)"
+    )
+    parser.add_argument(
         "--short",
         action="store_true",
         help=f"test mode: {SHORT_SECONDS:g} s of training and a shorter sample",
@@ -77,14 +86,22 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def demo_config(partitioner: str, *, gpu: bool, lr: float, seed: int) -> dict:
+def demo_config(
+    partitioner: str, *, gpu: bool, lr: float, seed: int, offload_optimizer: str = "cpu", offload_params: str = "none"
+) -> dict:
     """The zkernel config the demo trains with."""
     config = {
         "partitioner": partitioner,
         "precision": "bf16" if gpu else "fp32",
         "gradient_clipping": 1.0,
         "gradient_accumulation_steps": 2,
-        "optimizer": {"name": "adamw", "lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.0},
+        "optimizer": {
+            "name": "cpu_adam" if offload_optimizer != "none" else "adamw",
+            "lr": lr,
+            "betas": [0.9, 0.95],
+            "weight_decay": 0.0,
+        },
+        "offload": {"optimizer": offload_optimizer, "params": offload_params},
         "seed": seed,
     }
     if partitioner == "zero3":
@@ -173,7 +190,14 @@ def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = Non
         # Every rank builds the same model; the partitioner broadcasts rank 0's values anyway.
         model = GPT(gpt_cfg)
     n_params = model.num_params()
-    config = demo_config(args.partitioner, gpu=gpu, lr=args.lr, seed=args.seed)
+    config = demo_config(
+        args.partitioner,
+        gpu=gpu,
+        lr=args.lr,
+        seed=args.seed,
+        offload_optimizer=args.offload_optimizer,
+        offload_params=args.offload_params,
+    )
     engine = zkernel.initialize(model, config)
     rank, world = engine.dist.rank, engine.dist.world_size
     structlog.contextvars.bind_contextvars(rank=rank)
@@ -184,6 +208,7 @@ def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = Non
         on_start(
             f"zkernel demo: GPT of {n_params:,} parameters (d={gpt_cfg.d_model}, {gpt_cfg.n_layers} layers, "
             f"{gpt_cfg.n_heads} heads, seq {gpt_cfg.seq_len}), partitioner {args.partitioner}, "
+            f"optimizer offload {args.offload_optimizer}, parameter offload {args.offload_params}, "
             f"{world} rank(s) on {engine.device.type} ({engine.dist.backend or 'no process group'}), "
             f"{config['precision']}, {tokens_per_step:,} tokens per optimizer step, {seconds:g} s"
             + (", built on the meta device" if meta_init else "")
@@ -241,4 +266,5 @@ def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = Non
         "sample": sample,
         "n_params": n_params,
     }
+    engine.close()
     return summary

@@ -1,0 +1,166 @@
+"""Activation checkpointing ``recompute``: selected modules recompute their activations in backward.
+
+Algorithm. Each module ``[activation_checkpointing] modules`` selects (a
+class name such as ``"Block"``, or an fnmatch pattern of module names such
+as ``"blocks.*"``; only the outermost of nested matches) gets its
+``forward`` run through ``torch.utils.checkpoint`` (non-reentrant, RNG state
+preserved, so dropout draws the same mask again): its forward keeps only its
+inputs, and backward recomputes the rest just before it needs it. Positional
+and keyword arguments, tensors or not, nested in lists, tuples and dicts,
+are flattened into the checkpoint's own inputs, so every tensor among them is
+saved (and offloaded) like a positional one.
+
+With ``offload = "cpu"`` those saved inputs wait in host memory instead of
+on the device (see [Note: saved-input offload] in `_offload`): activation
+memory on the device stays about one checkpointed module deep, at the price
+of one copy out and one copy in per module, overlapped with compute.
+
+Under zero3 the scheduler recognises the recomputation (see [Note:
+recompute] in `zkernel.scheduler`): each unit of the module is gathered once
+for its recomputation and its backward together. Under every other
+partitioner parameters are whole and nothing changes for them.
+`Engine.close` gives every module its own ``forward`` back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+
+import attrs
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from zkernel import hookimpl
+from zkernel.config import ConfigError
+from zkernel.log import get_logger
+
+from ._offload import SavedInputOffloader
+
+log = get_logger()
+
+_MISSING = object()
+
+
+@attrs.frozen(kw_only=True)
+class RecomputeOptions:
+    """``[activation_checkpointing]`` options of the ``recompute`` component."""
+
+    # With offload = "cpu": checkpointed modules whose inputs are brought back ahead of their backward.
+    prefetch: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    # Page-lock the host copies: None = where CUDA is available.
+    pin_memory: bool | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(bool))
+    )
+
+
+class CheckpointedForward:
+    """A module's ``forward`` run under ``torch.utils.checkpoint``; set as the module's ``forward`` attribute."""
+
+    def __init__(self, forward, offloader: SavedInputOffloader | None) -> None:
+        self.forward = forward
+        self.offloader = offloader
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        run = functools.partial(_run_unflattened, self.forward, spec)
+        with self.offloader.region() if self.offloader is not None else contextlib.nullcontext():
+            return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
+
+
+def _run_unflattened(forward, spec, *leaves):
+    args, kwargs = tree_unflatten(list(leaves), spec)
+    return forward(*args, **kwargs)
+
+
+@attrs.frozen
+class _Wrapped:
+    module: nn.Module
+    previous: object  # the instance attribute ``forward`` had before, or _MISSING
+
+
+class Recompute:
+    """Checkpoints the selected modules, offloading their saved inputs when asked."""
+
+    def __init__(self, context) -> None:
+        self.section = context.config.activation_checkpointing
+        self.options = context.options or RecomputeOptions()
+        self.offloader = (
+            SavedInputOffloader(
+                context.device, context.streams, prefetch=self.options.prefetch, pin_memory=self.options.pin_memory
+            )
+            if self.section.offload == "cpu"
+            else None
+        )
+        self.wrapped: list[_Wrapped] = []
+
+    @hookimpl
+    def zkernel_apply_activation_checkpointing(self, module, context):
+        for name, target in select_modules(module, self.section.modules):
+            if isinstance(target.__dict__.get("forward"), CheckpointedForward):
+                raise ConfigError(
+                    f"activation_checkpointing: module {name!r} is checkpointed already (by another engine "
+                    "that was not closed?)"
+                )
+            previous = target.__dict__.get("forward", _MISSING)
+            target.forward = CheckpointedForward(target.forward, self.offloader)
+            self.wrapped.append(_Wrapped(target, previous))
+        if self.wrapped:
+            log.debug(
+                "zkernel.activation.checkpointed", modules=len(self.wrapped), offload=self.section.offload
+            )
+
+    @hookimpl
+    def zkernel_restore_module(self, module):
+        for entry in reversed(self.wrapped):
+            if entry.previous is _MISSING:
+                del entry.module.forward
+            else:
+                entry.module.forward = entry.previous
+        self.wrapped.clear()
+
+
+def select_modules(model: nn.Module, selectors: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Modules matching a class name or a name pattern, outermost only, in model order.
+
+    A selector that matches nothing is an error listing what could match.
+    """
+    if not selectors:
+        return []
+    named = list(model.named_modules())
+    matched: dict[int, tuple[str, nn.Module]] = {}
+    for selector in selectors:
+        hits = [(n, m) for n, m in named if type(m).__name__ == selector or fnmatch.fnmatchcase(n, selector)]
+        if not hits:
+            classes = sorted({type(m).__name__ for _, m in named})
+            raise ConfigError(
+                f"activation_checkpointing.modules {selector!r} matches no module (by class name or by "
+                f"fnmatch pattern of module names); classes in the model: {', '.join(classes[:12])}"
+                + (", ..." if len(classes) > 12 else "")
+            )
+        for name, module in hits:
+            matched.setdefault(id(module), (name, module))
+    chosen = []
+    for name, module in matched.values():
+        inside = any(
+            other_name != name and (other_name == "" or name.startswith(other_name + "."))
+            for other_name, _ in matched.values()
+        )
+        if not inside:
+            chosen.append((name, module))
+    return chosen
+
+
+@hookimpl
+def zkernel_register_activation_checkpointers(registry) -> None:
+    registry.add(
+        "recompute",
+        Recompute,
+        description="recomputes the selected modules in backward (torch checkpoint); offload = 'cpu' keeps their inputs on the host",
+        options_cls=RecomputeOptions,
+    )

@@ -1,0 +1,108 @@
+"""Per-rank runs for the issue-8 tests: changing module order, eval passes, exceptions, diverging ranks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zkernel
+from tests.models import VOCAB, batches
+
+
+class BranchNet(nn.Module):
+    """Takes branch ``left`` or ``right`` (or, when ``wide``, a branch of another size) per call."""
+
+    def __init__(self, dim: int = 13) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.left = nn.Linear(dim, dim)
+        self.right = nn.Linear(dim, dim)
+        self.wide = nn.Sequential(nn.Linear(dim, 3 * dim), nn.Tanh(), nn.Linear(3 * dim, dim))
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens, targets, branch="left", fail=False):
+        h = self.frozen(self.embed(tokens))
+        h = torch.tanh(getattr(self, branch)(h))
+        if fail:
+            raise ValueError("a failing forward")
+        logits = self.head(h)
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def branch_of(step: int) -> str:
+    return "left" if step % 2 == 0 else "right"
+
+
+def _rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def train_branching(config: dict, steps: int, eval_first: bool, fail_at: int | None = None) -> dict:
+    """Training that switches branch every step, optionally after an evaluation forward (no_grad,
+    another batch size) and with a forward that raises at step ``fail_at`` (then retried)."""
+    rank, world = _rank_world()
+    torch.manual_seed(3)
+    engine = zkernel.initialize(BranchNet(), config)
+    data = batches(9, steps, 1, world, 3)
+    if eval_first:
+        with torch.no_grad():
+            tokens, targets = batches(99, 1, 1, world, 5)[0][0][rank]
+            engine(tokens, targets, branch="wide")
+    losses, leftovers = [], []
+    for i, step in enumerate(data):
+        tokens, targets = step[0][rank]
+        if i == fail_at:
+            try:
+                engine(tokens, targets, branch=branch_of(i), fail=True)
+            except ValueError:
+                pass
+            leftovers.append(sum(g.gathered for g in engine.scheduler.bound if g.layout and not g.layout.persistent))
+        loss = engine(tokens, targets, branch=branch_of(i))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+        leftovers.append(sum(g.gathered for g in engine.scheduler.bound if g.layout and not g.layout.persistent))
+    return {"losses": losses, "leftovers": leftovers, "retraces": engine.scheduler.tracer.retraces}
+
+
+def reference_branching(steps: int, world: int, lr: float) -> list[float]:
+    torch.manual_seed(3)
+    model = BranchNet()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    losses = []
+    for i, step in enumerate(batches(9, steps, 1, world, 3)):
+        tokens = torch.cat([t for t, _ in step[0]])
+        targets = torch.cat([y for _, y in step[0]])
+        loss = model(tokens, targets, branch=branch_of(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def diverge(config: dict, branch_on_rank1: str) -> str:
+    """Rank 1 takes ``branch_on_rank1`` at the second step while rank 0 stays left: the error text."""
+    rank, world = _rank_world()
+    torch.manual_seed(3)
+    engine = zkernel.initialize(BranchNet(), config)
+    data = batches(9, 4, 1, world, 3)
+    try:
+        for i, step in enumerate(data):
+            tokens, targets = step[0][rank]
+            branch = branch_on_rank1 if (rank == 1 and i == 1) else "left"
+            loss = engine(tokens, targets, branch=branch)
+            engine.backward(loss)
+            engine.step()
+    except zkernel.RankDivergenceError as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,199 @@
+"""Per-rank runs of the checkpoint tests (executed in spawned processes, or in-process at world 1)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zkernel
+from tests.models import VOCAB, TrickyNet, batches
+from zkernel import hookimpl
+from zkernel_plugins.offload_tiers.device import DeviceOptimizerTier
+
+
+class DropNet(TrickyNet):
+    """TrickyNet with dropout: a resumed run matches only if every rank's RNG state came back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.embed(tokens))
+        h = h + self.block(h)
+        h = h + self.block(h)
+        h = self.frozen_proj(self.norm(h)) * self.gain + self.shift
+        logits = F.linear(h, self.embed.weight)
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+MODELS = {"tricky": TrickyNet, "drop": DropNet}
+
+
+def world_rank() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def run_steps(engine, data, accum: int) -> list[float]:
+    """This rank's share of each global batch in ``data``; the global mean loss per step."""
+    world, rank = world_rank()
+    losses = []
+    for step in data:
+        total = torch.zeros(())
+        for micro_batch in step:
+            tokens, targets = micro_batch[rank]
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float().cpu() / accum
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
+
+
+def train_and_save(model: str, config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int,
+                   seed: int) -> dict:  # fmt: skip
+    """Train ``steps`` steps, saving after ``save_at``; return every step's loss (the uninterrupted run)."""
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(MODELS[model](), config)
+    world, _ = world_rank()
+    data = batches(seed + 1, steps, accum, world, micro)
+    losses = run_steps(engine, data[:save_at], accum)
+    engine.save_checkpoint(directory)
+    losses += run_steps(engine, data[save_at:], accum)
+    engine.close()
+    return {"losses": losses}
+
+
+def resume(model: str, config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int,
+           seed: int) -> dict:  # fmt: skip
+    """A fresh model (other initial values), loaded from ``directory``, trained from ``save_at`` on."""
+    torch.manual_seed(seed + 1000)
+    engine = zkernel.initialize(MODELS[model](), config)
+    world, _ = world_rank()
+    tag = engine.load_checkpoint(directory)
+    counters = (engine.global_steps, engine.micro_steps)
+    losses = run_steps(engine, batches(seed + 1, steps, accum, world, micro)[save_at:], accum)
+    engine.close()
+    return {"losses": losses, "tag": tag, "counters": counters}
+
+
+def released_reads(config: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
+    """zero3 between steps: what reads of released parameters do, and the engine's state dict."""
+    from zkernel.released import ReleasedParameterError
+
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config)
+    world, _ = world_rank()
+    run_steps(engine, batches(seed + 1, steps, accum, world, micro), accum)
+    errors = {}
+    for what, read in (
+        ("module.state_dict", lambda: engine.module.state_dict()),
+        ("norm", lambda: engine.module.block[0].weight.norm()),
+        ("data", lambda: engine.module.block[0].weight.data),
+        ("torch.save", lambda: torch.save(engine.module.state_dict(), os.devnull)),
+    ):
+        try:
+            read()
+            errors[what] = None
+        except ReleasedParameterError as exc:
+            errors[what] = str(exc)
+    full = engine.state_dict()
+    engine.close()
+    return {
+        "errors": errors,
+        "state_dict": {k: v.clone() for k, v in full.items()},
+        "dtypes": {k: str(v.dtype) for k, v in full.items()},
+        "closed_norm": float(engine.module.block[0].weight.norm()),
+    }
+
+
+def failed_load(config: dict, directory: str) -> str:
+    """Load a damaged checkpoint: every rank must raise (none may wait for the others)."""
+    torch.manual_seed(0)
+    engine = zkernel.initialize(TrickyNet(), config)
+    try:
+        engine.load_checkpoint(directory)
+    except zkernel.CheckpointError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "no error"
+
+
+def job(tasks: list[tuple[str, tuple]]) -> list:
+    """Run several scenarios of this module in one spawned job (one process start for all)."""
+    return [globals()[name](*args) for name, args in tasks]
+
+
+# -- a rank killed in the middle of a save ----------------------------------------------------
+
+
+class PausingTier(DeviceOptimizerTier):
+    """The device tier, except that while ``PAUSE_FILE`` exists a save stalls in its second group.
+
+    The stall happens inside the real writer (between groups of a rank file
+    being streamed), so the test can kill the process there.
+    """
+
+    def read_state(self, group):
+        pause = os.environ.get("ZKERNEL_TEST_PAUSE_FILE")
+        if pause and Path(pause).exists() and group.index == 1:
+            Path(pause + ".reached").touch()
+            time.sleep(600)
+        return super().read_state(group)
+
+
+class PausingPlugin:
+    @hookimpl
+    def zkernel_register_offload_tiers(self, registry):
+        registry.add("pausing", PausingTier, description="device tier that stalls saves (test)")
+
+
+def save_then_stall(directory: str) -> None:
+    """Child process: save tag 'good', then start saving tag 'doomed' and stall inside it."""
+    torch.manual_seed(0)
+    config = {"partitioner": "zero2", "optimizer": {"lr": 1e-2}, "partitioner_options": {"bucket_size": 300},
+              "offload": {"optimizer": "pausing"}}  # fmt: skip
+    engine = zkernel.initialize(TrickyNet(), config, plugins=[PausingPlugin()])
+    data = batches(5, 3, 1, 1, 4)
+    run_steps(engine, data[:2], 1)
+    engine.save_checkpoint(directory, tag="good")
+    run_steps(engine, data[2:], 1)
+    Path(os.environ["ZKERNEL_TEST_PAUSE_FILE"]).touch()
+    engine.save_checkpoint(directory, tag="doomed")
+
+
+def save_under_file_size_limit(directory: str, limit: str) -> str:
+    """Child process: save 'good', then save 'big' with files capped at ``limit`` bytes; return the error."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+    torch.manual_seed(0)
+    engine = zkernel.initialize(TrickyNet(), {"partitioner": "zero1", "optimizer": {"lr": 1e-2}})
+    run_steps(engine, batches(5, 1, 1, 1, 4), 1)
+    engine.save_checkpoint(directory, tag="good")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        engine.save_checkpoint(directory, tag="big")
+    except zkernel.CheckpointError as exc:
+        print(str(exc))
+        return str(exc)
+    print("no error")
+    return "no error"
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,101 @@
+"""`zkernel.consolidate`: the full fp32 state dict of a checkpoint, without a process group.
+
+One tensor at a time: each is assembled from the fragments of every rank file
+that holds part of it (only those bytes are read, each checksum block
+verified) and is then final. `consolidate` keeps the results (peak memory: the
+output plus one tensor's staging); `consolidate_to_file` streams each one into
+a safetensors file as soon as it is assembled (peak memory: about the largest
+tensor), which is what ``zkernel consolidate DIR OUT.safetensors`` runs.
+
+Trainable parameters come from their fp32 masters; frozen parameters and
+buffers are floating-point values widened to fp32 (integer and boolean
+buffers keep their dtype). Keys are the plain model's state-dict keys, tied
+parameters under each of their names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from zkernel.checkpoint.format import FORMAT, CheckpointError
+from zkernel.checkpoint.model import BUFFER, EXTRA
+from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
+from zkernel.checkpoint.range_reader import RangeReader
+from zkernel.checkpoint.stream_writer import Entry, write_file
+
+
+def _output_dtype(index: CheckpointIndex, kind: str, name: str) -> torch.dtype:
+    dtype = index.dtype(name, kind)
+    return torch.float32 if dtype.is_floating_point else dtype
+
+
+def _keys(index: CheckpointIndex) -> list[tuple[str, str, str]]:
+    keys = [tuple(k) for k in index.manifest["state_dict"]]
+    for key, kind, _ in keys:
+        if kind == EXTRA:
+            raise CheckpointError(f"checkpoint {index.dir}: state-dict key {key!r} is not stored")
+    return keys
+
+
+def _read(index: CheckpointIndex, reader: RangeReader, kind: str, name: str) -> torch.Tensor:
+    shape = index.shape(name, kind)
+    out = torch.empty(shape, dtype=_output_dtype(index, kind, name))
+    batch = ReadBatch(index)
+    batch.add(name, "buffer" if kind == BUFFER else index.value_kind(name), 0, out.view(-1))
+    batch.run(reader)
+    return out
+
+
+def _bar(total: int, progress: bool, desc: str):
+    if not progress:
+        return contextlib.nullcontext(None)
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+
+def _nbytes(index: CheckpointIndex, kind: str, name: str) -> int:
+    numel = 1
+    for d in index.shape(name, kind):
+        numel *= d
+    return numel * torch.empty((), dtype=_output_dtype(index, kind, name)).element_size()
+
+
+def consolidate(directory: str | os.PathLike, tag: str | None = None, *, progress: bool = False) -> dict[str, torch.Tensor]:
+    """The full state dict of checkpoint ``tag`` (default: the latest) in ``directory``, as CPU tensors."""
+    index = open_checkpoint(directory, tag)
+    keys = _keys(index)
+    unique = list(dict.fromkeys((kind, name) for _, kind, name in keys))
+    made: dict[tuple[str, str], torch.Tensor] = {}
+    with RangeReader() as reader, _bar(sum(_nbytes(index, *u) for u in unique), progress, "consolidate") as bar:
+        for kind, name in unique:
+            made[(kind, name)] = _read(index, reader, kind, name)
+            if bar is not None:
+                bar.update(_nbytes(index, kind, name))
+    return {key: made[(kind, name)] for key, kind, name in keys}
+
+
+def consolidate_to_file(
+    directory: str | os.PathLike, out: str | os.PathLike, tag: str | None = None, *, progress: bool = False
+) -> Path:
+    """Write the full state dict of checkpoint ``tag`` to the safetensors file ``out``, one tensor at a time."""
+    index = open_checkpoint(directory, tag)
+    keys = _keys(index)
+    path = Path(out)
+    with RangeReader() as reader, _bar(sum(_nbytes(index, k, n) for _, k, n in keys), progress, "consolidate") as bar:
+        entries = [
+            Entry(
+                key,
+                _output_dtype(index, kind, name),
+                index.shape(name, kind),
+                lambda kind=kind, name=name: _read(index, reader, kind, name),
+            )
+            for key, kind, name in keys
+        ]
+        metadata = {"format": "pt", "source": FORMAT, "tag": index.tag}
+        write_file(path, entries, metadata, on_bytes=None if bar is None else bar.update)
+    return path

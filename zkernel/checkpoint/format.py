@@ -1,0 +1,199 @@
+"""The on-disk format: names, the manifest and its validation, atomic file replacement.
+
+Layout of a checkpoint directory (see the package docstring for what each file holds)::
+
+    DIR/latest                         the tag of the newest committed checkpoint
+    DIR/<tag>/manifest.json            written last: the commit point
+    DIR/<tag>/rank00000.safetensors    one file per saving rank
+    DIR/<tag>.incomplete/              a save in progress (a leftover one: a save that died)
+    DIR/<tag>.replaced/                the previous <tag> while a save of the same tag commits
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+FORMAT = "zkernel-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+INCOMPLETE = ".incomplete"
+REPLACED = ".replaced"
+# File offsets of tensor data are multiples of this, so reads and writes can bypass the page cache.
+ALIGNMENT = 4096
+
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file and what is wrong."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def entry_name(kind: str, param: str, start: int) -> str:
+    """Name of a tensor in a rank file: ``kind`` ("master", "state.<name>", "param", "buffer"),
+    the parameter or buffer name, and the first element it holds."""
+    return f"{kind}/{param}/{start}"
+
+
+def check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == LATEST or tag.endswith((INCOMPLETE, REPLACED)):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not valid: use letters, digits and _ . + - (not starting with . "
+            f"or -, at most 200 characters), not {LATEST!r} and not ending in {INCOMPLETE!r} or {REPLACED!r}"
+        )
+    return tag
+
+
+# -- dtypes ------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+                     ("uint32", "U32"), ("uint64", "U64")):  # fmt: skip
+    if hasattr(torch, _name):
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+TORCH_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: Any, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{where}: {name!r} is not a torch dtype")
+    return dtype
+
+
+# -- atomic replacement ----------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or file creation in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: temporary name, fsync, rename, directory fsync.
+
+    Readers see the old file or the new one, never a mix; on failure the
+    temporary file is removed and the old file is untouched.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+@attrs.frozen
+class FileRecord:
+    """What the manifest keeps about one file: its size and checksums."""
+
+    bytes: int
+    data_offset: int  # where the tensor data starts (the header before it is checksummed alone)
+    algorithm: str  # see `zkernel.checkpoint.checksum`
+    header_checksum: int
+    block_bytes: int
+    blocks: tuple[int, ...]  # checksums of the data region, block by block
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "algorithm": self.algorithm,
+            "data_offset": self.data_offset,
+            "header_checksum": self.header_checksum,
+            "block_bytes": self.block_bytes,
+            "blocks": list(self.blocks),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> FileRecord:
+        try:
+            record = cls(
+                bytes=int(raw["bytes"]),
+                data_offset=int(raw["data_offset"]),
+                algorithm=str(raw["algorithm"]),
+                header_checksum=int(raw["header_checksum"]),
+                block_bytes=int(raw["block_bytes"]),
+                blocks=tuple(int(b) for b in raw["blocks"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: damaged file record ({exc!r})") from None
+        data = record.bytes - record.data_offset
+        if record.block_bytes <= 0 or data < 0 or len(record.blocks) != -(-data // record.block_bytes):
+            raise CheckpointError(f"{where}: damaged file record (sizes and block count disagree)")
+        return record
+
+
+# -- the manifest --------------------------------------------------------------------------
+
+
+def read_manifest(tag_dir: Path) -> dict[str, Any]:
+    """Read and check ``tag_dir/manifest.json``; every problem is a `CheckpointError` naming it."""
+    path = tag_dir / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{tag_dir} has no {MANIFEST}: the save that wrote it did not complete, or it is not a "
+            "zkernel checkpoint"
+        ) from None
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint manifest {path} is truncated or damaged (not valid JSON: {exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a zkernel checkpoint manifest (no \"format\": {FORMAT!r})")
+    version = manifest.get("version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise CheckpointError(
+            f"checkpoint manifest {path} has format version {version!r}; this zkernel reads version "
+            f"{FORMAT_VERSION}" + (" (the checkpoint was written by a newer zkernel: upgrade)" if newer else "")
+        )
+    for key, kind in _MANIFEST_KEYS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise CheckpointError(f"checkpoint manifest {path} is damaged: {key!r} missing or not a {kind.__name__}")
+    return manifest
+
+
+_MANIFEST_KEYS = {
+    "world_size": int,
+    "files": dict,
+    "params": dict,
+    "buffers": dict,
+    "state_dict": list,
+    "optimizer_state": dict,
+    "engine": dict,
+    "ranks": list,
+}

@@ -1,0 +1,243 @@
+"""`Engine.load_checkpoint`: every rank rebuilds its own shards from whichever files hold them.
+
+Per group, in group order: the partitioner describes this rank's shard
+(`zkernel_describe_shard`), the rank reads exactly those parameter element
+ranges (master and optimizer state, or a frozen group's values) from the files
+that hold them, whatever world size or partitioner wrote them, and hands them
+to the optimizer tier (`OptimizerTier.write_state`) or the params tier
+(`ParamsTier.write_shard`). Reads run one group ahead on a thread of their own,
+into two alternating sets of page-aligned host buffers (page-locked with CUDA,
+for fast uploads), so the disk keeps reading while the previous group is handed
+to its tier. Parameters held whole and buffers are read whole.
+These reads are local; the ranks then exchange their status, so an error on
+one rank (a damaged file) raises on all of them before the partitioners
+refresh their whole copies (`zkernel_restore_state`, collective). Counters,
+the loss scale and this rank's RNG states come back last.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from zkernel.checkpoint import rng
+from zkernel.checkpoint.blockio import host_buffer
+from zkernel.checkpoint.collective import exchange_json
+from zkernel.checkpoint.format import CheckpointError, parse_dtype
+from zkernel.checkpoint.model import ModelView, view_of
+from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
+from zkernel.checkpoint.range_reader import RangeReader
+from zkernel.checkpoint.shards import check_between_steps, describe_error, describe_groups, state_specs, whole_params
+from zkernel.groups import ParamGroup, ShardLayout
+from zkernel.log import get_logger
+from zkernel.tiers import ShardState
+
+log = get_logger()
+
+
+def load(engine, directory: str | os.PathLike, tag: str | None = None) -> str:
+    """Restore ``engine`` from ``directory`` (``tag``, or the latest); return the tag loaded. Collective."""
+    check_between_steps(engine, "load_checkpoint")
+    started = time.perf_counter()
+    error, index, touched = None, None, [False]
+    try:
+        index = open_checkpoint(Path(directory), tag)
+        _read_everything(engine, index, touched)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait forever
+        error = exc
+    statuses = exchange_json({"error": describe_error(error)} if error is not None else {}, engine.dist)
+    failures = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if "error" in s]
+    if failures:
+        where = index.dir if index is not None else Path(directory) / (tag or "latest")
+        raise CheckpointError(
+            f"loading checkpoint {where} failed; "
+            + "; ".join(failures)
+            + (
+                ". The engine's parameters and optimizer state may be partly overwritten: load a checkpoint "
+                "again or initialize a new engine"
+                if touched[0]
+                else ". The engine was not changed"
+            )
+        ) from error
+    with engine.scheduler.plugin_call():
+        for group in engine.groups:
+            engine.params_tier.to_device(group, consume=True, block=True)
+            engine.hook.zkernel_restore_state(group=group)
+            engine.params_tier.drop_device(group)
+    engine.load_training_state(index.manifest["engine"])
+    ranks = index.manifest["ranks"]
+    rank = engine.dist.rank
+    if rank < len(ranks):
+        rng.restore(ranks[rank]["rng"])
+    else:
+        log.info("zkernel.checkpoint.rng_kept", rank=rank, saved_world_size=len(ranks))
+    log.info(
+        "zkernel.checkpoint.loaded",
+        rank=rank,
+        path=str(index.dir),
+        saved_world_size=index.manifest["world_size"],
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    return index.tag
+
+
+def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> None:
+    """Every group's shard, then whole parameters and buffers, into this rank's tiers (no collectives)."""
+    view = view_of(engine.module)
+    _check_model(engine, view, index)
+    groups = engine.groups
+    layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
+    largest = max((layout.numel for layout in layouts if layout is not None), default=0)
+    with RangeReader() as reader, ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead:
+        loader = _ShardLoader(engine, view, index, reader, largest)
+        applying = None  # group i is read on the thread while group i - 1 goes to its tier here
+        for i, (group, layout) in enumerate((g, l) for g, l in zip(groups, layouts) if l is not None):
+            reading = ahead.submit(loader.read_group, group, layout, i % 2)
+            if applying is not None:
+                touched[0] = True
+                applying.result()()
+            applying = reading
+        if applying is not None:
+            touched[0] = True
+            applying.result()()
+        for name in whole_params(view, groups, layouts):
+            touched[0] = True
+            loader.whole(name, view.params[name], index.value_kind(name))
+        for name, buf in view.buffers.items():
+            touched[0] = True
+            loader.whole(name, buf, "buffer")
+
+
+def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:
+    """The checkpoint's parameters and buffers must be this model's, with the same shapes."""
+    problems = []
+    for kind, mine, theirs in (("parameters", view.params, index.params), ("buffers", view.buffers, index.buffers)):
+        missing = sorted(set(mine) - set(theirs))
+        unexpected = sorted(set(theirs) - set(mine))
+        if missing:
+            problems.append(f"{kind} missing from the checkpoint: {missing[:5]}")
+        if unexpected:
+            problems.append(f"{kind} the model does not have: {unexpected[:5]}")
+        for name in sorted(set(mine) & set(theirs)):
+            shape = tuple(engine.original_tensors[name][0]) if name in engine.original_tensors else tuple(mine[name].shape)
+            if tuple(theirs[name]["shape"]) != shape:
+                problems.append(f"{name}: shape {tuple(theirs[name]['shape'])} in the checkpoint, {shape} in the model")
+    if problems:
+        raise CheckpointError(f"checkpoint {index.dir} does not match this model: " + "; ".join(problems[:8]))
+
+
+class _ShardLoader:
+    def __init__(self, engine, view: ModelView, index: CheckpointIndex, reader: RangeReader, largest: int) -> None:
+        self.engine = engine
+        self.view = view
+        self.index = index
+        self.reader = reader
+        saved = index.manifest["optimizer_state"]
+        self.saved_per_element = dict(saved.get("per_element", {}))
+        self.saved_scalars = dict(saved.get("scalar", {}))
+        self._warned = False
+        self.buffers = _HostBuffers(largest)
+
+    def read_group(self, group: ParamGroup, layout: ShardLayout, slot: int) -> Callable[[], None]:
+        """Read this rank's shard of ``group`` into buffer set ``slot``; return what hands it to its tier."""
+        names = [self.view.names[id(p)] for p in group.params]
+        batch = ReadBatch(self.index)
+        covered = sorted((f.offset, f.offset + f.numel) for f in layout.fragments)
+        if not group.requires_grad:
+            shard = group.param_shard
+            dtype = shard.dtype if shard is not None else self.engine.compute_dtype
+            values = self.buffers.get((slot, "param"), layout.numel, dtype, covered)
+            for frag in layout.fragments:
+                name = names[frag.param]
+                batch.add(name, self.index.value_kind(name), frag.start, values[frag.offset : frag.offset + frag.numel])
+            batch.run(self.reader)
+            return lambda: self.engine.params_tier.write_shard(group, values)
+        specs = state_specs(self.engine, group, layout.numel)
+        self._check_state(specs)
+        master = self.buffers.get((slot, "master"), layout.numel, torch.float32, covered)
+        state = {n: self.buffers.get((slot, n), layout.numel, d, covered) for n, d in specs.per_element.items()}
+        for frag in layout.fragments:
+            name = names[frag.param]
+            span = slice(frag.offset, frag.offset + frag.numel)
+            batch.add(name, self.index.value_kind(name), frag.start, master[span])
+            if state and self.index.value_kind(name) != "master":
+                raise CheckpointError(
+                    f"parameter {name!r} was frozen when checkpoint {self.index.dir} was saved, so it has no "
+                    "optimizer state"
+                )
+            for state_name, tensor in state.items():
+                batch.add(name, f"state.{state_name}", frag.start, tensor[span])
+        batch.run(self.reader)
+        for state_name, dtype in specs.scalars.items():
+            state[state_name] = self._scalar(group, names, state_name, dtype)
+        def hand_over() -> None:
+            self.engine.optimizer_tier.write_state(group, ShardState(master=master, state=state))
+            self.engine.refresh_param_shard(group)
+
+        return hand_over
+
+    def _check_state(self, specs) -> None:
+        missing = [n for n in specs.per_element if n not in self.saved_per_element]
+        missing += [n for n in specs.scalars if n not in self.saved_scalars]
+        if missing:
+            saved = sorted({*self.saved_per_element, *self.saved_scalars})
+            optimizer = self.index.manifest.get("config", {}).get("optimizer", {}).get("name", "?")
+            raise CheckpointError(
+                f"the selected optimizer keeps state {missing}, which checkpoint {self.index.dir} (saved with "
+                f"optimizer {optimizer!r}) does not have; it has {saved or 'no optimizer state'}"
+            )
+        extra = sorted({*self.saved_per_element, *self.saved_scalars} - {*specs.per_element, *specs.scalars})
+        if extra and not self._warned:
+            self._warned = True
+            log.warning("zkernel.checkpoint.state_ignored", names=extra, reason="the selected optimizer keeps none")
+
+    def _scalar(self, group: ParamGroup, names: list[str], state_name: str, dtype: torch.dtype) -> torch.Tensor:
+        values = {repr(self.index.params[n]["scalars"].get(state_name)) for n in set(names)}
+        found = [self.index.params[n]["scalars"].get(state_name) for n in set(names)]
+        if len(values) != 1 or found[0] is None:
+            raise CheckpointError(
+                f"optimizer state {state_name!r} of the parameters of group {group.name!r} is missing or differs "
+                f"between them in checkpoint {self.index.dir} ({sorted(values)[:4]})"
+            )
+        saved_dtype, value = found[0]
+        return torch.tensor(value, dtype=parse_dtype(saved_dtype, state_name)).to(dtype)
+
+    def whole(self, name: str, tensor: torch.Tensor, kind: str) -> None:
+        values = self.buffers.get("whole", tensor.numel(), tensor.dtype, [(0, tensor.numel())])
+        batch = ReadBatch(self.index)
+        batch.add(name, kind, 0, values)
+        batch.run(self.reader)
+        with torch.no_grad():
+            tensor.data.copy_(values.view(tensor.shape))
+
+
+class _HostBuffers:
+    """Page-aligned host buffers (page-locked with CUDA), reused from group to group.
+
+    Each is sized for the largest shard on first use: page-locking costs about
+    half a second per GiB, so it is done once, not again as groups grow.
+    """
+
+    def __init__(self, largest_numel: int) -> None:
+        self._buffers: dict[object, torch.Tensor] = {}
+        self.largest_numel = largest_numel
+
+    def get(self, key: object, numel: int, dtype: torch.dtype, covered: list[tuple[int, int]]) -> torch.Tensor:
+        """``numel`` elements of ``dtype``; those outside the ``covered`` (start, end) runs are zero (padding)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * itemsize
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[key] = host_buffer(max(nbytes, self.largest_numel * itemsize, 1))
+        out = buf[:nbytes].view(dtype)
+        at = 0
+        for start, end in covered:
+            out[at:start].zero_()
+            at = max(at, end)
+        out[at:].zero_()
+        return out

@@ -1,0 +1,383 @@
+"""`Engine.save_checkpoint`: every rank writes its own shards; rank 0 commits with the manifest.
+
+[Note: commit protocol] A save runs in phases separated by one small
+all-gather of JSON (`exchange_json`), so a failure on any rank reaches every
+rank instead of leaving some waiting in a collective:
+
+1. rank 0 creates ``DIR/<tag>.incomplete/`` (removing leftovers of saves that
+   died) and tells everyone whether that worked;
+2. every rank streams its shards into ``rank<r>.safetensors`` there (temporary
+   name, preallocated so a full disk fails before any data moves, fsync,
+   rename) and reports its file's checksums, its fragments, the optimizer's
+   scalar state and its RNG states, or its error;
+3. rank 0 writes ``manifest.json`` (temporary name, fsync, rename), renames the
+   directory to ``DIR/<tag>/`` (an existing ``<tag>`` is first renamed to
+   ``<tag>.replaced``, which a load falls back to, and removed after), fsyncs
+   ``DIR`` and replaces ``DIR/latest`` atomically, then tells everyone.
+
+A process killed at any moment leaves ``latest`` and the previous checkpoint
+as they were (at worst a ``.incomplete`` directory, removed by the next save).
+A failed save removes its directory, so no temporary file is left, and raises
+`CheckpointError` on every rank with each failing rank's error (which names
+the file).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from zkernel.checkpoint import rng
+from zkernel.checkpoint.collective import exchange_json
+from zkernel.checkpoint.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    INCOMPLETE,
+    LATEST,
+    MANIFEST,
+    REPLACED,
+    CheckpointError,
+    check_tag,
+    dtype_name,
+    entry_name,
+    fsync_dir,
+    rank_file,
+    write_atomic,
+)
+from zkernel.checkpoint.model import PARAM, ModelView, view_of
+from zkernel.checkpoint.shards import StateSpecs, check_between_steps, describe_error, describe_groups, state_specs, whole_params
+from zkernel.checkpoint.stream_writer import Entry, write_file
+from zkernel.groups import ParamGroup, ShardLayout
+from zkernel.log import get_logger
+from zkernel.tiers import ShardState
+
+log = get_logger()
+
+
+def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
+    """Write a checkpoint of ``engine`` to ``directory/tag`` (collective); return that path."""
+    check_between_steps(engine, "save_checkpoint")
+    root = Path(directory)
+    tag = check_tag(tag if tag is not None else f"step{engine.global_steps}")
+    info = engine.dist
+    staging = root / f"{tag}{INCOMPLETE}"
+    started = time.perf_counter()
+
+    view = view_of(engine.module)
+    if view.extra:  # the same on every rank: all raise here
+        raise CheckpointError(
+            f"state-dict entries {sorted(view.extra)[:3]} are neither parameters nor buffers (get_extra_state); "
+            "zkernel checkpoints store only tensors"
+        )
+    _agree(_attempt(info.rank == 0, _prepare, root, staging), info, "preparing", staging, cleanup=False)
+    error, report = None, None
+    try:
+        plan = _RankPlan(engine, view)
+        record = write_file(staging / rank_file(info.rank), plan.entries, plan.metadata(tag))
+        report = plan.report(record)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        error = exc
+    reports = exchange_json(report if error is None else {"error": describe_error(error)}, info)
+    failures = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
+    if failures:
+        if info.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint {tag!r} in {root} failed; " + "; ".join(failures)) from error
+
+    def commit() -> None:
+        manifest = _manifest(engine, view, tag, reports)
+        write_atomic(staging / MANIFEST, _json_bytes(manifest))
+        _commit(root, tag, staging)
+
+    _agree(_attempt(info.rank == 0, commit), info, "committing", staging, cleanup=True)
+    nbytes = sum(rep["file"]["bytes"] for rep in reports)
+    log.info(
+        "zkernel.checkpoint.saved",
+        rank=info.rank,
+        path=str(root / tag),
+        bytes=nbytes,
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    return root / tag
+
+
+# -- phases ------------------------------------------------------------------------------------
+
+
+def _attempt(active: bool, fn, *args) -> dict[str, Any]:
+    if not active:
+        return {}
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+        return {"error": describe_error(exc)}
+    return {}
+
+
+def _agree(status: dict, info, phase: str, staging: Path, cleanup: bool) -> None:
+    """Rank 0 tells every rank whether its phase worked; all raise together if not."""
+    statuses = exchange_json(status, info)
+    if "error" in statuses[0]:
+        if cleanup and info.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"saving a checkpoint failed while {phase} (rank 0): {statuses[0]['error']}")
+
+
+def _prepare(root: Path, staging: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.iterdir():
+        if leftover.name.endswith(INCOMPLETE) and leftover.is_dir():
+            log.warning("zkernel.checkpoint.leftover_removed", path=str(leftover), reason="a save that did not finish")
+            shutil.rmtree(leftover)
+        elif leftover.name.endswith(REPLACED) and (root / leftover.name[: -len(REPLACED)] / MANIFEST).exists():
+            shutil.rmtree(leftover)
+    staging.mkdir()
+    fsync_dir(root)
+
+
+def _commit(root: Path, tag: str, staging: Path) -> None:
+    fsync_dir(staging)
+    final, replaced = root / tag, root / f"{tag}{REPLACED}"
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.rename(final, replaced)
+    try:
+        os.rename(staging, final)
+        fsync_dir(root)
+        write_atomic(root / LATEST, f"{tag}\n".encode())
+    except BaseException:
+        if _latest(root) != tag:  # not committed: put everything back as it was
+            if final.exists() and not staging.exists():
+                os.rename(final, staging)
+            if replaced.exists() and not final.exists():
+                os.rename(replaced, final)
+        raise
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+def _latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+
+
+# -- what one rank writes ------------------------------------------------------------------------
+
+
+class _GroupStateCache:
+    """Reads a group's state from its tier when its first tensor is due; holds only one group's."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.group: ParamGroup | None = None
+        self.state: ShardState | None = None
+        self.shard: torch.Tensor | None = None
+        self.scalars: dict[int, dict[str, list]] = {}  # group index -> scalar name -> [dtype, value]
+
+    def tensor(self, group: ParamGroup, kind: str) -> torch.Tensor:
+        if self.group is not group:
+            self.group, self.state, self.shard = group, None, None  # drop the previous group's first
+            if group.requires_grad:
+                self.state = self.engine.optimizer_tier.read_state(group)
+                self.scalars[group.index] = {
+                    name: [dtype_name(t.dtype), t.item()] for name, t in self.state.state.items() if t.dim() == 0
+                }
+            else:
+                self.shard = self.engine.params_tier.read_shard(group)
+        if kind == "param":
+            return self.shard
+        if kind == "master":
+            return self.state.master
+        return self.state.state[kind.removeprefix("state.")]
+
+
+class _RankPlan:
+    """The tensors this rank writes and the records rank 0 needs for the manifest."""
+
+    def __init__(self, engine, view: ModelView) -> None:
+        self.engine = engine
+        self.rank = engine.dist.rank
+        self.view = view
+        self.entries: list[Entry] = []
+        self.fragments: dict[str, list[list[int]]] = {}  # canonical name -> [[start, numel], ...]
+        self.stored: dict[str, str] = {}  # canonical name -> "master" | "param"
+        self.scalar_groups: dict[str, int] = {}  # canonical name -> group index (trainable)
+        self.cache = _GroupStateCache(engine)
+        self.specs: StateSpecs | None = None
+        groups = engine.groups
+        layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
+        for group, layout in zip(groups, layouts):
+            if layout is not None and not (layout.replicated and self.rank != 0):
+                self._add_group(group, layout)
+        if self.rank == 0:
+            for name in whole_params(view, groups, layouts):
+                self._add_whole(PARAM, name, view.params[name], stored="param")
+            for name, buf in view.buffers.items():
+                self._add_whole("buffer", name, buf)
+
+    def _add_group(self, group: ParamGroup, layout: ShardLayout) -> None:
+        names = [self.view.names[id(p)] for p in group.params]
+        if group.requires_grad:
+            specs = state_specs(self.engine, group, layout.numel)
+            self.specs = self.specs or specs
+            kinds = [("master", torch.float32)] + [(f"state.{n}", d) for n, d in specs.per_element.items()]
+        else:
+            shard = group.param_shard
+            kinds = [("param", shard.dtype if shard is not None else self.engine.compute_dtype)]
+        for kind, dtype in kinds:
+            for i, frag in enumerate(layout.fragments):
+                self.entries.append(
+                    Entry(
+                        entry_name(kind, names[frag.param], frag.start),
+                        dtype,
+                        (frag.numel,),
+                        lambda g=group, k=kind, f=frag: self._slice(g, k, f, layout.numel),
+                        aligned=i == 0,  # each run of a shard starts on a page: direct reads on load
+                    )
+                )
+        for frag in layout.fragments:
+            name = names[frag.param]
+            self.fragments.setdefault(name, []).append([frag.start, frag.numel])
+            self.stored[name] = "master" if group.requires_grad else "param"
+            if group.requires_grad:
+                self.scalar_groups[name] = group.index
+
+    def _slice(self, group: ParamGroup, kind: str, frag, numel: int) -> torch.Tensor:
+        tensor = self.cache.tensor(group, kind)
+        if tensor.numel() != numel:
+            raise CheckpointError(
+                f"{kind} of group {group.name!r} has {tensor.numel()} elements but the partitioner describes a "
+                f"shard of {numel}"
+            )
+        return tensor.reshape(-1)[frag.offset : frag.offset + frag.numel]
+
+    def _add_whole(self, kind: str, name: str, tensor: torch.Tensor, stored: str | None = None) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.entries.append(
+            Entry(
+                entry_name(kind, name, 0),
+                tensor.dtype,
+                (tensor.numel(),),
+                lambda t=tensor: t.detach().reshape(-1),
+                aligned=nbytes >= 64 << 10,
+            )
+        )
+        if stored is not None:
+            self.fragments[name] = [[0, tensor.numel()]]
+            self.stored[name] = stored
+
+    def metadata(self, tag: str) -> dict[str, str]:
+        return {"format": FORMAT, "version": str(FORMAT_VERSION), "tag": tag, "rank": str(self.rank)}
+
+    def report(self, record) -> dict[str, Any]:
+        scalars = {name: self.cache.scalars.get(index, {}) for name, index in self.scalar_groups.items()}
+        specs = self.specs
+        return {
+            "file": record.to_json(),
+            "fragments": self.fragments,
+            "stored": self.stored,
+            "scalars": scalars,
+            "state": None
+            if specs is None
+            else {
+                "per_element": {n: dtype_name(d) for n, d in specs.per_element.items()},
+                "scalar": {n: dtype_name(d) for n, d in specs.scalars.items()},
+            },
+            "rng": rng.capture(),
+        }
+
+
+# -- the manifest (rank 0) -----------------------------------------------------------------------
+
+
+def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[str, Any]:
+    world = engine.dist.world_size
+    params: dict[str, Any] = {}
+    for name, p in view.params.items():
+        fragments = sorted(
+            ([rank, start, numel] for rank, rep in enumerate(reports) for start, numel in rep["fragments"].get(name, ())),
+            key=lambda f: f[1],
+        )
+        shape, dtype = engine.original_tensors.get(name, (p.shape, p.dtype))
+        _check_coverage(name, fragments, shape.numel())
+        stored = {rep["stored"][name] for rep in reports if name in rep["stored"]}
+        scalars: dict[str, Any] = {}
+        for rep in reports:
+            for key, value in rep["scalars"].get(name, {}).items():
+                if scalars.setdefault(key, value) != value:
+                    raise CheckpointError(f"ranks disagree on optimizer state {key!r} of parameter {name!r}")
+        params[name] = {
+            "shape": list(shape),
+            "dtype": dtype_name(dtype),
+            "trainable": p.requires_grad,
+            "stored": stored.pop(),
+            "fragments": fragments,
+            "scalars": scalars,
+        }
+    buffers = {
+        name: {"shape": list(buf.shape), "dtype": dtype_name(engine.original_tensors.get(name, (None, buf.dtype))[1])}
+        for name, buf in view.buffers.items()
+    }
+    state = next((rep["state"] for rep in reports if rep["state"] is not None), None)
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tag": tag,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "zkernel_version": _version(),
+        "torch_version": torch.__version__,
+        "world_size": world,
+        "config": _config_json(engine.config),
+        "files": {rank_file(r): rep["file"] for r, rep in enumerate(reports)},
+        "params": params,
+        "buffers": buffers,
+        "state_dict": [list(k) for k in view.keys],
+        "optimizer_state": state or {"per_element": {}, "scalar": {}},
+        "engine": engine.training_state(),
+        "ranks": [{"rng": rep["rng"]} for rep in reports],
+    }
+
+
+def _check_coverage(name: str, fragments: list[list[int]], numel: int) -> None:
+    at = 0
+    for _, start, n in fragments:
+        if start != at:
+            break
+        at += n
+    if at != numel:
+        raise CheckpointError(
+            f"the shards of parameter {name!r} do not cover its {numel} elements exactly once "
+            f"(fragments {[(s, n) for _, s, n in fragments][:6]}): the partitioner's zkernel_describe_shard is wrong"
+        )
+
+
+def _config_json(config) -> dict[str, Any]:
+    def value(_inst, _field, v):
+        if isinstance(v, os.PathLike):
+            return os.fspath(v)
+        if isinstance(v, tuple):
+            return list(v)
+        return v
+
+    return attrs.asdict(config, value_serializer=value)
+
+
+def _version() -> str:
+    from zkernel import __version__
+
+    return __version__
+
+
+def _json_bytes(manifest: dict) -> bytes:
+    import json
+
+    return json.dumps(manifest, indent=1, default=str).encode()

@@ -1,0 +1,160 @@
+"""Released parameters: reading one outside the engine raises instead of seeing an empty tensor.
+
+A partitioner that frees a parameter's storage between uses (ZeRO-3) points its
+``.data`` at a 0-element placeholder. Left at that, ``p.norm()`` gives 0.0 and
+``module.state_dict()`` gives tensors of shape (0,), silently. `mark_released`
+turns such a parameter into a `ReleasedParameterError` trap: any torch operation
+that would read or write its values raises an error that names the parameter
+and how to read it; `mark_gathered` makes it an ordinary parameter again.
+
+[Note: released-parameter trap] Options weighed:
+
+* a state-dict hook on the root module that raises: closes ``state_dict()``
+  only; ``p.norm()``, ``copy.deepcopy(model)``, ``model.half()`` and any other
+  read still see the empty placeholder.
+* a placeholder that raises on misuse: ``param.data = x`` keeps the
+  parameter's own class (only the tensor's storage and metadata are taken from
+  ``x``), so a tensor subclass as placeholder never dispatches; a meta-device
+  placeholder with the true shape would raise on some reads, but with torch's
+  messages (naming neither remedy), would make ``next(model.parameters()).device``
+  say ``meta`` between steps and would let ``state_dict()`` hand out meta
+  tensors without a word.
+* swapping a released parameter's class to a subclass whose
+  ``__torch_function__`` raises (what this module does, as torch's own
+  ``UninitializedParameter.materialize`` swaps ``__class__``): every Python-level
+  torch call on the parameter (functions, methods, property getters such as
+  ``.data``) dispatches to it, so all reads are caught, ``state_dict()``
+  included (it calls ``detach``). Metadata that does not depend on values stays
+  readable (dtype, device, ``requires_grad``, ``.grad``, hooks, and the
+  placeholder's shape (0,), which tells the truth about what the rank holds),
+  so the kernel's bookkeeping and autograd hooks work unchanged, and so do
+  queries about memory (storage, strides), which describe the empty placeholder. The guard of
+  the engine's forward (`zkernel.scheduler`) is a `TorchFunctionMode`, which
+  torch consults before any subclass, so reads from the forward to the end of
+  backward still gather the parameter first. Cost: one ``__class__``
+  assignment per parameter at each gather and release (about 0.15 us, a third
+  of the ``.data`` swap the partitioner makes anyway) and nothing per operation
+  on a gathered parameter, which is an ordinary ``nn.Parameter`` again.
+  C++ code (autograd's engine, kernels) never dispatches to Python, so it is
+  unaffected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ReleasedParameterError", "is_released", "mark_gathered", "mark_released"]
+
+
+class ReleasedParameterError(RuntimeError):
+    """A released (partitioned, not gathered) parameter was read outside the engine."""
+
+
+_Tensor = torch.Tensor
+# Value-independent properties: readable (and, for the grad-related ones, writable).
+_METADATA_PROPERTIES = {
+    getattr(_Tensor, name)
+    for name in (
+        "dtype", "device", "layout", "requires_grad", "grad", "_grad", "grad_fn", "is_leaf",
+        "retains_grad", "shape", "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+        "is_quantized", "is_mkldnn", "is_nested", "_backward_hooks", "_post_accumulate_grad_hooks",
+        "names", "output_nr", "_version", "_base", "_cdata", "nbytes", "itemsize",
+    )
+    if hasattr(_Tensor, name)
+}  # fmt: skip
+_METADATA_METHODS = {
+    getattr(_Tensor, name)
+    for name in (
+        "numel", "nelement", "size", "dim", "ndimension", "element_size", "is_floating_point",
+        "is_complex", "get_device", "requires_grad_", "register_hook",
+        "register_post_accumulate_grad_hook", "_is_view", "__hash__", "__dir__", "__len__",
+        # memory, not values (accounting walks every live tensor)
+        "untyped_storage", "data_ptr", "storage_offset", "stride", "is_contiguous", "is_pinned", "__sizeof__",
+    )
+    if hasattr(_Tensor, name)
+}  # fmt: skip
+
+
+def _is_metadata(func) -> bool:
+    descriptor = getattr(func, "__self__", None)  # property access: the descriptor's __get__/__set__
+    if descriptor is not None and getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+        return descriptor in _METADATA_PROPERTIES
+    return func in _METADATA_METHODS
+
+
+def _describe(func) -> str:
+    descriptor = getattr(func, "__self__", None)
+    if descriptor is not None and getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+        return f"Tensor.{getattr(descriptor, '__name__', '?')}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return name.replace("TensorBase.", "Tensor.") if "." in name else f"torch.{name}"
+
+
+class _ReleasedMixin:
+    """Mixed into a parameter's own class while its storage is released (see [Note: released-parameter trap])."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _is_metadata(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        released = next((a for a in args if isinstance(a, _ReleasedMixin)), None)
+        if released is None:
+            released = next(a for a in (kwargs or {}).values() if isinstance(a, _ReleasedMixin))
+        raise ReleasedParameterError(
+            f"{_describe(func)} on parameter {_name_of(released)!r}, which zero3 has released: "
+            "between uses each rank holds only its shard, so this would see an empty tensor. "
+            "Read parameters inside `with engine.gathered_parameters():` (collective: every rank "
+            "enters it), take `engine.state_dict()` (collective) for the full state dict, or save "
+            "with `engine.save_checkpoint(directory)`; `engine.module.state_dict()` cannot gather them"
+        )
+
+    def __repr__(self) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            dtype = self.dtype
+        return (
+            f"<parameter {_name_of(self)!r} released by zero3 ({dtype}); "
+            "read it inside `with engine.gathered_parameters():`>"
+        )
+
+
+# parameter class -> its released twin, and back
+_released_classes: dict[type, type] = {}
+_original_classes: dict[type, type] = {}
+_NAME = "_zkernel_name"
+
+
+def _released_class(cls: type) -> type:
+    released = _released_classes.get(cls)
+    if released is None:
+        released = type(f"Released{cls.__name__}", (_ReleasedMixin, cls), {"__module__": __name__})
+        _released_classes[cls] = released
+        _original_classes[released] = cls
+    return released
+
+
+def _name_of(param) -> str:
+    return getattr(param, _NAME, "?")
+
+
+def mark_released(param: nn.Parameter, name: str) -> None:
+    """Make reads of ``param`` raise until `mark_gathered`. Call after pointing ``.data`` at the placeholder."""
+    cls = type(param)
+    if cls in _original_classes:
+        return
+    setattr(param, _NAME, name)
+    param.__class__ = _released_class(cls)
+
+
+def mark_gathered(param: nn.Parameter) -> None:
+    """Give ``param`` its own class back. Call before pointing ``.data`` at whole values."""
+    original = _original_classes.get(type(param))
+    if original is not None:
+        param.__class__ = original
+
+
+def is_released(param: torch.Tensor) -> bool:
+    return isinstance(param, _ReleasedMixin)
