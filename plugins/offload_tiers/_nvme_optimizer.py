@@ -75,6 +75,7 @@ from zkernel.timeline import SpanKind
 from ._arena import Block, PinnedArena, aligned
 from ._io_queue import IoQueue
 from ._nvme_options import NvmeTierOptions
+from ._progress import Preallocation
 from ._swap_dir import RunDirectory
 from ._swap_file import Extent, SwapFile, extents_of
 from .cpu import CpuTier, CpuTierOptions
@@ -156,6 +157,7 @@ class NvmeTier(CpuTier):
         self._queue: collections.deque[_SwapSlot] = collections.deque()
         self._arena: PinnedArena | None = None
         self._failures: list[BaseException] = []
+        self._layout = Preallocation(context.rank, "optimizer state")
         self._closed = False
 
     # -- placement ------------------------------------------------------------------------------
@@ -163,6 +165,7 @@ class NvmeTier(CpuTier):
     def demand(self, numel, state, compute_dtype):
         disk = 4 * numel + sum(s.nbytes for s in state)
         pool = self.nvme_options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)
+        self._layout.plan(disk)
         return {Resource.HOST: numel * 4 + pool, Resource.DISK: disk}  # landing buffers and the pool
 
     def adopt(self, group, master, state):
@@ -183,6 +186,7 @@ class NvmeTier(CpuTier):
         slot = _SwapSlot(weakref.ref(group), group.name, file, segments)
         self._swap[group.index] = slot
         self._write_master(slot, master)
+        self._layout.advance(file.nbytes)
         self._adopt_gradient(group, numel)  # (reads the initial ``group.master``)
         group.master = None  # in memory only while the group steps
         group.optim_state = {}
@@ -221,6 +225,7 @@ class NvmeTier(CpuTier):
     # -- the step: prepare (main/autograd thread), acquire and release (host worker) -------------
 
     def prepare(self, group):
+        self._layout.finish()
         self._raise_failures()  # [Note: write failures]: before any update of the next step
         with self._cv:
             self._pool()  # pinned here, on a thread bound to the device, not on the I/O reaper
@@ -487,6 +492,7 @@ class NvmeTier(CpuTier):
         if self._closed:
             return
         self._closed = True
+        self._layout.finish()
         try:
             super().close()
             self.io.wait_idle()

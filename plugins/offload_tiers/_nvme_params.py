@@ -63,6 +63,7 @@ from zkernel.timeline import SpanKind
 from ._arena import Block, PinnedArena, aligned
 from ._io_queue import IoQueue
 from ._nvme_options import NvmeParamsOptions
+from ._progress import Preallocation
 from ._swap_dir import RunDirectory
 from ._swap_file import SwapFile, extents_of
 
@@ -132,6 +133,7 @@ class NvmeParamsTier(ParamsTier):
         self._arena: PinnedArena | None = None
         self._retired: list[_HostCopy] = []  # not current, still read or written
         self._failures: list[BaseException] = []
+        self._layout = Preallocation(context.rank, "parameter")
         self._ahead = 0
         self._warned_overflow = False
         self._closed = False
@@ -144,6 +146,7 @@ class NvmeParamsTier(ParamsTier):
     def demand(self, numel, compute_dtype):
         disk = numel * torch.empty((), dtype=compute_dtype).element_size()
         pool = self.options.buffer_bytes or min(disk, self.options.lookahead_host_bytes)
+        self._layout.plan(disk)
         return {Resource.DISK: disk, Resource.HOST: pool}
 
     def adopt(self, group, shard):
@@ -155,6 +158,7 @@ class NvmeParamsTier(ParamsTier):
         slot = _ParamSlot(weakref.ref(group), group.name, file, numel, shard.dtype)
         self._slots[group.index] = slot
         self._write_image(slot, shard)
+        self._layout.advance(file.nbytes)
         return None  # the home is the file: ``param_shard`` stays None
 
     def _write_image(self, slot: _ParamSlot, values: torch.Tensor) -> None:
@@ -292,6 +296,7 @@ class NvmeParamsTier(ParamsTier):
             raise first
 
     def prefetch_host(self, group):
+        self._layout.finish()
         with self._cv:
             self._raise_failures()
             slot = self._slots[group.index]
@@ -300,6 +305,7 @@ class NvmeParamsTier(ParamsTier):
                 self._read(slot, wait=False)
 
     def to_device(self, group, *, consume, block):
+        self._layout.finish()
         with self._cv:
             if not block:
                 self._raise_failures()
@@ -515,6 +521,7 @@ class NvmeParamsTier(ParamsTier):
         if self._closed:
             return
         self._closed = True
+        self._layout.finish()
         try:
             self.io.wait_idle()
             if self.cuda:
