@@ -3,6 +3,8 @@ with its lifecycle (run directories, buffers, threads) and the faults a user hit
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import shutil
 import signal
@@ -12,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 import zkernel
@@ -51,6 +54,13 @@ OPTIMIZERS = ("cpu_adam", "adamw")
 PARAM_COMBOS = (("none", "adamw"), ("cpu", "cpu_adam"), ("nvme", "adamw"))
 
 
+def params_on_host(optimizer: str, path) -> dict:
+    """zero3 with the parameter shards in host memory (tier ``cpu``) and the optimizer on NVMe."""
+    cfg = optimizer_on_nvme("zero3", optimizer, path)
+    cfg["offload"]["params"] = "cpu"
+    return cfg
+
+
 def _runs(path: Path) -> list[Path]:
     return sorted(path.glob(RUN_GLOB))
 
@@ -80,6 +90,35 @@ def test_params_on_nvme_matches_torch(optimizer_tier, optimizer, tmp_path):
     result = train(params_on_nvme(optimizer_tier, optimizer, tmp_path), STEPS, ACCUM, MICRO, SEED)
     assert_matches(result["losses"], reference(1), f"params nvme, optimizer {optimizer_tier}/{optimizer}")
     assert set(result["memory"]["params"]) == {"nvme"}
+
+
+def test_params_on_host_beside_the_nvme_optimizer_match_torch(tmp_path):
+    result = train(params_on_host("cpu_adam", tmp_path), STEPS, ACCUM, MICRO, SEED)
+    assert_matches(result["losses"], reference(1), "params cpu, optimizer nvme/cpu_adam")
+    assert set(result["memory"]["params"]) == {"cpu"} and set(result["memory"]["master_weights"]) == {"nvme"}
+
+
+def test_branches_an_eval_pass_and_a_failing_forward_with_both_roles_on_nvme(tmp_path):
+    """Issue 8 on the disk tiers: the module order changes every step, an evaluation forward (no grad,
+    another batch size, another branch) runs first and one forward raises: loss for loss like torch,
+    and nothing stays gathered between steps."""
+    from tests.branch_scenarios import reference_branching, train_branching
+
+    cfg = {
+        "partitioner": "zero3",
+        "optimizer": {"name": "cpu_adam", "lr": 2e-2},
+        "partitioner_options": {"persistence_threshold": 0},
+        "prefetch_bytes": 4096,
+        "offload": {"optimizer": "nvme", "params": "nvme", "nvme_path": str(tmp_path),
+                    "optimizer_options": dict(SMALL_IO), "params_options": dict(SMALL_IO, lookahead_host_bytes=8192)},
+    }
+    result = train_branching(cfg, 6, eval_first=True, fail_at=2)
+    expected = reference_branching(6, 1, 2e-2)
+    assert len(result["losses"]) == len(expected)
+    for i, (a, b) in enumerate(zip(result["losses"], expected)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+    assert result["leftovers"] == [0] * 7
+    assert not _runs(tmp_path)
 
 
 def test_tight_pools_match_torch(tmp_path):
@@ -127,7 +166,7 @@ def test_nvme_on_two_ranks_matches_torch(tmp_path):
     """Every partitioner with the optimizer on NVMe, and zero3 with parameters on NVMe beside each
     optimizer tier, on two gloo ranks sharing one nvme_path."""
     configs = [optimizer_on_nvme(s, o, tmp_path) for s in STAGES for o in OPTIMIZERS]
-    configs += [params_on_nvme(t, o, tmp_path) for t, o in PARAM_COMBOS]
+    configs += [params_on_nvme(t, o, tmp_path) for t, o in PARAM_COMBOS] + [params_on_host("adamw", tmp_path)]
     results = run_ranks(2, train_many, configs, STEPS, ACCUM, MICRO, SEED)
     for rank_results in results:
         for cfg, result in zip(configs, rank_results):
@@ -153,6 +192,34 @@ def test_timeline_records_disk_transfers_with_their_bytes(tmp_path):
     moved = {kind: sum(s.nbytes.get(kind, 0) for s in summaries) for kind in (SpanKind.NVME_READ, SpanKind.NVME_WRITE, SpanKind.PARAM_NVME_READ)}
     assert all(n > 0 for n in moved.values()), moved
     assert moved[SpanKind.NVME_READ] <= engine.optimizer_tier.bytes_read
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_preallocation_progress_bar_on_rank_0_terminals_only(tmp_path, monkeypatch, zkernel_debug_logs):
+    """Laying out the swap files shows a tqdm bar per role on a terminal, nothing where stderr is a
+    file or the zkernel logger is set above WARNING; an INFO event gives the bytes either way."""
+    cfg = nvme_config(tmp_path, params="nvme")
+    shown = {}
+    for case, stream, level in (("terminal", _Terminal(), logging.INFO), ("file", io.StringIO(), logging.WARNING),
+                                ("quiet", _Terminal(), logging.ERROR)):  # fmt: skip
+        monkeypatch.setattr(sys, "stderr", stream)
+        zkernel_debug_logs.setLevel(level)
+        with structlog.testing.capture_logs() as logs:
+            engine = zkernel.initialize(TrickyNet(), cfg)
+            files = sum(f.stat().st_size for f in engine.optimizer_tier.run_dir.path.glob("*.swap"))
+            engine.close()
+        shown[case] = stream.getvalue()
+        if case == "terminal":
+            laid_out = [e for e in logs if e["event"] == "zkernel.nvme.preallocated"]
+            assert sorted(e["what"] for e in laid_out) == ["optimizer state", "parameter"]
+            assert sum(e["nbytes"] for e in laid_out) == files
+    assert "laying out optimizer state swap files" in shown["terminal"]
+    assert "laying out parameter swap files" in shown["terminal"]
+    assert shown["file"] == "" and shown["quiet"] == ""
 
 
 # -- lifecycle ---------------------------------------------------------------------------------
@@ -338,3 +405,26 @@ def test_a_disk_that_refuses_writes(tmp_path):
         assert any("kept in host memory" in note for note in out["notes"]), role
         assert out["steps"] == 3 and out["same_as_clean_steps"], role
         assert out["left_after_close"] == [], role
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+
+
+def test_nvme_step_bench_runs_one_tiny_step_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """bench/nvme_step.py parses its arguments and prints its table, here with its own O_DIRECT
+    measurement of the disk (as where fio is missing)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import nvme_step
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    monkeypatch.setattr(nvme_step, "_fio_engine", lambda: None)
+    args = ["--nvme-path", str(tmp_path / "disk"), "--steps", "1", "--warmup", "0", "--model", "tiny", "--seq", "16",
+            "--micro-batch", "1", "--disk-gib", "0.02", "--cpu"]  # fmt: skip
+    assert nvme_step.parse_args(args).steps == 1
+    nvme_step.main(args)
+    out = capsys.readouterr().out
+    assert "fio is not installed" in out and "tokens/s" in out
+    rows = {line.split()[1]: line.split()[-3:] for line in out.splitlines() if line.startswith("NVMe ")}
+    assert set(rows) == {"read", "write"} and all(float(x) > 0 for row in rows.values() for x in row)
+    assert not list((tmp_path / "disk").iterdir())  # the engine's run directory and the disk's file are gone
