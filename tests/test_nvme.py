@@ -428,3 +428,66 @@ def test_nvme_step_bench_runs_one_tiny_step_on_the_cpu(tmp_path, monkeypatch, ca
     rows = {line.split()[1]: line.split()[-3:] for line in out.splitlines() if line.startswith("NVMe ")}
     assert set(rows) == {"read", "write"} and all(float(x) > 0 for row in rows.values() for x in row)
     assert not list((tmp_path / "disk").iterdir())  # the engine's run directory and the disk's file are gone
+
+
+# -- on the GPU machine -------------------------------------------------------------------------
+
+
+def _cuda_config(stage: str, optimizer_tier: str, params_tier: str, path, precision: str = "fp32") -> dict:
+    from tests import test_cuda
+
+    cfg = test_cuda._config(stage, precision)
+    cfg["optimizer"] = {**cfg["optimizer"], "name": "cpu_adam" if optimizer_tier != "none" else "adamw"}
+    cfg["offload"] = {"optimizer": optimizer_tier, "params": params_tier, "nvme_path": str(path)}
+    return cfg
+
+
+CUDA_TIERS = [("nvme", "none"), ("nvme", "nvme"), ("cpu", "nvme"), ("none", "nvme"), ("nvme", "cpu")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("optimizer_tier", "params_tier"), CUDA_TIERS)
+def test_cuda_nvme_tiers_match_torch(optimizer_tier, params_tier, tmp_path):
+    """Swap files through page-locked pools, gradients down and shards up on side streams, against
+    torch AdamW on the GPU; parameters offloaded with and without prefetch."""
+    from tests import test_cuda
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    stages = STAGES if params_tier == "none" else ("zero3",)
+    expected = test_cuda._reference(1)
+    for stage in stages:
+        for prefetch in (0, 1 << 20) if params_tier != "none" else (None,):
+            cfg = _cuda_config(stage, optimizer_tier, params_tier, tmp_path)
+            if prefetch is not None:
+                cfg["prefetch_bytes"] = prefetch
+            result = train(cfg, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)
+            for i, (a, b) in enumerate(zip(result["losses"], expected)):
+                assert abs(a - b) <= 2e-5 * abs(b), f"{stage} {optimizer_tier}/{params_tier} prefetch {prefetch} step {i}: {a} vs {b}"
+            assert "nvme" in {*result["memory"]["master_weights"], *result["memory"]["params"]}
+    assert not _runs(tmp_path)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_on_nvme_equals_the_cpu_tier_bit_for_bit(tmp_path):
+    from tests import test_cuda
+
+    for stage, params in (("zero2", "none"), ("zero3", "none"), ("zero3", "nvme")):
+        disk = _cuda_config(stage, "nvme", params, tmp_path, "bf16")
+        host = _cuda_config(stage, "cpu", "cpu" if params == "nvme" else "none", tmp_path, "bf16")
+        host["offload"]["optimizer_options"] = {"speculate": "never"}  # the nvme tier never speculates
+        a, b = (train(c, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)["losses"] for c in (host, disk))
+        assert a == b, f"{stage} params {params}: {a} vs {b}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_nvme_tiers_match_torch(tmp_path):
+    from tests import test_cuda
+
+    configs = [_cuda_config("zero2", "nvme", "none", tmp_path), _cuda_config("zero3", "nvme", "nvme", tmp_path)]
+    results = run_ranks(2, train_many, configs, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)
+    expected = test_cuda._reference(2)
+    for rank_results in results:
+        for cfg, result in zip(configs, rank_results):
+            for i, (a, b) in enumerate(zip(result["losses"], expected)):
+                assert abs(a - b) <= 2e-5 * abs(b), f"{cfg['offload']} step {i}: {a} vs {b}"
