@@ -26,6 +26,21 @@ So disk reads of later groups, the Adam step of this one and the writes of
 earlier ones overlap, and the pool bounds the host memory the optimizer
 state takes, however large the model. Nothing waits on a device-wide
 synchronise; the only host waits are a group's own reads (in `acquire`).
+Rounded updates go through the cpu tier's staging pool (lent at `acquire`,
+given back at `release`) or into a block the params tier lends.
+
+[Note: no speculation on disk] Steps whose coefficient is known before
+backward ends (no clipping, no fp16 scale) start during backward as with the
+cpu tier (`prepare` then comes from autograd's thread). A *speculative* step
+is declined (``speculate = "never"``): its state is written back at
+`release`, so a rollback would first read it back from disk, and a clipped
+window would move every group's state twice. `acquire` is idempotent while a
+group steps (the pipeline acquires again when it leaves a step untaken).
+
+Outside a step, `read_master` / `read_state` (close, state dicts,
+checkpoints) read the newest image (the group's block while it has one, the
+rescue copy, else the file, checked as every read), and `write_state` (a
+checkpoint load) writes a new image once the group's I/O has drained.
 
 [Note: write failures] A write can fail (disk full, an I/O error). The
 state then stays consistent: an extent's CRC32C is recorded only when its

@@ -1,10 +1,16 @@
 """Tier ``cpu``: fp32 masters, optimizer state and gradient landing buffers in host memory.
 
+This module is the optimizer role (`CpuTier`) and the tier's registration;
+the params role is `CpuParamsTier` (``_cpu_params``), and the staging buffers
+updates are rounded into are a `StagingPool` (``_staging``), which the
+``nvme`` tier shares.
+
 Algorithm (ZeRO-Offload). Each trainable group gets, in page-locked host
 memory allocated once at `initialize` (plain memory, with a warning, where
 page-locking is unavailable, as on CPU-only torch): its fp32 master, its
-declared optimizer state, an fp32 landing buffer for its gradient and, in
-bf16/fp16 runs, a compute-dtype staging copy of the updated parameters. The
+declared optimizer state and an fp32 landing buffer for its gradient; in
+bf16/fp16 runs the updated parameters are rounded into a staging buffer lent
+for the step (or straight into the parameters' home when it is in host memory). The
 compute device keeps only the compute-dtype parameters, transient gradient
 buckets and activations.
 
