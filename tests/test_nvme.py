@@ -147,6 +147,26 @@ def test_early_steps_started_during_backward_match_torch(tmp_path):
     engine.close()
 
 
+def test_fp16_overflow_skips_the_step_and_its_prepared_reads(tmp_path):
+    """An fp16 step whose gradients overflow is skipped: the groups the pipeline prepared (reads in
+    flight or done) give their room back unstepped, the masters on disk stay as they were."""
+    cfg = nvme_config(tmp_path, stage="zero2", precision="fp16", name="cpu_adam", buffer_bytes=4096 * 16)
+    cfg["initial_loss_scale"] = 1024.0
+    engine = zkernel.initialize(TrickyNet(), cfg)
+    sums = []
+    for i, step in enumerate(batches(11, 4, 1, 1, 2)):
+        tokens, targets = step[0][0]
+        loss = engine(tokens, targets)
+        engine.backward(loss * float("inf") if i == 1 else loss)
+        engine.step()
+        engine.pipeline.wait_all()
+        sums.append(sum(float(engine.optimizer_tier.read_master(g).double().sum()) for g in engine.trainable_groups))
+    assert engine.skipped_steps == 1 and engine.loss_scaler.scale == 512.0
+    assert sums[1] == sums[0] and sums[2] != sums[1] and sums[3] != sums[2]
+    engine.close()
+    assert not _runs(tmp_path)
+
+
 def test_bf16_on_nvme_equals_the_cpu_tier_bit_for_bit(tmp_path):
     """Same arithmetic, other storage: bf16 losses through NVMe equal those through host memory exactly
     (the params tier lends the optimizer its update buffer for each step)."""
