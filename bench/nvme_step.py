@@ -262,9 +262,10 @@ def main(argv=None) -> None:
     serial = 2 / (1 / disk_read + 1 / disk_write)
     print(f"{'optimizer phase GB/s':<24}{r['isolated_gbps']:>18.2f}{serial:>16.2f}{r['isolated_gbps'] / serial:>8.3f}")
     print()
-    print("read/write GB/s during the step: the timeline's bytes over the time some read (write) was in flight, median "
-          "of the timed steps; optimizer phase: (read + written) / time of one isolated engine.step() until every "
-          f"write-back is done ({r['isolated_s']:.2f} s), against the disk's harmonic mean of read and write")
+    print("read/write GB/s during the step: the timeline's optimizer-state bytes over the time some read (write) of "
+          "them was in flight, median of the timed steps (parameter reads of --params nvme count in the bytes per step "
+          "only); optimizer phase: (read + written) / time of one isolated engine.step() until every write-back is "
+          f"done ({r['isolated_s']:.2f} s), against the disk's harmonic mean of read and write")
 
 
 if __name__ == "__main__":
