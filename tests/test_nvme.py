@@ -270,6 +270,17 @@ def test_close_removes_the_run_directory_buffers_and_threads(tmp_path):
     assert len(os.listdir("/proc/self/task")) == tasks and _threads() == names
 
 
+def test_a_dropped_engine_removes_its_run_directory(tmp_path):
+    import gc
+
+    engine = zkernel.initialize(TrickyNet(), nvme_config(tmp_path, params="nvme"))
+    steps(engine, 1)
+    assert len(_runs(tmp_path)) == 1
+    del engine
+    gc.collect()
+    assert not _runs(tmp_path)
+
+
 def _script(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "tests.nvme_scenarios", *args], cwd=ROOT, env=env, text=True,
