@@ -12,6 +12,8 @@ PRESETS = {
     "350m": dict(dim=1024, layers=24, heads=16),
     "1.3b": dict(dim=2048, layers=24, heads=16),
     "6.7b": dict(dim=4096, layers=32, heads=32),
+    "13b": dict(dim=5120, layers=40, heads=40),
+    "20b": dict(dim=6144, layers=44, heads=48),
 }
 VOCAB = 50304
 

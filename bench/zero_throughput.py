@@ -11,7 +11,9 @@ CPU and the parameters on NVMe, ``zero3+none/cpu`` only the parameters on the
 CPU); modes whose optimizer is offloaded use the ``cpu_adam`` optimizer unless
 ``--zk-optimizer`` says otherwise. ``--tier-options`` and
 ``--params-tier-options`` are the two roles' options (JSON); NVMe modes keep
-their files under ``--nvme-path`` and report the disk bytes moved per step. ``fsdp2_offload`` is FSDP2
+their files under ``--nvme-path`` and report the disk bytes moved per step. A suffix ``@blocks`` selects
+zero3's unit policy and ``#32`` a micro-batch for that mode alone
+(``fsdp2_offload#32``). ``fsdp2_offload`` is FSDP2
 with ``CPUOffloadPolicy(pin_memory=True)``. ``--clip`` applies global-norm
 clipping in every mode (torch's ``clip_grad_norm_`` for the anchors).
 
@@ -51,11 +53,13 @@ def _worker(args) -> None:
     device = torch.device("cuda", local)
     torch.manual_seed(0)
     preset = PRESETS[args.model]
-    mode = args.mode
+    mode, micro_batch, units = _parse_mode(args.mode, args.micro_batch)
 
     if mode in ("plain", "ddp", "fsdp2", "fsdp2_offload"):
         if world > 1 or mode.startswith("fsdp2"):
-            dist.init_process_group("nccl", device_id=device)
+            # Offloaded FSDP2 keeps gradients on the CPU: clip_grad_norm_ reduces their norm there (gloo).
+            backend = "cpu:gloo,cuda:nccl" if mode == "fsdp2_offload" else "nccl"
+            dist.init_process_group(backend, device_id=device)
         with device:
             model = GPT(**preset, seq=SEQ)
         if mode == "ddp":
@@ -114,6 +118,8 @@ def _worker(args) -> None:
                 config["offload"]["nvme_path"] = args.nvme_path
         if args.options:
             config["partitioner_options"] = json.loads(args.options)
+        if units:
+            config["partitioner_options"] = {**config.get("partitioner_options", {}), "units": units}
         if args.prefetch_mb is not None:
             config["prefetch_bytes"] = int(args.prefetch_mb * 2**20)
         engine = zkernel.initialize(model, config)
@@ -137,7 +143,7 @@ def _worker(args) -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup and disk is not None:
             disk = _disk_counters(engine)
-        idx = torch.randint(0, VOCAB, (args.micro_batch, SEQ), device=device, generator=g)
+        idx = torch.randint(0, VOCAB, (micro_batch, SEQ), device=device, generator=g)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = train_step(idx, torch.roll(idx, -1, 1))
@@ -146,13 +152,14 @@ def _worker(args) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    tokens = args.micro_batch * SEQ * world / step
+    tokens = micro_batch * SEQ * world / step
     result = {
-        "mode": mode,
+        "mode": args.mode,
         "world": world,
+        "micro_batch": micro_batch,
         "step_s": step,
         "tokens_per_s": tokens,
-        "tflops_per_gpu": fpt * args.micro_batch * SEQ / step / 1e12,
+        "tflops_per_gpu": fpt * micro_batch * SEQ / step / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss": float(loss),
     }
@@ -176,6 +183,13 @@ def _worker(args) -> None:
         dist.destroy_process_group()
 
 
+def _parse_mode(text: str, default_micro_batch: int) -> tuple[str, int, str]:
+    """``zero3+cpu/cpu@blocks#32`` -> ("zero3+cpu/cpu", 32, "blocks"): ``@`` a zero3 unit policy, ``#`` a micro-batch."""
+    text, _, micro_batch = text.partition("#")
+    mode, _, units = text.partition("@")
+    return mode, int(micro_batch) if micro_batch else default_micro_batch, units
+
+
 def _disk_counters(engine) -> list[int]:
     """Bytes the engine's NVMe tiers have read and written so far (both roles)."""
     tiers = {id(t): t for t in (engine.optimizer_tier, engine.params_tier)}.values()
@@ -196,11 +210,16 @@ def _run_mode(args, mode: str) -> dict | None:
         cmd += ["--timeline"]
     if args.prefetch_mb is not None:
         cmd += ["--prefetch-mb", str(args.prefetch_mb)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    # torchrun would pin every rank to one OpenMP thread: give each its share of the cores
+    # instead, so the anchors' CPU AdamW (FSDP2 offload) is not starved.
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // args.nproc)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    tail = [t for t in lines if "Error" in t][:3] + lines[-4:]
     oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
     print(f"[{mode}] {'OOM' if oom else 'failed'} (exit {proc.returncode}): " + " | ".join(tail)[-600:], flush=True)
     return {"mode": mode, "error": "OOM" if oom else f"exit {proc.returncode}"}
@@ -213,7 +232,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--modes", default=None, help="comma list of plain, ddp, fsdp2, zero1, zero2, zero3")
+    parser.add_argument("--modes", default=None, help="comma list of plain, ddp, fsdp2, fsdp2_offload, zero1, zero2, zero3 "
+                        "(zkernel: +optimizer_tier[/params_tier], @units, #micro_batch; see above)")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--options", default="", help="zkernel partitioner_options as JSON, e.g. '{\"units\": \"blocks\"}'")
     parser.add_argument("--prefetch-mb", type=float, default=None, help="zkernel prefetch_bytes in MiB")
@@ -223,6 +243,7 @@ def main() -> None:
     parser.add_argument("--params-tier-options", default="", help="offload.params_options as JSON")
     parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme", help="offload.nvme_path for +nvme modes")
     parser.add_argument("--timeline", action="store_true", help="zkernel modes: record the step timeline and print its last step")
+    parser.add_argument("--json-out", default=None, help="append each mode's result as one JSON line to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -233,22 +254,29 @@ def main() -> None:
         ["plain", "fsdp2", "zero1", "zero2", "zero3"] if args.nproc == 1 else ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
     )
     results = [r for r in (_run_mode(args, m) for m in modes) if r]
-    anchor = next((r for r in results if r["mode"] == "fsdp2" and "error" not in r), None)
+    if args.json_out:
+        with open(args.json_out, "a") as out:
+            for r in results:
+                out.write(json.dumps({"model": args.model, "nproc": args.nproc, **r}) + "\n")
+    def first(*names):
+        return next((r for r in results if _parse_mode(r["mode"], 0)[0] in names and "error" not in r), None)
+
+    anchor = first("fsdp2")
     extra = f", zkernel options {args.options}" if args.options else ""
     extra += f", prefetch {args.prefetch_mb} MiB" if args.prefetch_mb is not None else ""
     print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16{extra}")
-    print(f"{'mode':14} {'tokens/s':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13} {'vs plain':>9} {'vs FSDP2+off':>13}")
-    plain = next((r for r in results if r["mode"] in ("plain", "ddp") and "error" not in r), None)
-    offload = next((r for r in results if r["mode"] == "fsdp2_offload" and "error" not in r), None)
+    print(f"{'mode':22} {'mb':>3} {'tokens/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13} {'vs plain':>9} {'vs FSDP2+off':>13}")
+    plain = first("plain", "ddp")
+    offload = first("fsdp2_offload")
     for r in results:
         if "error" in r:
-            print(f"{r['mode']:14} {r['error']:>10}")
+            print(f"{r['mode']:22} {r['error']:>10}")
             continue
         ratio = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.3f}" if anchor else "-"
         mem = f"{r['peak_gib'] / anchor['peak_gib']:.3f}" if anchor else "-"
         vs_plain = f"{r['tokens_per_s'] / plain['tokens_per_s']:.3f}" if plain else "-"
         vs_off = f"{r['tokens_per_s'] / offload['tokens_per_s']:.3f}" if offload else "-"
-        print(f"{r['mode']:14} {r['tokens_per_s']:>10.0f} {r['tflops_per_gpu']:>12.1f} {r['peak_gib']:>9.1f} {r['step_s']:>7.3f} {ratio:>15} {mem:>13} {vs_plain:>9} {vs_off:>13}")
+        print(f"{r['mode']:22} {r['micro_batch']:>3} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / r['world']:>10.0f} {r['tflops_per_gpu']:>12.1f} {r['peak_gib']:>9.1f} {r['step_s']:>7.3f} {ratio:>15} {mem:>13} {vs_plain:>9} {vs_off:>13}")
     for r in results:
         if "disk_gbps_over_step" in r:
             print(f"  {r['mode']} disk: {r['nvme_gib']:.1f} GiB on NVMe, per step {r['disk_read_gb_per_step']:.2f} GB read + "

@@ -106,3 +106,52 @@ def diverge(config: dict, branch_on_rank1: str) -> str:
     except zkernel.RankDivergenceError as exc:
         return str(exc)
     return "no error"
+
+
+def deferred_statements(count: int, diverge_at: int | None) -> str:
+    """The NCCL form of the path check (device ring + watchdog), run over gloo: ``count``
+    statements, rank 1 naming another group from ``diverge_at`` on; what the watchdog said."""
+    import threading
+    from types import SimpleNamespace
+
+    from zkernel.distributed import init_distributed
+    from zkernel.divergence import PathCheck
+
+    init_distributed()
+
+    rank, _ = _rank_world()
+    groups = [SimpleNamespace(index=i, name=f"layers.{i}") for i in range(3)]
+    said: list[str] = []
+    done = threading.Event()
+
+    def record(message: str) -> None:
+        said.append(message)
+        done.set()
+
+    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, deferred=True, on_divergence=record)
+    for n in range(count):
+        index = 2 if (rank == 1 and diverge_at is not None and n >= diverge_at) else n % 2
+        check.before(groups[index], "forward" if n % 3 else "reduce", micro_step=n // 10)
+        if diverge_at is not None and n == diverge_at:
+            break  # a real job would now hang in the mismatched collective
+    done.wait(3.0)
+    check.close()
+    return said[0] if said else "no error"
+
+
+def deferred_statements_then_close(diverge_at: int) -> str:
+    """Ranks diverge at the last statement and the check is closed at once (before any poll)."""
+    from types import SimpleNamespace
+
+    from zkernel.distributed import init_distributed
+    from zkernel.divergence import PathCheck
+
+    init_distributed()
+    rank, _ = _rank_world()
+    groups = [SimpleNamespace(index=i, name=f"layers.{i}") for i in range(3)]
+    said: list[str] = []
+    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=60.0, deferred=True, on_divergence=said.append)
+    for n in range(diverge_at + 1):
+        check.before(groups[2 if (rank == 1 and n == diverge_at) else 0], "forward", micro_step=7)
+    check.close()
+    return said[0] if said else "no error"

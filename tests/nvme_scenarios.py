@@ -75,6 +75,10 @@ def write_failure(nvme_path: str, role: str) -> dict:
     Returns what happened, for the test to check."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
     cfg = nvme_config(nvme_path, optimizer="nvme" if role == "optimizer" else "cpu", params="nvme" if role == "params" else "none")
+    # No gather ahead: the next forward's read-ahead (a rank-local stage) is where a parameter write's
+    # failure is raised before any update of the next step. (Within the gather window, as every unit
+    # of this small model is by default, it comes from the next update instead, a step later.)
+    cfg["prefetch_bytes"] = 0
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     out: dict = {}
     resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))

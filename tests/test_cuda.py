@@ -170,3 +170,53 @@ def test_cuda_bf16_gradient_transfer_tracks_fp32():
             for a, b in zip(result["losses"], reference):
                 assert abs(a - b) <= 1e-2 * abs(b), (result["losses"], reference)
         assert result["memory"]["grads"].get("cpu", 0) > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize(("branch", "module"), [("right", "right"), ("wide", "wide.0")])
+def test_nccl_ranks_that_diverge_stop_with_the_module_named(branch, module):
+    """The NCCL form of the path check: a watchdog reads the device ring and ends both ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.harness import _free_port
+
+    config = {"partitioner": "zero3", "optimizer": {"lr": 1e-2}, "prefetch_bytes": 4096,
+              "partitioner_options": {"persistence_threshold": 0}, "collective_timeout": 60.0}
+    code = "import json, sys; from tests.branch_scenarios import diverge; print(diverge(json.loads(sys.argv[1]), sys.argv[2]))"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+         "--no-python", sys.executable, "-c", code, json.dumps(config), branch],
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "ranks took different module paths in micro-step 1" in proc.stderr, proc.stderr[-3000:]
+    assert f"rank 1 was about to gather for forward '{module}'" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 50  # well inside the collective timeout: the watchdog ended it
+
+
+def _timeline_collectives(config):
+    import zkernel
+    from zkernel.timeline import SpanKind
+
+    torch.manual_seed(SEED)
+    engine = zkernel.initialize(TrickyNet(), {**config, "timeline": True})
+    for step in batches(SEED + 1, 3, 1, torch.distributed.get_world_size(), MICRO):
+        tokens, targets = step[0][torch.distributed.get_rank()]
+        engine.backward(engine(tokens, targets))
+        engine.step()
+    engine.close()
+    last = engine.timeline.summaries[-1]
+    return {"count": last.count.get(SpanKind.COLLECTIVE, 0), "busy": last.busy_s.get(SpanKind.COLLECTIVE, 0.0),
+            "bytes": last.nbytes.get(SpanKind.COLLECTIVE, 0)}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_timeline_shows_the_collectives():
+    """zero3's all-gathers and reduce-scatters appear in the step timeline with their bytes."""
+    for rank_result in run_ranks(2, _timeline_collectives, _config("zero3")):
+        assert rank_result["count"] > 0 and rank_result["busy"] > 0 and rank_result["bytes"] > 0, rank_result

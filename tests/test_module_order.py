@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.branch_scenarios import diverge, reference_branching, train_branching
+from tests.branch_scenarios import deferred_statements, deferred_statements_then_close, diverge, reference_branching, train_branching
 from tests.harness import run_ranks
 
 STEPS, LR = 6, 2e-2
@@ -57,3 +57,18 @@ def test_ranks_that_run_different_modules_stop_with_an_error_naming_them():
             assert "rank 0 was about to" in text, text
             assert f"rank 1 was about to gather for forward '{module}'" in text, text
     assert time.monotonic() - start < 60
+
+
+def test_deferred_path_check_names_the_divergence_and_tolerates_agreement():
+    # The NCCL form (statements on a ring, compared by a watchdog thread), over gloo.
+    quiet = run_ranks(2, deferred_statements, 1100, None, timeout=120)  # past one turn of the ring
+    assert quiet == ["no error", "no error"]
+    said = run_ranks(2, deferred_statements, 1100, 1034, timeout=120)
+    for text in said:
+        assert "micro-step 103" in text, text
+        assert "rank 0 was about to gather for forward 'layers.0'" in text, text
+        assert "rank 1 was about to gather for forward 'layers.2'" in text, text
+
+    # Diverged into units of equal sizes and ended before the watchdog looked: close still says so.
+    for text in run_ranks(2, deferred_statements_then_close, 40, timeout=120):
+        assert "micro-step 7: rank 0 was about to gather for forward 'layers.0', rank 1 was about to gather for forward 'layers.2'" in text, text

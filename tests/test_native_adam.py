@@ -195,3 +195,24 @@ def test_stale_extension_names_the_rebuild(monkeypatch):
     monkeypatch.setattr(native, "_module", None)
     with pytest.raises(native.NativeExtensionError, match="out of date .*rebuild it"):
         native.simd_path()
+
+
+def test_ranks_sharing_a_host_split_its_cores(monkeypatch):
+    import os
+
+    from zkernel import native
+
+    monkeypatch.delenv("ZKERNEL_NATIVE_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    before = native.threads()
+    try:
+        native.share_cores(2)
+        assert native.threads() == max(1, cores // 2)
+        native.share_cores(cores * 4)
+        assert native.threads() == 1
+        native.set_threads(before)
+        monkeypatch.setenv("ZKERNEL_NATIVE_THREADS", "3")
+        native.share_cores(2)  # the user's setting wins
+        assert native.threads() == before
+    finally:
+        native.set_threads(before)

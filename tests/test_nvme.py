@@ -221,8 +221,9 @@ class _Terminal(io.StringIO):
 
 
 def test_preallocation_progress_bar_on_rank_0_terminals_only(tmp_path, monkeypatch, zkernel_debug_logs):
-    """Laying out the swap files shows a tqdm bar per role on a terminal, nothing where stderr is a
-    file or the zkernel logger is set above WARNING; an INFO event gives the bytes either way."""
+    """Laying out the swap files shows a zkernel.progress bar per role on a terminal, nothing where
+    stderr is a file or the zkernel logger is set above WARNING; an INFO event gives the bytes."""
+    monkeypatch.delenv("ZKERNEL_PROGRESS", raising=False)
     cfg = nvme_config(tmp_path, params="nvme")
     shown = {}
     for case, stream, level in (("terminal", _Terminal(), logging.INFO), ("file", io.StringIO(), logging.WARNING),
@@ -369,7 +370,7 @@ def test_capacity_shortfall_names_the_numbers(tmp_path, monkeypatch):
     from zkernel.tiers import Capacity, Resource
 
     monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: Capacity({Resource.DISK: 1000})))
-    with pytest.raises(ConfigError, match=r"disk at offload.nvme_path: needs \d+\.\d\d MiB \(\d+\.\d\d MiB per rank\), 0\.00 MiB usable"):
+    with pytest.raises(ConfigError, match=r"disk at offload.nvme_path: needs \d+\.\d\d KiB \(\d+\.\d\d KiB per rank\), 1000 B usable"):
         zkernel.initialize(TrickyNet(), nvme_config(tmp_path, params="nvme"))
     assert not _runs(tmp_path)  # the run directory made before the check is gone again
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.harness import run_ranks
 from tests.scenarios import train, train_many
@@ -30,7 +31,8 @@ def test_cpu_tier_single_process_matches_torch(stage, optimizer):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_tier_multi_rank_matches_torch(world):
-    configs = [offload_config(s, o) for s in STAGES for o in OPTIMIZERS]
+    # Both Adams on 2 ranks; on 3 (uneven shards) the native one, whose host path differs most.
+    configs = [offload_config(s, o) for s in STAGES for o in (OPTIMIZERS if world == 2 else ("cpu_adam",))]
     results = run_ranks(world, train_many, configs, STEPS, ACCUM, MICRO, SEED)
     expected = reference(world)
     for rank_results in results:
@@ -55,11 +57,13 @@ def test_params_on_host_single_process_matches_torch(optimizer_tier, optimizer):
 
 
 def test_params_on_host_multi_rank_matches_torch():
-    configs = [params_offload_config(t, o) for t, o in PARAM_COMBOS]
     for world in (2, 3):
+        # Every combination on 2 ranks; uneven shards on 3 with both roles on the host.
+        configs = [params_offload_config(t, o) for t, o in (PARAM_COMBOS if world == 2 else PARAM_COMBOS[1:2])]
         results = run_ranks(world, train_many, configs, STEPS, ACCUM, MICRO, SEED)
         for rank_results in results:
-            for (tier, opt), result in zip(PARAM_COMBOS, rank_results):
+            for cfg, result in zip(configs, rank_results):
+                tier, opt = cfg["offload"]["optimizer"], cfg["optimizer"]["name"]
                 assert_matches(result["losses"], reference(world), f"params cpu, {tier}/{opt}, world {world}")
 
 
@@ -128,3 +132,28 @@ def test_fp16_overflow_on_one_rank_rolls_back_speculative_steps_everywhere():
         assert r["checksums"][2] == pytest.approx(r["checksums"][1], rel=1e-6, abs=1e-6)
         assert r["checksums"][3] != r["checksums"][2]
     assert results[0]["rollbacks"] > 0
+
+
+def test_capacity_shortfall_is_one_error_with_the_numbers(monkeypatch):
+    import zkernel
+    from tests.scenarios import Wide
+
+    monkeypatch.setenv("ZKERNEL_HOST_MEMORY", "64KiB")
+    model = Wide(64, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(zkernel.ConfigError, match=r"host memory: needs [0-9.]+ [KM]iB \([0-9.]+ [KM]iB per rank\), 57.60 KiB usable") as caught:
+        zkernel.initialize(model, offload_config("zero2", "cpu_adam"))
+    assert "offload.optimizer = 'nvme'" in str(caught.value)
+    # Nothing was placed: the module is whole and free for another engine.
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    monkeypatch.setenv("ZKERNEL_HOST_MEMORY", "1GiB")
+    zkernel.initialize(model, offload_config("zero2", "cpu_adam")).close()
+
+
+def test_host_memory_override_must_be_a_size(monkeypatch):
+    import zkernel
+    from tests.scenarios import Wide
+
+    monkeypatch.setenv("ZKERNEL_HOST_MEMORY", "plenty")
+    with pytest.raises(zkernel.ConfigError, match="ZKERNEL_HOST_MEMORY: 'plenty' is not a size; valid: a number"):
+        zkernel.initialize(Wide(8, 1), offload_config("zero1", "cpu_adam"))

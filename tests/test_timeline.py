@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import subprocess
 import sys
@@ -278,15 +280,22 @@ def test_disabled_timeline_is_a_cheap_no_op(tmp_path, zkernel_debug_logs):
     assert tl.span(K.H2D) is tl.span(K.COMPUTE, label="x")  # one shared null span, nothing allocated
     n = 100_000
 
-    def run():
+    def run(span):
         start = time.perf_counter()
         for _ in range(n):
-            with tl.span(K.H2D, label="layer"):
+            with span(K.H2D, label="layer"):
                 pass
         return time.perf_counter() - start
 
-    elapsed = min(run() for _ in range(5))  # the best of 5, as timeit does: this machine is shared
-    assert elapsed < 0.1, f"{n} disabled spans took {elapsed:.3f} s"
+    null = contextlib.nullcontext()
+
+    def bare(_kind, label):  # the cheapest call a context manager can be
+        return null
+
+    # Best of 5 of each, interleaved (the machine is shared): within a small factor of nothing.
+    elapsed = min(run(tl.span) for _ in range(5))
+    baseline = min(run(bare) for _ in range(5))
+    assert elapsed < 4 * baseline, f"{n} disabled spans took {elapsed:.3f} s, bare context managers {baseline:.3f} s"
     with tl.span(K.H2D) as sp:
         sp.nbytes = 10  # settable, ignored
     tl.host_span(K.H2D, 2.0, 1.0)  # not even validated

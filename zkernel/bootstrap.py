@@ -10,8 +10,8 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel import lifecycle
-from zkernel.config import Config, ConfigError, load_config
+from zkernel import lifecycle, native
+from zkernel.config import Config, ConfigError, auto_keys, load_config
 from zkernel.distributed import init_distributed, local_world_size
 from zkernel.engine import Engine, EngineParts
 from zkernel.groups import OptimizerDeclaration, ParamGroup
@@ -142,19 +142,29 @@ def initialize(
         raise TypeError(f"zkernel.initialize expects a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(config)
     installed = get_plugin_manager(plugins, config=cfg)
-    selection = resolve_components(collect_components(installed), cfg)
+    registry = collect_components(installed)
+    # With "auto" values the planner resolves them once the ranks can agree (`zkernel.planning`);
+    # every other name and option is checked now, before the process group exists.
+    selection = resolve_components(registry, cfg, skip=auto_keys(cfg))
     lifecycle.claim(model, f"partitioner {cfg.partitioner!r}")
     try:
-        return _build(model, cfg, selection, init_fn)
+        return _build(model, cfg, selection, init_fn, registry)
     except BaseException:
         lifecycle.release(model)
         raise
 
 
-def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
+def _build(model: nn.Module, cfg: Config, selection, init_fn, registry) -> Engine:
     dist_info = init_distributed(timeout_s=cfg.collective_timeout)
     if dist_info.created_group:
         lifecycle.own_process_group()
+    native.share_cores(local_world_size(dist_info))
+    plan = None
+    if auto_keys(cfg):
+        from zkernel.planning import resolve_auto
+
+        cfg, plan = resolve_auto(model, cfg, registry, dist_info)
+        selection = resolve_components(registry, cfg)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     compute_dtype = COMPUTE_DTYPES[cfg.precision]
@@ -174,7 +184,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
     )
     tiers: list = []  # built so far: closed again if initialize fails (swap files, I/O threads)
     try:
-        return _assemble(model, cfg, selection, base, tiers)
+        return _assemble(model, cfg, selection, base, tiers, plan)
     except BaseException:
         for tier in reversed(tiers):
             try:
@@ -185,7 +195,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn) -> Engine:
         raise
 
 
-def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, tiers: list) -> Engine:
+def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, tiers: list, plan) -> Engine:
     """Build the selected components on ``base``, partition and place the model, make the engine."""
     dist_info, compute_dtype, worker = base.dist, base.compute_dtype, base.host_worker
     streams, timeline = base.streams, base.timeline
@@ -250,6 +260,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         speculate=getattr(optimizer_tier, "speculate", "never"),
         original_dtypes=original_dtypes,
         original_tensors=original_tensors,
+        placement_plan=plan,
     )
     return Engine(model, cfg, dist_info, parts)
 
@@ -260,8 +271,10 @@ def _bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def consolidate(directory, tag: str | None = None, *, progress: bool = False) -> dict[str, torch.Tensor]:
+def consolidate(directory, tag: str | None = None, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
     """Rebuild the full fp32 state dict of a checkpoint directory (no process group needed).
+
+    ``progress``: show a progress bar (default: when stderr is a terminal, see `zkernel.progress`).
 
     One tensor at a time, reading only the bytes each needs; the result loads
     with ``load_state_dict(strict=True)`` into the plain model. See

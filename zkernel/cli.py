@@ -224,19 +224,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 # -- zkernel estimate -------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
 def parse_size(text: str) -> int:
-    """Bytes from ``"80GiB"``, ``"1.5TB"``, ``"512e6"``."""
-    import re
+    """Bytes from ``"80GiB"``, ``"1.5TB"``, ``"512e6"`` (an argparse type)."""
+    from zkernel.sizes import parse_size as parse
 
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match[2].lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; valid: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(float(match[1]) * _UNITS[unit])
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def format_size(nbytes: int | None) -> str:
@@ -358,6 +353,45 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     else:
         print("\nFITS counts model states only (activations: give the transformer's numbers and --micro-batch)")
+    if args.plan:
+        return _print_plan(module if shape is None else shape, config, world, args)
+    return 0
+
+
+def _print_plan(model: Any, config: Any, world: int, args: argparse.Namespace) -> int:
+    """``estimate --plan``: what ``"auto"`` would choose here, measured, with the machine flags as overrides."""
+    import attrs
+
+    from zkernel.machine import format_bytes
+    from zkernel.planning import PlacementError, plan
+
+    planner = attrs.evolve(
+        config.planner,
+        micro_batch=args.micro_batch if args.micro_batch is not None else config.planner.micro_batch,
+        gpu_memory=args.gpu_memory if args.gpu_memory is not None else config.planner.gpu_memory,
+        ram=args.ram if args.ram is not None else config.planner.ram,
+        disk=args.disk if args.disk is not None else config.planner.disk,
+    )
+    try:
+        decision = plan(model, attrs.evolve(config, planner=planner), world, gpus=args.gpus)
+    except PlacementError as exc:
+        print(f"\nplacement plan: {exc}")
+        return 1
+    print(f"\nplacement plan (planner {decision.planner!r}, {world} rank(s)): {decision.placement}")
+    for place, kinds in decision.bytes.items():
+        parts = ", ".join(f"{kind.replace('_', ' ')} {format_bytes(n)}" for kind, n in kinds.items() if n)
+        budget = decision.budgets.get(place)
+        print(f"  {place}: {format_bytes(sum(kinds.values()))} per rank of {format_bytes(budget)} usable ({parts or 'nothing'})")
+    units = {"host_to_device": "B", "device_to_host": "B", "disk_write": "B", "disk_read": "B", "cpu_adam": " elements"}
+    measured = ", ".join(f"{name.replace('_', ' ')} {probe.text(units.get(name, ''))}" for name, probe in decision.measurements.items())
+    print(f"  measured: {measured}")
+    if decision.predicted_seconds:
+        seconds = ", ".join(f"{name.replace('_', ' ')} {value:.3f} s" for name, value in decision.predicted_seconds.items())
+        print(f"  predicted per optimizer step: {seconds}")
+    for line in decision.rejected:
+        print(f"  does not fit: {line}")
+    for note in decision.notes:
+        print(f"  note: {note}")
     return 0
 
 
@@ -368,7 +402,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     from zkernel.checkpoint import CheckpointError, consolidate_to_file
 
     try:
-        path = consolidate_to_file(args.directory, args.out, args.tag, progress=True)
+        path = consolidate_to_file(args.directory, args.out, args.tag)
     except (CheckpointError, OSError) as exc:
         print(f"zkernel consolidate: error: {exc}", file=sys.stderr)
         return 1
@@ -440,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
     machine.add_argument("--ram", type=parse_size, default=None, metavar="SIZE", help="available CPU memory (default: MemAvailable)")
     machine.add_argument("--disk", type=parse_size, default=None, metavar="SIZE", help="free disk at nvme_path")
     machine.add_argument("--nvme-path", default=None, help="where an nvme tier would write (overrides the config's offload.nvme_path)")
+    est.add_argument(
+        "--plan",
+        action="store_true",
+        help="also show what partitioner/offload = \"auto\" would choose here (capacities and bandwidths measured; "
+        "the machine flags override what is detected)",
+    )
     _add_logging_options(est, default=argparse.SUPPRESS)
     est.set_defaults(func=cmd_estimate)
     consolidate = sub.add_parser(

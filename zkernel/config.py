@@ -18,6 +18,9 @@ from typing import Any
 import attrs
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# The value of `partitioner`, `offload.optimizer` or `offload.params` that asks the planner to choose.
+AUTO = "auto"
+AUTO_KEYS = ("partitioner", "offload.optimizer", "offload.params")
 LOG_FORMATS = ("console", "json")
 ACTIVATION_OFFLOADS = ("none", "cpu")
 
@@ -170,6 +173,57 @@ class ActivationCheckpointingConfig:
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
 
 
+def _size(key: str):
+    """Bytes from an integer or a string with a unit ("16GiB", "1.5TB"); None stays None."""
+
+    def convert(value: Any) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        if isinstance(value, str):
+            from zkernel.sizes import parse_size
+
+            try:
+                return parse_size(value)
+            except ValueError:
+                pass
+        raise ConfigError(
+            f"{key} must be a size in bytes: an integer >= 0 or a string such as \"16GiB\" "
+            f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
+        )
+
+    return convert
+
+
+def _optional_positive_int(key: str):
+    def check(_inst, _attr, value):
+        if value is not None:
+            _positive_int(key)(_inst, _attr, value)
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class PlannerConfig:
+    """``[planner]``: which planner resolves ``"auto"`` (see `zkernel.planning`), with hints and overrides.
+
+    Keys other than these go to ``options`` (the selected planner's own).
+    """
+
+    name: str = attrs.field(default="default", validator=_name("planner.name"))
+    # Activation hints: sequences per rank per micro-batch and tokens per sequence. Without them
+    # the planner places model states only (and says so in its decision).
+    micro_batch: int | None = attrs.field(default=None, validator=_optional_positive_int("planner.micro_batch"))
+    sequence: int | None = attrs.field(default=None, validator=_optional_positive_int("planner.sequence"))
+    # What the planner takes as this machine's capacities instead of what it detects (bytes, or
+    # a string with a unit): free memory per GPU, available host memory, free disk at nvme_path.
+    gpu_memory: int | None = attrs.field(default=None, converter=_size("planner.gpu_memory"))
+    ram: int | None = attrs.field(default=None, converter=_size("planner.ram"))
+    disk: int | None = attrs.field(default=None, converter=_size("planner.disk"))
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """The whole configuration of one engine. See README's config reference."""
@@ -186,6 +240,7 @@ class Config:
     offload: OffloadConfig = attrs.field(factory=OffloadConfig)
     tiling: TilingConfig = attrs.field(factory=TilingConfig)
     activation_checkpointing: ActivationCheckpointingConfig = attrs.field(factory=ActivationCheckpointingConfig)
+    planner: PlannerConfig = attrs.field(factory=PlannerConfig)
     # Options of the selected partitioner (its own attrs class validates them).
     partitioner_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
     # Bytes of parameters the prefetcher keeps in flight ahead of the running module (ZeRO-3).
@@ -211,11 +266,11 @@ class Config:
     timeline_path: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
 
     def __attrs_post_init__(self) -> None:
-        if self.offload.params != "none" and self.partitioner != "zero3":
+        if self.offload.params not in ("none", AUTO) and self.partitioner not in ("zero3", AUTO):
             raise ConfigError(
                 f"offload.params {self.offload.params!r} needs partitioner 'zero3' "
                 f"(parameters are whole on every rank with {self.partitioner!r}); "
-                "valid: offload.params = 'none', or partitioner = 'zero3'"
+                "valid: offload.params = 'none' (or 'auto'), or partitioner = 'zero3' (or 'auto')"
             )
         if self.timeline_path is not None and not self.timeline:
             raise ConfigError("timeline_path is set but timeline is false; set timeline = true to record it")
@@ -230,7 +285,13 @@ _SECTIONS = {
     "offload": OffloadConfig,
     "tiling": TilingConfig,
     "activation_checkpointing": ActivationCheckpointingConfig,
+    "planner": PlannerConfig,
 }
+
+
+def auto_keys(config: Config) -> tuple[str, ...]:
+    """The keys of `AUTO_KEYS` whose value is ``"auto"`` (the planner resolves them at `initialize`)."""
+    return tuple(key for key in AUTO_KEYS if config_value(config, key) == AUTO)
 
 
 def config_value(config: Config, dotted: str) -> Any:

@@ -18,13 +18,17 @@ itself):
   about to move, for what, and the micro-step, before any mismatched
   collective is issued.
 * NCCL: reading it at once would synchronise the host with the GPU at every
-  gather. The comparison runs on the device instead and records the first
-  disagreeing statement; a watchdog thread polls that record (a copy into
-  page-locked memory, every ``poll_s``), and on a disagreement logs the same
-  error and ends the process (the mismatched collective behind it would hang
-  until NCCL's own watchdog kills the job after ``collective_timeout``, with
-  a message that names no module). Cost: one 24-byte all-gather per gather or
-  reduction, queued on the collective stream.
+  gather. Each statement goes instead from page-locked memory to a device ring
+  (one asynchronous copy) and is all-gathered into a second device ring; no
+  comparison runs on the device and the host never waits. A watchdog thread
+  copies the gathered ring to the host every ``poll_s`` and compares it there:
+  a statement that every rank has written (equal statement numbers) naming
+  different groups, seen in two polls in a row (a poll may read a row that
+  NCCL is still writing), is logged with the same message and the process
+  ends (the mismatched collective behind it would hang until NCCL's own
+  watchdog kills the job after ``collective_timeout``, with a message that
+  names no module). Cost per gather or reduction: one 24-byte copy and one
+  24-byte all-gather, queued on the stream that issues the collective.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,7 +51,6 @@ log = get_logger()
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _KINDS = ("forward", "backward", "reduce", "user")
-_HISTORY = 4096  # statements remembered for the watchdog's message
 
 
 class RankDivergenceError(RuntimeError):
@@ -54,9 +58,21 @@ class RankDivergenceError(RuntimeError):
 
 
 class PathCheck:
-    """Every rank states the group of its next collective; disagreement is an error (see the Note)."""
+    """Every rank states the group of its next collective; disagreement is an error (see the Note).
 
-    def __init__(self, groups: Sequence[ParamGroup], device: torch.device, enabled: bool, poll_s: float = 0.5) -> None:
+    ``deferred`` (default: on NCCL) selects the ring-and-watchdog check; ``on_divergence``
+    (default: end the process) receives the watchdog's message.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[ParamGroup],
+        device: torch.device,
+        enabled: bool,
+        poll_s: float = 0.5,
+        deferred: bool | None = None,
+        on_divergence: Callable[[str], None] | None = None,
+    ) -> None:
         self.enabled = enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._names = {g.index: g.name for g in groups}
         self.count = 0
@@ -64,15 +80,11 @@ class PathCheck:
         if not self.enabled:
             return
         self.world = dist.get_world_size()
-        self.nccl = dist.get_backend() == "nccl"
-        self._device = device if self.nccl else torch.device("cpu")
-        self._history: list[tuple[int, str, int] | None] = [None] * _HISTORY
-        if self.nccl:
-            # first disagreeing statement number + 1 (0: none), and its statements, on the device
-            self._first = torch.zeros(1, dtype=torch.int64, device=device)
-            self._seen = torch.zeros(self.world * 3, dtype=torch.int64, device=device)
-            self._host = torch.zeros(1 + self.world * 3, dtype=torch.int64).pin_memory()
-            self._stream = torch.cuda.Stream(device)
+        self.deferred = dist.get_backend() == "nccl" if deferred is None else deferred
+        if self.deferred:
+            self._ring = _StatementRing(self.world, device if dist.get_backend() == "nccl" else torch.device("cpu"))
+            self._on_divergence = on_divergence or _end_process
+            self._reported = False
             self._stop = threading.Event()
             self._watchdog = threading.Thread(target=self._watch, args=(poll_s,), name="zkernel-paths", daemon=True)
             self._watchdog.start()
@@ -84,23 +96,15 @@ class PathCheck:
         self.micro_step = micro_step
         number = self.count
         self.count += 1
-        statement = [number, group.index, _KINDS.index(kind)]
-        if not self.nccl:
-            gathered = torch.empty(self.world * 3, dtype=torch.int64)
-            _all_gather(gathered, torch.tensor(statement, dtype=torch.int64))
-            rows = gathered.view(self.world, 3).tolist()
-            if any(r != rows[0] for r in rows):
-                raise RankDivergenceError(self._message(rows, micro_step))
+        statement = (number, group.index, _KINDS.index(kind))
+        if self.deferred:
+            self._ring.state(statement, micro_step)
             return
-        self._history[number % _HISTORY] = (group.index, kind, micro_step)
-        mine = torch.tensor(statement, dtype=torch.int64).to(self._device, non_blocking=True)
-        gathered = torch.empty(self.world * 3, dtype=torch.int64, device=self._device)
-        _all_gather(gathered, mine)
-        rows = gathered.view(self.world, 3)
-        differs = (rows != rows[0]).any()
-        first_time = differs & (self._first == 0)
-        self._first.copy_(torch.where(first_time, number + 1, self._first))
-        self._seen.copy_(torch.where(first_time, gathered, self._seen))
+        gathered = torch.empty(self.world * 3, dtype=torch.int64)
+        _all_gather(gathered, torch.tensor(statement, dtype=torch.int64))
+        rows = gathered.view(self.world, 3).tolist()
+        if any(r != rows[0] for r in rows):
+            raise RankDivergenceError(self._message(rows, micro_step))
 
     def _message(self, rows: list[list[int]], micro_step: int) -> str:
         said = ", ".join(
@@ -113,24 +117,100 @@ class PathCheck:
         )
 
     def _watch(self, poll_s: float) -> None:
+        suspects: set[int] = set()
         while not self._stop.wait(poll_s):
-            with torch.cuda.stream(self._stream):
-                self._host[:1].copy_(self._first, non_blocking=True)
-                self._host[1:].copy_(self._seen, non_blocking=True)
-                self._stream.synchronize()
-            first = int(self._host[0])
-            if first:
-                rows = self._host[1:].view(self.world, 3).tolist()
-                entry = self._history[(first - 1) % _HISTORY]
-                step = entry[2] if entry is not None else self.micro_step
-                message = self._message(rows, step)
-                log.error("zkernel.ranks.diverged", message=message)
-                print(f"zkernel: RankDivergenceError: {message}", file=sys.stderr, flush=True)
-                os._exit(1)
+            found = self._ring.disagreements()
+            confirmed = sorted(n for n in found if n in suspects)
+            suspects = set(found)
+            if confirmed:
+                self._report(found[confirmed[0]])
+                return
+
+    def _report(self, found: tuple[list[list[int]], int]) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        message = self._message(*found)
+        log.error("zkernel.ranks.diverged", message=message)
+        self._on_divergence(message)
 
     def close(self) -> None:
-        if self.enabled and self.nccl:
-            self._stop.set()
+        """Stop the watchdog after a last look at the ring: ranks that diverged into units of equal
+        sizes get through their collectives, and a job that ends soon after must not end quietly."""
+        if not (self.enabled and self.deferred) or self._stop.is_set():
+            return
+        self._stop.set()
+        if self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=5)
+        if not self._reported and self._ring.settle(timeout_s=10.0):
+            found = self._ring.disagreements()
+            if found:
+                self._report(found[min(found)])
+
+
+_RING = 1024  # statements the watchdog can see
+
+
+class _StatementRing:
+    """Statements as issued (page-locked), on the device, and as gathered from every rank.
+
+    ``state`` is called by the training thread, ``disagreements`` by the watchdog.
+    """
+
+    def __init__(self, world: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.cuda = cuda
+        self.mine = torch.zeros(_RING, 3, dtype=torch.int64, device=device)
+        self.gathered = torch.full((_RING, world, 3), -1, dtype=torch.int64, device=device)
+        self._read = torch.empty(_RING, world, 3, dtype=torch.int64, pin_memory=cuda)
+        self._micro_steps = [0] * _RING
+        self._stream = torch.cuda.Stream(device) if cuda else None
+
+    def state(self, statement: tuple[int, int, int], micro_step: int) -> None:
+        slot = statement[0] % _RING
+        self._micro_steps[slot] = micro_step
+        # A page-locked source from torch's caching host allocator, which keeps the block until
+        # the copy has run on whichever stream issued it. A device slot is rewritten _RING
+        # statements later, long after the all-gather that read it (later gathers of the same
+        # collective stream have been waited on by then).
+        source = torch.tensor(statement, dtype=torch.int64)
+        self.mine[slot].copy_(source.pin_memory() if self.cuda else source, non_blocking=True)
+        _all_gather(self.gathered[slot].view(-1), self.mine[slot])
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait (bounded: a hung collective must not hang the exit) until what was issued so far ran."""
+        if not self.cuda:
+            return True
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def disagreements(self) -> dict[int, tuple[list[list[int]], int]]:
+        """Statement number -> (every rank's statement, micro-step) where complete rows disagree."""
+        if self.cuda:
+            with torch.cuda.stream(self._stream):
+                self._read.copy_(self.gathered, non_blocking=True)
+                self._stream.synchronize()
+        else:
+            self._read.copy_(self.gathered)
+        rows = self._read.numpy()
+        numbers = rows[:, :, 0]
+        complete = (numbers[:, 0] >= 0) & (numbers == numbers[:, :1]).all(axis=1)
+        differs = (rows[:, :, 1:] != rows[:, :1, 1:]).any(axis=(1, 2))
+        return {
+            int(rows[slot, 0, 0]): (rows[slot].tolist(), self._micro_steps[slot])
+            for slot in (complete & differs).nonzero()[0]
+        }
+
+
+def _end_process(message: str) -> None:
+    print(f"zkernel: RankDivergenceError: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _verb(kind: str) -> str:

@@ -65,6 +65,8 @@ class EngineParts:
     original_dtypes: tuple[tuple[str, torch.dtype], ...]
     # (name, shape, dtype) of every parameter and buffer at initialize (state dicts, checkpoints).
     original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    # The planner's decision when the config had "auto" values (`zkernel.planning.Plan`), else None.
+    placement_plan: Any = None
 
 
 class Engine:
@@ -86,6 +88,8 @@ class Engine:
         self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
         self._worker = parts.worker
         self.timeline = parts.timeline
+        # What the planner chose and why (`zkernel.planning.Plan`) when the config said "auto"; else None.
+        self.placement_plan = parts.placement_plan
         self.loss_scaler = (
             DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window)
             if config.precision == "fp16"
@@ -136,6 +140,7 @@ class Engine:
             parts.optimizer_tier,
             parts.params_tier,
             parts.worker,
+            self.scheduler.paths,
         )
         lifecycle.register_cleanup(id(self), self._finalizer)
 
@@ -467,8 +472,9 @@ def _free(handles, optimizer_tier, params_tier, worker) -> None:
         params_tier.close()
 
 
-def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker) -> None:
+def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker, paths) -> None:
     """Finalizer of an engine dropped without close (or alive at exit): local clean-up only."""
     lifecycle.unregister_cleanup(key)
+    paths.close()
     lifecycle.abandon(module_refs)
     _free(handles, optimizer_tier, params_tier, worker)

@@ -43,7 +43,8 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.config import Config, ConfigError, build_options, choice, integer, load_config
+from zkernel.config import Config, ConfigError, auto_keys, build_options, choice, integer, load_config
+from zkernel.machine import available_host_bytes
 
 CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
 PARTITIONERS = ("none", "zero1", "zero2", "zero3")
@@ -441,16 +442,24 @@ def estimate(
     world_size: int = 1,
     *,
     device: str | None = None,
+    partitioner_options: Any = None,
 ) -> dict[str, dict[str, int]]:
     """Predicted bytes one rank holds, by category (memory_report's) and by where it lives.
 
     ``device`` names the compute device in the result (default ``"cuda"`` when
     CUDA is available, else ``"cpu"``, as `zkernel.initialize` would pick);
     tiers add ``"cpu"`` and ``"nvme"``. ``grads`` is the peak after backward.
+    ``partitioner_options``: the partitioner's validated options object, when
+    the caller has it (else they are built from the config, which loads the plugins).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     cfg = load_config(config)
+    if auto_keys(cfg):
+        raise ConfigError(
+            f"{', '.join(auto_keys(cfg))} = 'auto' is resolved by the planner at initialize: "
+            "zkernel.planning.plan(model, config, world_size) (or `zkernel estimate --plan`) shows its choice"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     report: dict[str, dict[str, int]] = {c: {} for c in CATEGORIES}
 
@@ -462,7 +471,7 @@ def estimate(
     # An optimizer stepping where the parameters live writes its update straight into them; one
     # whose parameters live on NVMe writes it into a buffer the params tier lends for the step.
     params_home = place(Role.PARAM_SHARD) if cfg.partitioner == "zero3" else device
-    for group in group_buffers(as_module(model), cfg, world_size):
+    for group in group_buffers(as_module(model), cfg, world_size, partitioner_options):
         for buffer in group:
             category = _ROLES[buffer.role][0]
             where = place(buffer.role)
@@ -534,16 +543,6 @@ class Capacity:
     disk_bytes: int | None  # free at nvme_path, None when no path is known
 
 
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def detect_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
     """GPUs and the smallest one's total memory (torch.cuda), MemAvailable, free disk at ``nvme_path``."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -554,7 +553,7 @@ def detect_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
         while not path.exists() and path != path.parent:
             path = path.parent
         disk = shutil.disk_usage(path).free
-    return Capacity(gpus=gpus, gpu_bytes=gpu_bytes, ram_bytes=_mem_available(), disk_bytes=disk)
+    return Capacity(gpus=gpus, gpu_bytes=gpu_bytes, ram_bytes=available_host_bytes(), disk_bytes=disk)
 
 
 def shortfalls(per_rank: Mapping[str, int], capacity: Capacity, ranks_per_machine: int, device: str) -> list[str]:

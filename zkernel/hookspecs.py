@@ -116,6 +116,23 @@ def zkernel_register_activation_checkpointers(registry: ComponentRegistry) -> No
     """
 
 
+@hookspec
+def zkernel_register_planners(registry: ComponentRegistry) -> None:
+    """Offer planners, selected by ``[planner] name``, that resolve ``"auto"`` placement values.
+
+    Called like `zkernel_register_partitioners`; the factory is called as
+    ``factory(context)`` (``context.config.planner`` holds the activation
+    hints and capacity overrides; ``context.options`` the component's own
+    options) and returns a `zkernel.planning.Planner`, whose ``plan`` the
+    kernel calls on rank 0 only, before any other component is built, when
+    ``partitioner``, ``offload.optimizer`` or ``offload.params`` is
+    ``"auto"`` (and by ``zkernel estimate --plan``). A planner never joins the
+    runtime manager.
+
+    All implementations are called; results are ignored.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Model transforms (see [Note: model transforms] in zkernel.transforms)
 # ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ the NVMe tier fails, with that message).
 from __future__ import annotations
 
 import importlib
+import os
 import types
 from typing import Any
 
@@ -298,6 +299,20 @@ def set_simd_path(name: str) -> None:
 def threads() -> int:
     """Threads the native kernels use by default (env ``ZKERNEL_NATIVE_THREADS``, else usable cores)."""
     return load().pool_threads()
+
+
+def share_cores(ranks_per_host: int) -> None:
+    """Give this rank its share of the host's usable cores when several ranks share a host.
+
+    [Note: host cores]
+    Every rank's pool defaults to all usable cores, so four ranks on one host would run
+    four times as many threads as cores through the CPU step and the checksums, and each
+    rank's step would be slower than with its share. ``ZKERNEL_NATIVE_THREADS`` (set by the
+    user) wins; a single rank keeps every core.
+    """
+    if ranks_per_host <= 1 or os.environ.get("ZKERNEL_NATIVE_THREADS"):
+        return
+    set_threads(max(1, len(os.sched_getaffinity(0)) // ranks_per_host))
 
 
 def set_threads(n: int) -> None:

@@ -47,6 +47,7 @@ BUILTIN_PLUGINS = {
     "optimizer_cpu_adam": "zkernel_plugins.optimizers.cpu_adam",
     "tiling_linear": "zkernel_plugins.tiling.linear",
     "activation_recompute": "zkernel_plugins.activation.recompute",
+    "planner_default": "zkernel_plugins.planners.default",
 }
 
 @attrs.frozen
@@ -192,15 +193,23 @@ def _not_installed(registry: ComponentRegistry, family: Family, key: str, name: 
     )
 
 
-def resolve_components(registry: ComponentRegistry, config: Config) -> dict[str, Selected]:
-    """Resolve every slot of every family, keyed by the slot's config key.
+def resolve_components(
+    registry: ComponentRegistry,
+    config: Config,
+    families: Iterable[Family] | None = None,
+    skip: Iterable[str] = (),
+) -> dict[str, Selected]:
+    """Resolve every slot of every family (or of ``families``) but those keyed in ``skip``, by config key.
 
     Raises `ConfigError` naming the key and what is installed for a name no
     plugin offers, and for options the component does not take.
     """
     selection = {}
-    for family in Family:
+    skip = set(skip)
+    for family in Family if families is None else families:
         for slot in family.slots:
+            if slot.key in skip:
+                continue
             name = config_value(config, slot.key)
             component = registry.get(family, name)
             if component is None:

@@ -79,6 +79,8 @@ class Family(enum.Enum):
         (Slot("activation_checkpointing.name", "activation_checkpointing.options", "activation_checkpointing"),),
         apply="zkernel_apply_activation_checkpointing",
     )
+    # Resolves "auto" in the config before the others are resolved (see `zkernel.planning`).
+    PLANNER = FamilySpec("planner", "zkernel_register_planners", (Slot("planner.name", "planner.options", "planner"),))
 
     @property
     def label(self) -> str:

@@ -138,6 +138,9 @@ class StepPipeline:
         ``used``: some parameter of the group got a gradient in this window on this rank (a
         group that got none is not stepped, as torch skips parameters whose ``grad`` is None)."""
         self.wait_update(group)  # the previous step must be done with the landing buffer
+        if reduced.work is not None:
+            full = reduced.keepalive if reduced.keepalive is not None else reduced.tensor
+            self.timeline.collective(reduced.work, f"{group.name} reduce", nbytes=full.numel() * full.element_size())
         self.tier.land(group, reduced, final)
         if not final:
             return
@@ -168,8 +171,13 @@ class StepPipeline:
             return
         flags = torch.tensor([g.index not in self._unused for g in self.trainable], dtype=torch.int32)
         if dist.get_backend() == "nccl":
-            flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = flags.pin_memory().to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        if not self._unused:
+            # Every group was used here, so by the rule above none is skipped: this rank only
+            # takes part for the others, and its host does not wait for the result.
+            return
+        work.wait()
         self._unused = {g.index for g, used in zip(self.trainable, flags.tolist()) if not used}
 
     def _global_norm(self) -> float:

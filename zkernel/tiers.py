@@ -38,6 +38,8 @@ import torch
 
 from zkernel.config import ConfigError
 from zkernel.groups import ParamGroup, ReducedGradient, StateSpec
+from zkernel.machine import available_host_bytes
+from zkernel.sizes import format_bytes
 
 
 @attrs.frozen
@@ -288,21 +290,10 @@ class Capacity:
 
     @classmethod
     def measure(cls, device: torch.device, nvme_path: str | os.PathLike | None) -> Capacity:
-        free: dict[Resource, int | None] = {Resource.HOST: _available_host_bytes()}
+        free: dict[Resource, int | None] = {Resource.HOST: available_host_bytes()}
         free[Resource.DEVICE] = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         free[Resource.DISK] = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
         return cls(free)
-
-
-def _available_host_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # Host memory the capacity check leaves to everything else (the process, the OS, other ranks'
@@ -326,7 +317,7 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
             total = need * world_size_local
             usable = int(free * (1 - HOST_MARGIN)) if resource is Resource.HOST else free
         if total > usable:
-            short.append(f"{resource.value}: needs {_gib(total)} ({_gib(need)} per rank), {_gib(usable)} usable")
+            short.append(f"{resource.value}: needs {format_bytes(total)} ({format_bytes(need)} per rank), {format_bytes(usable)} usable")
     if short:
         raise ConfigError(
             "the selected offload tiers do not fit: "
@@ -334,7 +325,3 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
             + ". Use more ranks, a partitioner that shards more (zero3), offload.optimizer = 'nvme' "
             "with an offload.nvme_path on a larger disk, or free memory"
         )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

@@ -355,6 +355,7 @@ class Timeline:
         self._writer: ChromeTraceWriter | None = None
         self._warned_unreadable = False
         self._cuda = self.device.type == "cuda"
+        self._collective_stream: torch.cuda.Stream | None = None
         if self._cuda and not torch.cuda.is_available():
             raise ValueError(f"timeline device {self.device} is a CUDA device, but CUDA is not available")
         if not self.enabled:
@@ -420,6 +421,28 @@ class Timeline:
         if not self._cuda:
             raise ValueError(f"timeline gpu_span needs a CUDA timeline; this one is on {self.device}")
         self._add_gpu(_GpuRecord(_as_kind(kind), start_event, end_event, label, nbytes, None, False))
+
+    def collective(self, work: Any, label: str = "", *, nbytes: int = 0) -> None:
+        """Time an asynchronous NCCL collective just issued on the current stream as a COLLECTIVE span.
+
+        A side stream of the timeline waits for what the collective waits for (the current
+        stream), records the start, waits for the collective itself and records the end; the
+        current stream's own dependencies are unchanged. Queueing behind earlier collectives
+        counts as busy. Nothing happens when disabled, without CUDA, or for ``work`` None.
+        """
+        if not self.enabled or not self._cuda or work is None or isinstance(work, (bool, torch.cuda.Event)):
+            return
+        if self._collective_stream is None:
+            self._collective_stream = torch.cuda.Stream(self.device)
+        side = self._collective_stream
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        start.record(side)
+        with torch.cuda.stream(side):
+            work.wait()
+        end.record(side)
+        self.gpu_span(SpanKind.COLLECTIVE, start, end, label, nbytes=nbytes)
 
     def host_span(
         self,

@@ -172,7 +172,7 @@ class NvmeTier(CpuTier):
         self._queue: collections.deque[_SwapSlot] = collections.deque()
         self._arena: PinnedArena | None = None
         self._failures: list[BaseException] = []
-        self._layout = Preallocation(context.rank, "optimizer state")
+        self._layout = Preallocation("optimizer state")
         self._closed = False
 
     # -- placement ------------------------------------------------------------------------------

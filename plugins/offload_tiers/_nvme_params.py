@@ -133,7 +133,7 @@ class NvmeParamsTier(ParamsTier):
         self._arena: PinnedArena | None = None
         self._retired: list[_HostCopy] = []  # not current, still read or written
         self._failures: list[BaseException] = []
-        self._layout = Preallocation(context.rank, "parameter")
+        self._layout = Preallocation("parameter")
         self._ahead = 0
         self._warned_overflow = False
         self._closed = False

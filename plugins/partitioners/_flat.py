@@ -102,7 +102,7 @@ def gather_grads(
             missing.append(view)
         else:
             views.append(view)
-            grads.append(p.grad if p.grad.dtype == out.dtype else p.grad.to(out.dtype))
+            grads.append(p.grad)  # the foreach copy/add casts to ``out``'s dtype in the same pass
             p.grad = None
     if accumulate:
         if views:

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from zkernel.log import get_logger
+from zkernel.progress import progress
 
 log = get_logger()
 
@@ -285,7 +286,11 @@ def materialized_units(
         yield from units
         return
     materializer = MetaMaterializer(root, device, init_fn)
-    for index, (unit_name, unit, named) in enumerate(units):
-        yield unit_name, unit, materializer.parameters(named, seed + index)
+    meta_bytes = sum(p.numel() * p.element_size() for _, _, named in units for _, p in named if p.is_meta)
+    with progress(meta_bytes, "building the model") as bar:
+        for index, (unit_name, unit, named) in enumerate(units):
+            nbytes = sum(p.numel() * p.element_size() for _, p in named if p.is_meta)
+            yield unit_name, unit, materializer.parameters(named, seed + index)
+            bar.update(nbytes)
     jobs = materializer.buffers(seed + len(units))
     log.debug("zkernel.materialize.done", units=len(units), buffer_modules=jobs, device=str(device))

@@ -228,6 +228,7 @@ class Zero3:
         full.untyped_storage().resize_(full.numel() * full.element_size())
         with torch.autograd._unsafe_preserve_version_counter(full):
             state.gathering = self._gather_into(group, full, async_op=True)
+        self.context.timeline.collective(state.gathering, f"{group.name} all-gather", nbytes=full.numel() * full.element_size())
 
     @staticmethod
     def _drop_prefetch(state: Zero3State) -> None:

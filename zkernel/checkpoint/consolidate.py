@@ -15,7 +15,6 @@ parameters under each of their names.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -50,12 +49,10 @@ def _read(index: CheckpointIndex, reader: RangeReader, kind: str, name: str) -> 
     return out
 
 
-def _bar(total: int, progress: bool, desc: str):
-    if not progress:
-        return contextlib.nullcontext(None)
-    from tqdm import tqdm
+def _bar(total: int, enabled: bool | None, desc: str):
+    from zkernel.progress import progress
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    return progress(total, desc, enabled=enabled)
 
 
 def _nbytes(index: CheckpointIndex, kind: str, name: str) -> int:
@@ -65,8 +62,13 @@ def _nbytes(index: CheckpointIndex, kind: str, name: str) -> int:
     return numel * torch.empty((), dtype=_output_dtype(index, kind, name)).element_size()
 
 
-def consolidate(directory: str | os.PathLike, tag: str | None = None, *, progress: bool = False) -> dict[str, torch.Tensor]:
-    """The full state dict of checkpoint ``tag`` (default: the latest) in ``directory``, as CPU tensors."""
+def consolidate(
+    directory: str | os.PathLike, tag: str | None = None, *, progress: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """The full state dict of checkpoint ``tag`` (default: the latest) in ``directory``, as CPU tensors.
+
+    ``progress``: show a bar (None: on a terminal, see `zkernel.progress`).
+    """
     index = open_checkpoint(directory, tag)
     keys = _keys(index)
     unique = list(dict.fromkeys((kind, name) for _, kind, name in keys))
@@ -74,13 +76,12 @@ def consolidate(directory: str | os.PathLike, tag: str | None = None, *, progres
     with RangeReader() as reader, _bar(sum(_nbytes(index, *u) for u in unique), progress, "consolidate") as bar:
         for kind, name in unique:
             made[(kind, name)] = _read(index, reader, kind, name)
-            if bar is not None:
-                bar.update(_nbytes(index, kind, name))
+            bar.update(_nbytes(index, kind, name))
     return {key: made[(kind, name)] for key, kind, name in keys}
 
 
 def consolidate_to_file(
-    directory: str | os.PathLike, out: str | os.PathLike, tag: str | None = None, *, progress: bool = False
+    directory: str | os.PathLike, out: str | os.PathLike, tag: str | None = None, *, progress: bool | None = None
 ) -> Path:
     """Write the full state dict of checkpoint ``tag`` to the safetensors file ``out``, one tensor at a time."""
     index = open_checkpoint(directory, tag)
@@ -97,5 +98,5 @@ def consolidate_to_file(
             for key, kind, name in keys
         ]
         metadata = {"format": "pt", "source": FORMAT, "tag": index.tag}
-        write_file(path, entries, metadata, on_bytes=None if bar is None else bar.update)
+        write_file(path, entries, metadata, on_bytes=bar.update)
     return path

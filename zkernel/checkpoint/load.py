@@ -35,6 +35,7 @@ from zkernel.checkpoint.range_reader import RangeReader
 from zkernel.checkpoint.shards import check_between_steps, describe_error, describe_groups, state_specs, whole_params
 from zkernel.groups import ParamGroup, ShardLayout
 from zkernel.log import get_logger
+from zkernel.progress import progress
 from zkernel.tiers import ShardState
 
 log = get_logger()
@@ -93,24 +94,34 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     largest = max((layout.numel for layout in layouts if layout is not None), default=0)
-    with RangeReader() as reader, ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead:
+    present = [(g, l) for g, l in zip(groups, layouts) if l is not None]
+    wholes = whole_params(view, groups, layouts)
+    with (
+        RangeReader() as reader,
+        ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead,
+        progress(len(present) + len(wholes) + len(view.buffers), "loading checkpoint", unit="tensor") as bar,
+    ):
         loader = _ShardLoader(engine, view, index, reader, largest)
         applying = None  # group i is read on the thread while group i - 1 goes to its tier here
-        for i, (group, layout) in enumerate((g, l) for g, l in zip(groups, layouts) if l is not None):
+        for i, (group, layout) in enumerate(present):
             reading = ahead.submit(loader.read_group, group, layout, i % 2)
             if applying is not None:
                 touched[0] = True
                 applying.result()()
+                bar.update(1)
             applying = reading
         if applying is not None:
             touched[0] = True
             applying.result()()
-        for name in whole_params(view, groups, layouts):
+            bar.update(1)
+        for name in wholes:
             touched[0] = True
             loader.whole(name, view.params[name], index.value_kind(name))
+            bar.update(1)
         for name, buf in view.buffers.items():
             touched[0] = True
             loader.whole(name, buf, "buffer")
+            bar.update(1)
 
 
 def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:

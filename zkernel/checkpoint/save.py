@@ -55,6 +55,7 @@ from zkernel.checkpoint.shards import StateSpecs, check_between_steps, describe_
 from zkernel.checkpoint.stream_writer import Entry, write_file
 from zkernel.groups import ParamGroup, ShardLayout
 from zkernel.log import get_logger
+from zkernel.progress import progress
 from zkernel.tiers import ShardState
 
 log = get_logger()
@@ -79,7 +80,8 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
     error, report = None, None
     try:
         plan = _RankPlan(engine, view)
-        record = write_file(staging / rank_file(info.rank), plan.entries, plan.metadata(tag))
+        with progress(sum(e.nbytes for e in plan.entries), "saving checkpoint") as bar:
+            record = write_file(staging / rank_file(info.rank), plan.entries, plan.metadata(tag), on_bytes=bar.update)
         report = plan.report(record)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc

@@ -1,0 +1,532 @@
+"""Planner ``default``: the fastest placement that fits, tried from the fastest to the slowest.
+
+Algorithm. Placements are tried in stages, each slower than the one before
+and each keeping less on the compute device:
+
+1. nothing offloaded: zero1, zero2, zero3 (in the order of what they keep);
+2. the optimizer (fp32 master, Adam moments, gradient landing buffer) on the
+   ``cpu`` tier, zero1 to zero3, with the tier's ``gpu_share`` sized from the
+   device memory the placement leaves free (that share steps on the GPU);
+3. the parameters on the CPU too (zero3);
+4. the optimizer on NVMe (zero1 to zero3, then zero3 with parameters on the CPU);
+5. the parameters on NVMe too.
+
+Within a stage, when the activations are known (`_activations`) and the
+config does not checkpoint any module itself, the placements are tried as
+they are, then with every block checkpointed, then with the checkpointed
+blocks' inputs offloaded to host memory. A placement fits when, per rank,
+its model states (`zkernel.estimate`), activations (an ESTIMATE) and
+working memory (the largest group gathered or reduced at once, plus
+zero3's prefetch window) fit: the device's free memory less
+``device_reserve``, the machine's host memory less 10% shared by its ranks,
+the disk at ``offload.nvme_path`` shared likewise. A zero3 placement that
+fails on the device only because a layer is too large to gather gets the
+Linear layers that are split into tiles small enough to gather.
+
+Keys the config sets are kept; offload tiers that are not installed (nvme,
+before its plugin is) or that would need ``offload.nvme_path`` without one
+are skipped, and the plan says so.
+
+Measured before choosing, on rank 0: host<->device copy throughput (CUDA),
+disk write and read at ``offload.nvme_path``, the native CPU Adam's speed.
+They give the chosen placement's predicted seconds of host step and
+transfers per optimizer step, in the decision.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import attrs
+from torch import nn
+
+from zkernel import hookimpl
+from zkernel.config import AUTO, boolean, number
+from zkernel.estimator import PARTITIONERS, TIER_PLACEMENT, Role, estimate, group_buffers, totals
+from zkernel.machine import Probe, format_bytes, probe_copy, probe_cpu_adam, probe_disk
+from zkernel.planning import Plan, PlacementError, Planner, PlanRequest
+from zkernel.tiers import HOST_MARGIN
+
+from ._activations import Activations, activations_of
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_MAX_TILES = 64
+# Bytes per element of the optimizer a gpu_share keeps on the GPU: master, two moments, gradient.
+_SHARE_BYTES = 16
+
+# (stage, placements as (partitioner, offload.optimizer, offload.params)), fastest first.
+STAGES = (
+    ("nothing offloaded", (("zero1", "none", "none"), ("zero2", "none", "none"), ("zero3", "none", "none"))),
+    ("optimizer on CPU", (("zero1", "cpu", "none"), ("zero2", "cpu", "none"), ("zero3", "cpu", "none"))),
+    ("parameters on CPU", (("zero3", "cpu", "cpu"),)),
+    (
+        "optimizer on NVMe",
+        (("zero1", "nvme", "none"), ("zero2", "nvme", "none"), ("zero3", "nvme", "none"), ("zero3", "nvme", "cpu")),
+    ),
+    ("parameters on NVMe", (("zero3", "nvme", "nvme"),)),
+)
+
+
+@attrs.frozen(kw_only=True)
+class DefaultPlannerOptions:
+    """``[planner]`` options of the ``default`` planner."""
+
+    # Fraction of the device's free memory left out of the plan (allocator fragmentation,
+    # temporaries, the CUDA context's growth).
+    device_reserve: float = attrs.field(default=0.1, validator=number(minimum=0.0))
+    # Run the bandwidth probes (copy, disk, CPU Adam); false: the decision says "not measured".
+    measure: bool = attrs.field(default=True, validator=boolean())
+
+    def __attrs_post_init__(self) -> None:
+        if self.device_reserve >= 1.0:
+            raise ValueError(f"device_reserve must be below 1, got {self.device_reserve}")
+
+
+class Mode(enum.Enum):
+    """How the blocks' activations are kept."""
+
+    AS_CONFIGURED = "as configured"
+    PLAIN = "no checkpointing"
+    CHECKPOINT = "every block checkpointed"
+    OFFLOAD = "every block checkpointed, inputs in host memory"
+
+
+@attrs.frozen
+class _Candidate:
+    partitioner: str
+    optimizer: str
+    params: str
+    mode: Mode
+
+    def text(self) -> str:
+        where = {"none": "device"}
+        text = f"{self.partitioner} optimizer@{where.get(self.optimizer, self.optimizer)} params@{where.get(self.params, self.params)}"
+        return text if self.mode is Mode.AS_CONFIGURED else f"{text} ({self.mode.value})"
+
+
+@attrs.frozen
+class _Outcome:
+    """One candidate judged: bytes by place and kind, what is short, and what was added to make it fit."""
+
+    need: dict[str, dict[str, int]]
+    report: dict[str, dict[str, int]]
+    short: list[str]
+    tiling: tuple[int, int] | None = None
+
+
+class DefaultPlanner(Planner):
+    """See the module docstring."""
+
+    def __init__(self, context) -> None:
+        self.options = context.options or DefaultPlannerOptions()
+
+    def plan(self, request: PlanRequest) -> Plan:
+        return _Planning(request, self.options).run()
+
+
+class _Planning:
+    """One `DefaultPlanner.plan` call: the request, the budgets, and what was found."""
+
+    def __init__(self, request: PlanRequest, options: DefaultPlannerOptions) -> None:
+        self.request = request
+        self.options = options
+        self.config = config = request.config
+        self.c = _DTYPE_BYTES[config.precision]
+        caps = request.capacities
+        self.separate = caps.device_bytes is not None  # else the compute device is the CPU
+        self.label = "device" if self.separate else "cpu"
+        host = None if caps.host_bytes is None else int(caps.host_bytes * (1 - HOST_MARGIN)) // caps.ranks_per_machine
+        self.budgets: dict[str, int | None] = {"cpu": host}
+        if self.separate:
+            self.budgets["device"] = int(caps.device_bytes * (1 - options.device_reserve))
+        self.budgets["nvme"] = None if caps.disk_bytes is None else caps.disk_bytes // caps.ranks_per_machine
+        self.notes: list[str] = []
+        self.activations, note = activations_of(request, config.planner.micro_batch)
+        self.notes.append(note)
+        if not self.separate:
+            self.notes.append("the compute device is the CPU: model states, activations and offloaded state share host memory")
+        self.usable = self._usable_tiers()
+        self.measurements = self._measure()
+
+    # -- what may be chosen ------------------------------------------------------------------
+
+    def _usable_tiers(self) -> set[str]:
+        usable = set()
+        for tier in TIER_PLACEMENT:
+            if tier not in self.request.tiers:
+                self.notes.append(f"offload tier {tier!r} skipped: not installed (no plugin offers it)")
+            elif tier == "nvme" and self.config.offload.nvme_path is None:
+                self.notes.append("offload tier 'nvme' skipped: no offload.nvme_path")
+            else:
+                usable.add(tier)
+        return usable
+
+    def _fixed(self, key: str) -> str | None:
+        from zkernel.config import config_value
+
+        return None if key in self.request.auto else config_value(self.config, key)
+
+    def _candidates(self) -> list[list[_Candidate]]:
+        fixed = {key: self._fixed(key) for key in ("partitioner", "offload.optimizer", "offload.params")}
+        if fixed["partitioner"] is not None and fixed["partitioner"] not in PARTITIONERS:
+            raise PlacementError(
+                f"the default planner estimates the builtin partitioners ({', '.join(PARTITIONERS)}), "
+                f"not partitioner {fixed['partitioner']!r}; set partitioner = 'auto' or one of those"
+            )
+        for key in ("offload.optimizer", "offload.params"):
+            if fixed[key] is not None and fixed[key] not in TIER_PLACEMENT:
+                raise PlacementError(
+                    f"the default planner estimates the offload tiers {', '.join(TIER_PLACEMENT)}, not "
+                    f"{key} {fixed[key]!r}; set {key} = 'auto' or one of those"
+                )
+        if self.activations is None:
+            modes = [Mode.AS_CONFIGURED]
+        elif self.config.activation_checkpointing.modules:
+            modes = [Mode.AS_CONFIGURED]
+            self.notes.append("activation checkpointing as configured (counted as every block checkpointed)")
+        else:
+            modes = [Mode.PLAIN, Mode.CHECKPOINT, Mode.OFFLOAD]
+        given = {v for v in fixed.values() if v is not None}
+        seen: set[tuple[str, str, str]] = set()
+        stages = []
+        for _, placements in STAGES:
+            chosen = []
+            for p, o, q in placements:
+                p = fixed["partitioner"] or p
+                o = fixed["offload.optimizer"] or o
+                q = fixed["offload.params"] or q
+                if (q != "none" and p != "zero3") or (p, o, q) in seen:
+                    continue
+                if any(t != "none" and t not in self.usable and t not in given for t in (o, q)):
+                    continue  # a tier the planner would choose is not installed or has no nvme_path
+                seen.add((p, o, q))
+                chosen.append((p, o, q))
+            if chosen:
+                stages.append([_Candidate(p, o, q, mode) for mode in modes for p, o, q in chosen])
+        return stages
+
+    # -- measurements --------------------------------------------------------------------------
+
+    def _measure(self) -> dict[str, Probe]:
+        if not self.options.measure:
+            off = Probe(None, "planner option measure = false")
+            return {"host_to_device": off, "device_to_host": off, "disk_write": off, "disk_read": off, "cpu_adam": off}
+        h2d, d2h = probe_copy(self.request.device)
+        if "nvme" in self.usable:
+            write, read = probe_disk(self.config.offload.nvme_path)
+        else:
+            reason = "nvme tier not usable here"
+            write, read = Probe(None, reason), Probe(None, reason)
+        return {"host_to_device": h2d, "device_to_host": d2h, "disk_write": write, "disk_read": read, "cpu_adam": probe_cpu_adam()}
+
+    # -- judging one candidate -------------------------------------------------------------------
+
+    def _variant(self, candidate: _Candidate):
+        config = self.config
+        return attrs.evolve(
+            config,
+            partitioner=candidate.partitioner,
+            offload=attrs.evolve(
+                config.offload,
+                optimizer=candidate.optimizer,
+                params=candidate.params,
+                optimizer_options={},
+                params_options={},
+            ),
+            partitioner_options=self._partitioner_options(candidate.partitioner),
+        )
+
+    def _partitioner_options(self, partitioner: str) -> dict:
+        """The configured partitioner options the candidate's partitioner takes (they differ by partitioner)."""
+        from zkernel.registry import Family
+
+        given = dict(self.config.partitioner_options)
+        component = self.request.components.get(Family.PARTITIONER, partitioner)
+        if self._fixed("partitioner") is not None or component is None:
+            return given
+        names = {a.name for a in attrs.fields(component.options_cls)} if component.options_cls else set()
+        return {k: v for k, v in given.items() if k in names}
+
+    def _built_options(self, variant):
+        """The candidate partitioner's validated options object (what `estimate` would build)."""
+        from zkernel.config import build_options
+        from zkernel.registry import Family
+
+        component = self.request.components.get(Family.PARTITIONER, variant.partitioner)
+        return build_options("partitioner_options", component.options_cls, variant.partitioner_options)
+
+    def _activation_bytes(self, mode: Mode) -> tuple[int, int]:
+        """(on the device, in host memory) for ``mode``."""
+        acts: Activations | None = self.activations
+        if acts is None:
+            return 0, 0
+        if mode is Mode.AS_CONFIGURED:
+            section = self.config.activation_checkpointing
+            mode = Mode.OFFLOAD if section.offload == "cpu" else Mode.CHECKPOINT
+        if mode is Mode.PLAIN:
+            return acts.full, 0
+        if mode is Mode.CHECKPOINT:
+            return acts.checkpointed, 0
+        return acts.checkpointed - acts.block_inputs, acts.block_inputs
+
+    def _transients(self, variant, options) -> tuple[int, int]:
+        """(largest bytes one group needs while gathered or reduced, zero3's prefetch window)."""
+        partitioner = variant.partitioner
+        if partitioner in ("none", "zero1"):
+            return 0, 0  # the whole gradient is a model state of theirs
+        world = self.request.world_size
+        largest, gathered = 0, 0
+        for buffers in group_buffers(self.request.model, variant, world, options):
+            by_role: dict[Role, int] = {}
+            for b in buffers:
+                by_role[b.role] = by_role.get(b.role, 0) + b.nbytes
+            shard = max(by_role.get(Role.GRAD_LANDING, 0) // 4, by_role.get(Role.PARAM_SHARD, 0) // self.c, by_role.get(Role.MASTER, 0) // 4)
+            padded = shard * world
+            if partitioner == "zero3" and Role.PARAM_FULL not in by_role:
+                largest = max(largest, padded * (self.c + 4))  # gathered parameters and their gradient
+                gathered += padded * self.c
+            else:
+                largest = max(largest, padded * 4)  # a reduce bucket
+        prefetch = min(self.config.prefetch_bytes, gathered) if partitioner == "zero3" else 0
+        return largest, prefetch
+
+    def _judge(self, candidate: _Candidate) -> _Outcome:
+        variant = self._variant(candidate)
+        options = self._built_options(variant)
+        report = estimate(self.request.model, variant, self.request.world_size, device=self.label, partitioner_options=options)
+        need: dict[str, dict[str, int]] = {place: {"model_states": n} for place, n in totals(report).items()}
+        need.setdefault(self.label, {"model_states": 0})
+        largest, prefetch = self._transients(variant, options)
+        on_device, on_host = self._activation_bytes(candidate.mode)
+        need[self.label]["working"] = largest + prefetch
+        need[self.label]["activations"] = on_device
+        if on_host:
+            need.setdefault("cpu", {"model_states": 0})
+            need["cpu"]["activations"] = need["cpu"].get("activations", 0) + on_host
+        short = self._short(need)
+        if short and candidate.partitioner == "zero3" and short == [self.label] and largest:
+            tiling = self._tiling(variant, options, need, prefetch)
+            if tiling is not None:
+                (min_numel, tiles), working = tiling
+                need[self.label]["working"] = working
+                if not self._short(need):
+                    return _Outcome(need, report, [], (min_numel, tiles))
+                need[self.label]["working"] = largest + prefetch
+        return _Outcome(need, report, short)
+
+    def _short(self, need: dict[str, dict[str, int]]) -> list[str]:
+        short = []
+        for place, kinds in need.items():
+            total = sum(kinds.values())
+            budget = self.budgets.get(place)
+            if total and budget is not None and total > budget:
+                short.append(place)
+            elif total and budget is None and place == "nvme":
+                short.append(place)
+        return short
+
+    def _tiling(self, variant, options, need, prefetch) -> tuple[tuple[int, int], int] | None:
+        """((min_numel, tiles), working bytes) that make every gathered unit fit, or None."""
+        section = self.config.tiling
+        if section.modules or section.min_numel or options.units != "modules":
+            return None  # tiling configured already, or units that tiles do not split
+        threshold = options.persistence_threshold
+        budget = self.budgets[self.label]
+        rest = sum(v for k, v in need[self.label].items() if k != "working")
+        per_element = self.c + 4
+        fit = (budget - rest - prefetch) // per_element
+        if fit <= 0:
+            return None
+        counted: dict[int, int] = {}
+        for module in self.request.model.modules():
+            for p in module.parameters(recurse=False):
+                counted[id(p)] = counted.get(id(p), 0) + 1
+        too_large, largest_kept = [], 0
+        for module in self.request.model.modules():
+            own = [p for p in module.parameters(recurse=False)]
+            numel = sum(p.numel() for p in own)
+            if numel < threshold:
+                continue
+            if numel <= fit:
+                largest_kept = max(largest_kept, numel)
+            elif isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and all(counted[id(p)] == 1 for p in own):
+                too_large.append(module)
+            else:
+                return None  # not a tileable Linear (or tied): tiles cannot shrink it
+        if not too_large:
+            return None
+        tiles = max(math.ceil(sum(p.numel() for p in m.parameters(recurse=False)) / fit) for m in too_large)
+        if tiles > _MAX_TILES or any(m.out_features < tiles for m in too_large):
+            return None
+        min_numel = min(m.weight.numel() for m in too_large)
+        per_tile = max(math.ceil(sum(p.numel() for p in m.parameters(recurse=False)) / tiles) for m in too_large)
+        working = max(largest_kept, per_tile) * per_element + prefetch
+        return (min_numel, tiles), working
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def run(self) -> Plan:
+        # Per placement, the activation mode that came closest (least excess), for the decision and the error.
+        rejected: dict[tuple[str, str, str], tuple[int, str]] = {}
+        last: tuple[_Candidate, _Outcome] | None = None
+        for stage in self._candidates():
+            for candidate in stage:
+                outcome = self._judge(candidate)
+                if not outcome.short:
+                    return self._plan(candidate, outcome, [line for _, line in rejected.values()])
+                key = (candidate.partitioner, candidate.optimizer, candidate.params)
+                excess = self._excess(outcome)
+                if key not in rejected or excess < rejected[key][0]:
+                    rejected[key] = (excess, f"{candidate.text()}: {self._shortfall(outcome)}")
+                last = (candidate, outcome)
+        raise self._nothing_fits([line for _, line in rejected.values()], last)
+
+    def _excess(self, outcome: _Outcome) -> int:
+        """Bytes over budget, summed over the places that are short (unknown disk counts fully)."""
+        total = 0
+        for place in outcome.short:
+            need = sum(outcome.need[place].values())
+            total += need - (self.budgets.get(place) or 0)
+        return total
+
+    def _shortfall(self, outcome: _Outcome) -> str:
+        parts = []
+        for place in outcome.short:
+            total = sum(outcome.need[place].values())
+            budget = self.budgets.get(place)
+            kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in outcome.need[place].items() if v)
+            parts.append(f"{place} needs {format_bytes(total)} per rank ({kinds}), {format_bytes(budget)} usable")
+        return "; ".join(parts)
+
+    def _plan(self, candidate: _Candidate, outcome: _Outcome, rejected: list[str]) -> Plan:
+        config = self.config
+        auto = self.request.auto
+        optimizer_options = dict(config.offload.optimizer_options)
+        params_options = dict(config.offload.params_options)
+        notes = list(self.notes)
+        for role, tier, options in (("optimizer", candidate.optimizer, optimizer_options), ("params", candidate.params, params_options)):
+            if f"offload.{role}" in auto and tier == "none" and options:
+                notes.append(f"offload.{role}_options {sorted(options)} dropped: the chosen tier 'none' takes none")
+                options.clear()
+        kept = self._partitioner_options(candidate.partitioner)
+        dropped = sorted(set(config.partitioner_options) - set(kept))
+        if dropped:
+            notes.append(f"partitioner_options {dropped} dropped: {candidate.partitioner} does not take them")
+        share = 0.0
+        if candidate.optimizer == "cpu" and "offload.optimizer" in auto and self.separate and "gpu_share" not in optimizer_options:
+            share = self._gpu_share(outcome)
+            if share > 0:
+                optimizer_options["gpu_share"] = share
+                if self.request.device.type != "cuda":
+                    notes.append("gpu_share takes effect on CUDA only")
+        checkpointing = None
+        if candidate.mode in (Mode.CHECKPOINT, Mode.OFFLOAD):
+            checkpointing = ((self.activations.block_class,), "cpu" if candidate.mode is Mode.OFFLOAD else "none")
+        budgets = {place: b for place, b in self.budgets.items() if place != "nvme" or "nvme" in outcome.need}
+        return Plan(
+            planner="default",
+            partitioner=candidate.partitioner,
+            partitioner_options=kept,
+            offload_optimizer=candidate.optimizer,
+            offload_params=candidate.params,
+            optimizer_options=optimizer_options,
+            params_options=params_options,
+            activation_checkpointing=checkpointing,
+            tiling=outcome.tiling,
+            bytes=outcome.need,
+            budgets=budgets,
+            capacities=self.request.capacities,
+            measurements=self.measurements,
+            predicted_seconds=self._seconds(candidate, outcome, share),
+            rejected=tuple(rejected),
+            notes=tuple(n for n in notes if n),
+        )
+
+    def _trainable_numel(self, outcome: _Outcome) -> int:
+        """Elements of the fp32 master one rank keeps (its shard of the trainable parameters)."""
+        return sum(outcome.report["master_weights"].values()) // 4
+
+    def _gpu_share(self, outcome: _Outcome) -> float:
+        numel = self._trainable_numel(outcome)
+        if not numel:
+            return 0.0
+        leftover = self.budgets["device"] - sum(outcome.need["device"].values())
+        fraction = min(1.0, max(0, leftover) / (_SHARE_BYTES * numel))
+        return math.floor(fraction * 100) / 100
+
+    def _seconds(self, candidate: _Candidate, outcome: _Outcome, share: float) -> dict[str, float]:
+        """Predicted seconds per optimizer step of what the placement adds, from the measured rates."""
+        rate = {name: probe.rate for name, probe in self.measurements.items()}
+        numel = self._trainable_numel(outcome)
+        host_numel = int(numel * (1 - share))
+        params_off = sum(outcome.report["params"].get(p, 0) for p in ("cpu", "nvme") if p != self.label) // self.c
+        out: dict[str, float] = {}
+        if candidate.optimizer != "none" and rate["cpu_adam"]:
+            out["host_optimizer_step"] = round(host_numel / rate["cpu_adam"], 4)
+        if self.separate and rate["host_to_device"] and rate["device_to_host"]:
+            down = 4 * host_numel if candidate.optimizer != "none" else 0
+            up = self.c * host_numel if candidate.optimizer != "none" else 0
+            up += 2 * params_off * self.c  # forward and backward gathers read the shard from the host
+            if up or down:
+                out["host_device_transfers"] = round(up / rate["host_to_device"] + down / rate["device_to_host"], 4)
+        if rate["disk_read"] and rate["disk_write"]:
+            read = write = 0
+            if candidate.optimizer == "nvme":
+                read += 12 * numel  # master and two moments in, then out
+                write += 12 * numel
+            if candidate.params == "nvme":
+                read += 2 * params_off * self.c
+                write += params_off * self.c
+            if read or write:
+                out["disk"] = round(read / rate["disk_read"] + write / rate["disk_write"], 4)
+        return out
+
+    def _nothing_fits(self, rejected: list[str], last) -> PlacementError:
+        model = self.request.model
+        numel = sum(p.numel() for p in model.parameters())
+        caps = self.request.capacities
+        lines = [
+            f"no placement fits: {numel:,} parameters, {self.config.precision}, {self.request.world_size} rank(s), "
+            f"{caps.ranks_per_machine} per machine; usable per rank: "
+            + ", ".join(f"{place} {format_bytes(b)}" for place, b in self.budgets.items())
+            + f" (device: free memory less device_reserve {self.options.device_reserve:g}; cpu: available host memory "
+            "less 10%, shared; nvme: free disk at offload.nvme_path, shared)"
+        ]
+        if rejected:
+            lines.append("tried: " + " | ".join(rejected))
+        else:
+            lines.append("no placement could be tried with the installed tiers and the keys the config fixes")
+        short = set(last[1].short) if last is not None else set()
+        advice = []
+        if self.label in short:
+            advice.append(
+                "more ranks (zero3 keeps 1/N of the model states per rank), GPUs with more free memory"
+                + (", a smaller [planner] micro_batch" if self.activations is not None else "")
+            )
+        if "cpu" in short or "nvme" not in self.usable:
+            if "nvme" not in self.request.tiers:
+                advice.append("more host memory, or NVMe offload: install a plugin offering the 'nvme' tier")
+            elif self.config.offload.nvme_path is None:
+                advice.append("more host memory, or NVMe offload: set offload.nvme_path to a directory on a large disk")
+            else:
+                advice.append("more host memory")
+        if "nvme" in short:
+            advice.append("an offload.nvme_path on a disk with more free space")
+        if advice:
+            lines.append("to make it fit: " + "; or ".join(advice))
+        notes = [n for n in self.notes if n]
+        if notes:
+            lines.append("notes: " + "; ".join(notes))
+        return PlacementError(". ".join(lines))
+
+
+@hookimpl
+def zkernel_register_planners(registry) -> None:
+    registry.add(
+        "default",
+        DefaultPlanner,
+        description="fastest placement that fits: no offload, optimizer to CPU (GPU share sized), params to CPU, "
+        "then NVMe; checkpointing/tiling when activations or a layer do not fit",
+        options_cls=DefaultPlannerOptions,
+    )
