@@ -28,17 +28,26 @@ LR, WD, CLIP = 2e-2, 0.1, 0.5
 REPO = Path(__file__).resolve().parents[1]
 
 
-def config(stage: str, tier: str = "none", **extra) -> dict:
+def config(stage: str, tier: str = "none", params: str = "none", **extra) -> dict:
+    """``nvme`` tiers get their ``nvme_path`` from `placed` (the fixture's directory)."""
     cfg = {
         "partitioner": stage,
         "gradient_accumulation_steps": ACCUM,
         "gradient_clipping": CLIP,
         "optimizer": {"name": "cpu_adam" if tier == "cpu" else "adamw", "lr": LR, "weight_decay": WD},
-        "offload": {"optimizer": tier},
+        "offload": {"optimizer": tier, "params": params},
         "partitioner_options": {"persistence_threshold": 0} if stage == "zero3" else {"bucket_size": 300},
     }
     cfg.update(extra)
     return cfg
+
+
+def placed(cfg: dict, root: Path) -> dict:
+    """``cfg`` with its nvme tiers' swap files under ``root/nvme`` (one directory for every run)."""
+    if "nvme" not in (cfg["offload"]["optimizer"], cfg["offload"]["params"]):
+        return cfg
+    (root / "nvme").mkdir(exist_ok=True)
+    return {**cfg, "offload": {**cfg["offload"], "nvme_path": str(root / "nvme")}}
 
 
 # Resumed exactly: same world size and config, dropout on (RNG states must come back).
@@ -51,6 +60,9 @@ EXACT = {
     "zero3-cpu": config("zero3", "cpu"),
     "zero3-bf16": config("zero3", precision="bf16"),
     "zero2-fp16": config("zero2", precision="fp16", initial_loss_scale=1024.0, loss_scale_window=2),
+    "zero2-nvme": config("zero2", "nvme"),
+    "zero3-nvme-both": config("zero3", "nvme", "nvme", optimizer={"name": "cpu_adam", "lr": LR, "weight_decay": WD}),
+    "zero3-cpu-params-nvme": config("zero3", "cpu", "nvme"),
 }
 # Saved on 2 ranks without dropout, resumed elsewhere and compared with plain torch.
 SOURCES = {"zero2": config("zero2"), "zero3": config("zero3"), "zero1": config("zero1"), "zero2-cpu": config("zero2", "cpu")}
@@ -73,8 +85,8 @@ def assert_close(losses, expected, rel, label):
 def saved(tmp_path_factory):
     """One 2-rank job: every source run, saved at step SAVE_AT, plus the zero3 released-read checks."""
     root = tmp_path_factory.mktemp("ckpt")
-    tasks = [("train_and_save", ("drop", cfg, str(root / f"exact-{name}"), STEPS, SAVE_AT, ACCUM, MICRO, SEED))
-             for name, cfg in EXACT.items()]  # fmt: skip
+    tasks = [("train_and_save", ("drop", placed(cfg, root), str(root / f"exact-{name}"), STEPS, SAVE_AT, ACCUM,
+                                 MICRO, SEED)) for name, cfg in EXACT.items()]  # fmt: skip
     tasks += [("train_and_save", ("tricky", cfg, str(root / f"src-{name}"), STEPS, SAVE_AT, ACCUM, MICRO, SEED))
               for name, cfg in SOURCES.items()]  # fmt: skip
     tasks.append(("released_reads", (config("zero3"), SAVE_AT, ACCUM, MICRO, SEED)))
@@ -92,7 +104,7 @@ def _job(tasks):
 def resumed(saved):
     """A second 2-rank job in new processes: exact resumes and 2 -> 2 re-sharding."""
     root, _ = saved
-    tasks = [("resume", ("drop", cfg, str(root / f"exact-{name}"), STEPS, SAVE_AT, ACCUM, MICRO, SEED))
+    tasks = [("resume", ("drop", placed(cfg, root), str(root / f"exact-{name}"), STEPS, SAVE_AT, ACCUM, MICRO, SEED))
              for name, cfg in EXACT.items()]  # fmt: skip
     blocks = config("zero3", partitioner_options={"persistence_threshold": 200, "units": "blocks"})
     tasks += [
@@ -100,6 +112,8 @@ def resumed(saved):
         ("resume", ("tricky", config("zero1", partitioner_options={"bucket_size": 50}), str(root / "src-zero3"),
                     STEPS, SAVE_AT, ACCUM, MICRO, SEED)),  # fmt: skip
         ("resume", ("tricky", config("zero1", "cpu"), str(root / "src-zero1"), STEPS, SAVE_AT, ACCUM, MICRO, SEED)),
+        ("resume", ("tricky", placed(config("zero3", "nvme", "nvme"), root), str(root / "src-zero2-cpu"), STEPS, SAVE_AT,
+                    ACCUM, MICRO, SEED)),  # fmt: skip
     ]
     damaged = root / "damaged"  # a flipped byte in rank 1's file: only rank 1 reads it
     shutil.copytree(root / "src-zero2", damaged)
@@ -131,7 +145,7 @@ def test_reshard_across_partitioners_and_tiers_matches_torch(saved, resumed):
         for i, name in enumerate(SOURCES):
             assert_close(before[rank][n + i]["losses"], expected, 1e-5, f"source {name}")
         for i, label in enumerate(("zero2 -> zero3 (blocks, threshold 200)", "zero3 -> zero1 (bucket 50)",
-                                   "zero1 -> zero1 + cpu offload")):  # fmt: skip
+                                   "zero1 -> zero1 + cpu offload", "zero2 + cpu -> zero3 + nvme (both roles)")):  # fmt: skip
             assert_close(resumed[rank][n + i]["losses"], expected[SAVE_AT:], 1e-5, label)
 
 

@@ -15,7 +15,7 @@ from zkernel.estimator import TransformerShape, estimate_activations, totals
 GPT_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "sequence": 32}  # = small_gpt()
 
 
-def configs(tiers) -> list[dict]:
+def configs(tiers, nvme_path=None) -> list[dict]:
     out = []
     for tier in tiers:
         for precision in ("fp32", "bf16"):
@@ -37,7 +37,24 @@ def configs(tiers) -> list[dict]:
                         "precision": precision,
                         "partitioner_options": options,
                         "gradient_accumulation_steps": 2,
-                        "offload": {"optimizer": tier},
+                        "offload": {"optimizer": tier, **({"nvme_path": nvme_path} if tier == "nvme" else {})},
+                    }
+                )
+    return out
+
+
+def params_configs(tiers, nvme_path) -> list[dict]:
+    """zero3 with the parameter shards offloaded, beside each optimizer tier."""
+    out = []
+    for params in [t for t in tiers if t != "none"]:
+        for optimizer in tiers:
+            for precision in ("fp32", "bf16"):
+                out.append(
+                    {
+                        "partitioner": "zero3",
+                        "precision": precision,
+                        "partitioner_options": {"persistence_threshold": 5000},
+                        "offload": {"optimizer": optimizer, "params": params, "nvme_path": nvme_path},
                     }
                 )
     return out
@@ -68,14 +85,15 @@ def check(model, cfg, world, measured, label) -> bool:
     return predicted == wanted
 
 
-def test_estimate_matches_memory_report_on_two_ranks():
-    """Every partitioner and option, fp32 and bf16, on every installed tier the placement table knows."""
+def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
+    """Every partitioner and option, fp32 and bf16, on every installed tier the placement table knows
+    (for both roles: parameters offloaded under zero3 too)."""
     from zkernel.config import Config
     from zkernel.estimator import TIER_PLACEMENT, installed_tiers
 
     tiers = [t for t in installed_tiers(Config()) if t in TIER_PLACEMENT and "optimizer" in TIER_PLACEMENT[t].serves]
     assert "none" in tiers
-    cfgs = configs(tiers)
+    cfgs = configs(tiers, str(tmp_path)) + params_configs(tiers, str(tmp_path))
     zero3 = [c for c in cfgs if c["partitioner"] == "zero3"]
     gpt_results, tricky_results = run_ranks(2, _measure_both, cfgs, zero3)[0]
     with torch.device("meta"):

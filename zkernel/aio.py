@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import os
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +47,15 @@ from zkernel.log import get_logger
 
 log = get_logger()
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_THREADS", "AioHandle", "ChecksumError", "aligned_empty", "preallocate"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_THREADS",
+    "AioHandle",
+    "ChecksumError",
+    "aligned_empty",
+    "live_aligned_buffers",
+    "preallocate",
+]
 
 ALIGNMENT = 4096
 # Measured on virtio ext4 (bench/aio.py): 8-32 threads and 1-4 MiB blocks all sit at fio's
@@ -67,7 +76,7 @@ def aligned_empty(
 
     ``pin`` page-locks it for fast GPU copies (default: when CUDA is available;
     True without CUDA is an error). The memory is unpinned and freed when the
-    last view of it goes away.
+    last view of it goes away; until then it counts in `live_aligned_buffers`.
     """
     required = bool(pin)
     if pin is None:
@@ -76,21 +85,55 @@ def aligned_empty(
         raise RuntimeError("aligned_empty(pin=True) needs CUDA; pass pin=False or None")
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = int(numel) * itemsize
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
     buf = native.load().AlignedBuffer(nbytes, alignment)
-    if pin and nbytes > 0:
+    unpin = None
+    if pin:
         try:
-            _page_lock(buf, nbytes)
+            unpin = _page_lock(buf, nbytes)
         except RuntimeError as exc:
             if required:
                 raise
             log.warning("zkernel.aio.pin_failed", nbytes=nbytes, error=str(exc))
-    if nbytes == 0:
-        return torch.empty(0, dtype=dtype)
+    _count_live(+1, unpin is not None)
+    buf.on_free = lambda: _on_free(unpin)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
 
 
-def _page_lock(buf, nbytes: int) -> None:
-    """cudaHostRegister ``buf`` and arrange cudaHostUnregister just before it is freed."""
+# Buffers from `aligned_empty` not freed yet (all, and the page-locked ones among them).
+_live_lock = threading.Lock()
+_live = [0, 0]
+
+
+def _count_live(delta: int, pinned: bool) -> None:
+    with _live_lock:
+        _live[0] += delta
+        if pinned:
+            _live[1] += delta
+
+
+def _on_free(unpin) -> None:
+    """Called by the native buffer just before its memory is freed (any thread, GIL held)."""
+    try:
+        if unpin is not None:
+            unpin()
+    finally:
+        _count_live(-1, unpin is not None)
+
+
+def live_aligned_buffers() -> tuple[int, int]:
+    """(buffers, page-locked buffers) from `aligned_empty` that are not freed yet, in this process.
+
+    A buffer is freed when the last tensor viewing it goes away, so after a
+    component released its memory both counts drop back to what they were.
+    """
+    with _live_lock:
+        return _live[0], _live[1]
+
+
+def _page_lock(buf, nbytes: int):
+    """cudaHostRegister ``buf``; return the call that unregisters it (made just before it is freed)."""
     cudart = torch.cuda.cudart()
     register = getattr(cudart, "cudaHostRegister", None)
     unregister = getattr(cudart, "cudaHostUnregister", None)
@@ -100,7 +143,7 @@ def _page_lock(buf, nbytes: int) -> None:
     rc = register(address, nbytes, 0)
     if int(rc) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
-    buf.on_free = lambda: unregister(address)
+    return lambda: unregister(address)
 
 
 def preallocate(path: str | os.PathLike, nbytes: int) -> None:
@@ -264,6 +307,19 @@ class AioHandle:
         """`wait_any`, also returning the request's CRC32C (None when it was not checksummed)."""
         completed = self._collect(self._engine.wait_any())
         return completed.request, completed.crc32c
+
+    def wait_any_outcome(self) -> tuple[int, int | None, BaseException | None]:
+        """`wait_any` that returns a failure instead of raising it: (id, CRC32C or None, error or None).
+
+        For a caller that completes requests on behalf of others (one thread collecting every
+        request and routing each outcome to whoever submitted it).
+        """
+        result = self._engine.wait_any()
+        try:
+            completed = self._collect(result)
+        except (OSError, EOFError) as exc:
+            return result.id, None, exc
+        return completed.request, completed.crc32c, None
 
     def wait_all(self) -> dict[int, int]:
         """Block until every outstanding request completes; raise the first failure, if any.

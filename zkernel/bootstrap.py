@@ -182,13 +182,28 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn, registry) -> Engin
         timeline=timeline,
         init_fn=init_fn,
     )
+    tiers: list = []  # built so far: closed again if initialize fails (swap files, I/O threads)
+    try:
+        return _assemble(model, cfg, selection, base, tiers, plan)
+    except BaseException:
+        for tier in reversed(tiers):
+            try:
+                tier.close()
+            except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
+                log.warning("zkernel.initialize.cleanup_failed", tier=type(tier).__name__, error=str(exc))
+        worker.shutdown(wait=False)
+        raise
+
+
+def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, tiers: list, plan) -> Engine:
+    """Build the selected components on ``base``, partition and place the model, make the engine."""
+    dist_info, compute_dtype, worker = base.dist, base.compute_dtype, base.host_worker
+    streams, timeline = base.streams, base.timeline
     optimizer = selection["optimizer.name"].build(base)
-    optimizer_tier = _component(
-        selection["offload.optimizer"].build(base), OptimizerTier, "offload.optimizer", cfg.offload.optimizer
-    )
-    params_tier = _component(
-        selection["offload.params"].build(base), ParamsTier, "offload.params", cfg.offload.params
-    )
+    tiers.append(selection["offload.optimizer"].build(base))
+    optimizer_tier = _component(tiers[-1], OptimizerTier, "offload.optimizer", cfg.offload.optimizer)
+    tiers.append(selection["offload.params"].build(base))
+    params_tier = _component(tiers[-1], ParamsTier, "offload.params", cfg.offload.params)
     placement = PlacementInfo(
         masters_on_compute_device=optimizer_tier.masters_on_compute_device,
         params_on_compute_device=params_tier.on_compute_device,

@@ -39,7 +39,7 @@ from zkernel.loss_scale import DynamicLossScaler
 from zkernel.scheduler import Scheduler
 from zkernel.step_pipeline import StepPipeline
 from zkernel.streams import Streams
-from zkernel.tiers import OptimizerTier, ParamsTier
+from zkernel.tiers import OptimizerTier, ParamsTier, StoredBytes
 from zkernel.timeline import SpanKind, Timeline
 
 log = get_logger()
@@ -265,7 +265,8 @@ class Engine:
         self.global_steps += 1
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds, by category (params, grads, master_weights, optimizer_state) and device.
+        """Bytes this rank holds, by category (params, grads, master_weights, optimizer_state) and place
+        (a device, or ``"nvme"`` for swap files).
 
         Each storage is counted once, under the first category that names it.
         """
@@ -277,12 +278,15 @@ class Engine:
         for category in _MEMORY_CATEGORIES:
             for contribution in contributions:
                 for t in contribution.get(category, ()):
-                    storage = t.untyped_storage()
-                    key = (str(t.device), storage.data_ptr())
-                    if key in seen or storage.nbytes() == 0:
+                    if isinstance(t, StoredBytes):  # a swap file's region
+                        key, place, nbytes = (t.place, t.key), t.place, t.nbytes
+                    else:
+                        storage = t.untyped_storage()
+                        key, place, nbytes = (str(t.device), storage.data_ptr()), str(t.device), storage.nbytes()
+                    if key in seen or nbytes == 0:
                         continue
                     seen.add(key)
-                    report[category][str(t.device)] += storage.nbytes()
+                    report[category][place] += nbytes
         return {c: dict(v) for c, v in report.items()}
 
     def close(self) -> None:
@@ -293,11 +297,16 @@ class Engine:
         it had at `zkernel.initialize`; hooks come off the model; tiers free
         their memory and swap files; the host worker stops. The module can then
         be trained on its own or wrapped by a new engine. Closing twice is a no-op.
+        A pending update that failed is raised after all that is done.
         """
         if self._closed:
             return
         self._exit_guard()
-        self.pipeline.wait_all()
+        failed: Exception | None = None
+        try:
+            self.pipeline.wait_all()
+        except Exception as exc:  # noqa: BLE001 - a failed update: give the model back, then raise it
+            failed = exc
         with self.scheduler.plugin_call():
             for group in self.groups:
                 master = self.optimizer_tier.read_master(group) if group.requires_grad else None
@@ -318,6 +327,8 @@ class Engine:
         _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
         lifecycle.release(self._module)
         log.debug("zkernel.engine.closed", rank=self.dist.rank)
+        if failed is not None:
+            raise failed
 
     @property
     def closed(self) -> bool:

@@ -106,7 +106,9 @@ TIER_PLACEMENT: dict[str, TierPlacement] = {
         ("optimizer", "params"),
         {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu", Role.PARAM_SHARD: "cpu"},
     ),
-    # master and optimizer state on NVMe, gradient landing buffer and staging copy in CPU memory.
+    # master and optimizer state on NVMe, gradient landing buffer and staging copy in CPU memory;
+    # as offload.params, the compute-dtype shard on NVMe. Not modelled: the page-locked pools
+    # both roles stream through (their buffer_bytes), which are staging, not model state.
     "nvme": TierPlacement(
         ("optimizer", "params"),
         {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.STAGING: "cpu", Role.PARAM_SHARD: "nvme"},
@@ -374,7 +376,8 @@ def _zero3_group(numel: int, shards: int, c: int, trainable: bool, whole: bool, 
     casts_master = c != 4 and master_on_device and placement.on_device(Role.PARAM_SHARD)
     if not casts_master:
         buffers.append(Buffer(Role.PARAM_SHARD, shard * c))
-    if not (c == 4 and master_on_device):  # an fp32 master on the device is the shard
+    # An fp32 master on the device is the shard, unless the params tier moved the shard elsewhere.
+    if not (c == 4 and master_on_device and placement.on_device(Role.PARAM_SHARD)):
         buffers.append(Buffer(Role.MASTER, 4 * shard))
     buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
     return buffers + _optimizer_buffers(shard, c, placement)
@@ -465,13 +468,14 @@ def estimate(
         where = DEVICE if owner is None else TIER_PLACEMENT[getattr(cfg.offload, owner)].where[role]
         return device if where == DEVICE else where
 
-    # An optimizer stepping where the parameters live writes its update straight into them.
+    # An optimizer stepping where the parameters live writes its update straight into them; one
+    # whose parameters live on NVMe writes it into a buffer the params tier lends for the step.
     params_home = place(Role.PARAM_SHARD) if cfg.partitioner == "zero3" else device
     for group in group_buffers(as_module(model), cfg, world_size, partitioner_options):
         for buffer in group:
             category = _ROLES[buffer.role][0]
             where = place(buffer.role)
-            if buffer.role is Role.STAGING and where == params_home:
+            if buffer.role is Role.STAGING and params_home in (where, "nvme"):
                 continue
             by_place = report[category]
             by_place[where] = by_place.get(where, 0) + buffer.nbytes

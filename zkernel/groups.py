@@ -35,7 +35,8 @@ class ParamGroup:
       brings it to the compute device as ``device_shard`` when a gather needs it;
     * the optimizer tier then places ``master``, allocates ``optim_state`` from
       the optimizer's declaration, owns the landing buffer of ``grad``, and sets
-      ``copy_out``;
+      ``copy_out`` (or leaves it None for a params tier whose home is not a
+      tensor, which lends one per step: `ParamsTier.before_update`);
     * the optimizer reads ``master``, ``grad``, ``optim_state`` and ``copy_out``.
 
     Everything under ``layout`` belongs to the partitioner that made the group.

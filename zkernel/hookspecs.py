@@ -445,6 +445,8 @@ def zkernel_memory_tensors(group: ParamGroup) -> dict[str, list[torch.Tensor]] |
     Called by `Engine.memory_report` on the calling rank for every group.
     Categories: ``"params"``, ``"grads"``, ``"master_weights"``,
     ``"optimizer_state"``. The engine counts each storage once, by device.
+    Bytes held outside memory (a swap file) are listed as
+    `zkernel.tiers.StoredBytes`, counted under their ``place``.
 
     All results are collected.
     """

@@ -42,6 +42,7 @@ BUILTIN_PLUGINS = {
     "partitioner_zero3": "zkernel_plugins.partitioners.zero3",
     "tier_device": "zkernel_plugins.offload_tiers.device",
     "tier_cpu": "zkernel_plugins.offload_tiers.cpu",
+    "tier_nvme": "zkernel_plugins.offload_tiers.nvme",
     "optimizer_adamw": "zkernel_plugins.optimizers.adamw",
     "optimizer_cpu_adam": "zkernel_plugins.optimizers.cpu_adam",
     "tiling_linear": "zkernel_plugins.tiling.linear",

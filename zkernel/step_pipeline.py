@@ -388,8 +388,19 @@ class StepPipeline:
         return job is not None and not job.done()
 
     def wait_all(self) -> None:
-        """Wait for every pending update and early step (before reads, checkpoints, close)."""
-        for group in self.trainable:
-            self.wait_update(group)
-        for job, _ in list(self._early.values()):
-            job.result()
+        """Wait for every pending update and early step (before reads, checkpoints, close).
+
+        All of them are waited for even when one failed; the first failure is raised then, with
+        the others attached as notes."""
+        errors: list[BaseException] = []
+        for wait in [lambda g=g: self.wait_update(g) for g in self.trainable] + [
+            job.result for job, _ in list(self._early.values())
+        ]:
+            try:
+                wait()
+            except Exception as exc:  # noqa: BLE001 - collected, raised below
+                errors.append(exc)
+        if errors:
+            for other in errors[1:]:
+                errors[0].add_note(f"also failed: {other}")
+            raise errors[0]

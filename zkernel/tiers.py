@@ -43,6 +43,19 @@ from zkernel.sizes import format_bytes
 
 
 @attrs.frozen
+class StoredBytes:
+    """Bytes a tier holds outside memory (a swap file's region), for `zkernel_memory_tensors`.
+
+    `Engine.memory_report` counts ``nbytes`` under ``place`` (e.g. ``"nvme"``),
+    once per ``key`` as it counts a tensor once per storage.
+    """
+
+    place: str
+    key: Any
+    nbytes: int
+
+
+@attrs.frozen
 class ShardState:
     """A trainable group's fp32 master and optimizer state on this rank (checkpoints, state dicts).
 
@@ -196,8 +209,10 @@ class ParamsTier(abc.ABC):
     @abc.abstractmethod
     def adopt(self, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor | None:
         """Place ``group``'s initial compute-dtype shard (on the compute device); return the tensor
-        the group keeps as ``param_shard`` (its home, or None when the home is not a tensor).
-        Called by `initialize` before the optimizer tier adopts the group."""
+        the group keeps as ``param_shard`` (its home, or None when the home is not a tensor, such
+        as a swap file: the optimizer tier then allocates no update buffer of its own, and
+        `before_update` lends one per step). Called by `initialize` before the optimizer tier
+        adopts the group."""
 
     def prefetch_host(self, group: ParamGroup) -> None:
         """Start bringing the shard to host memory without waiting (a disk tier reads it)."""
@@ -216,8 +231,13 @@ class ParamsTier(abc.ABC):
         gather stream for a prefetch): free it unless it is the home itself."""
 
     def before_update(self, group: ParamGroup) -> None:
-        """Called in the stepping thread before the optimizer writes ``group.copy_out``: wait for
-        any transfer still reading the buffer it is about to overwrite."""
+        """Called in the stepping thread after `OptimizerTier.acquire` and before the optimizer writes
+        ``group.copy_out``: wait for any transfer still reading the buffer it is about to overwrite.
+
+        A tier whose home is not a tensor (``param_shard`` None, e.g. a file) may lend here the
+        buffer the optimizer writes the rounded update into, as ``group.copy_out`` (only where the
+        optimizer tier left it None, see `update_target`), and takes it back in `commit`, so the
+        update reaches the home without another pass over memory."""
 
     @abc.abstractmethod
     def commit(self, group: ParamGroup) -> Any:
@@ -305,4 +325,3 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
             + ". Use more ranks, a partitioner that shards more (zero3), offload.optimizer = 'nvme' "
             "with an offload.nvme_path on a larger disk, or free memory"
         )
-

@@ -1,10 +1,16 @@
 """Tier ``cpu``: fp32 masters, optimizer state and gradient landing buffers in host memory.
 
+This module is the optimizer role (`CpuTier`) and the tier's registration;
+the params role is `CpuParamsTier` (``_cpu_params``), and the staging buffers
+updates are rounded into are a `StagingPool` (``_staging``), which the
+``nvme`` tier shares.
+
 Algorithm (ZeRO-Offload). Each trainable group gets, in page-locked host
 memory allocated once at `initialize` (plain memory, with a warning, where
 page-locking is unavailable, as on CPU-only torch): its fp32 master, its
-declared optimizer state, an fp32 landing buffer for its gradient and, in
-bf16/fp16 runs, a compute-dtype staging copy of the updated parameters. The
+declared optimizer state and an fp32 landing buffer for its gradient; in
+bf16/fp16 runs the updated parameters are rounded into a staging buffer lent
+for the step (or straight into the parameters' home when it is in host memory). The
 compute device keeps only the compute-dtype parameters, transient gradient
 buckets and activations.
 
@@ -41,7 +47,6 @@ gradient).
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -54,11 +59,13 @@ from zkernel.host_memory import host_empty, host_zeros
 from zkernel.log import get_logger
 from zkernel.step_pipeline import SPECULATE_POLICIES
 from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, ParamsTier, Resource, ShardState
+from zkernel.tiers import OptimizerTier, Resource, ShardState
 from zkernel.timeline import SpanKind
 
+from ._cpu_params import CpuParamsOptions, CpuParamsTier
+from ._staging import POOLED, StagingPool
 from ._state import write_optimizer_state
-from .device import DeviceOptimizerTier, shares_storage, update_target
+from .device import DeviceOptimizerTier, update_target
 
 log = get_logger()
 
@@ -102,6 +109,9 @@ class _Slot:
     accumulation: Future | None = None  # host-side add of a later micro-batch
     on_device: bool = False  # moved to the GPU share: the inner device tier holds it
     pooled: bool = False  # its rounded update goes through a shared staging buffer
+    # Where its rounded update goes when not pooled (the parameters' home, or None): this tier's
+    # own; a buffer a params tier lends as ``copy_out`` for one step is not counted here.
+    update: torch.Tensor | None = None
 
 
 class CpuTier(OptimizerTier):
@@ -129,7 +139,7 @@ class CpuTier(OptimizerTier):
         self._transfer_dtype = torch.bfloat16 if bf16 else torch.float32
         self.gpu_share_numel = 0
         self._planned_numel = 0
-        self._staging = _StagingPool(self.options.staging_buffers, self.compute_dtype, self.options.pin_memory)
+        self._staging = StagingPool(self.options.staging_buffers, self.compute_dtype, self.options.pin_memory)
 
     def _pin(self) -> bool | None:
         return self.options.pin_memory
@@ -167,13 +177,26 @@ class CpuTier(OptimizerTier):
             s.name: host_zeros(s.shape, s.dtype, pin=self._pin()) if s.per_element else torch.zeros(s.shape, dtype=s.dtype)
             for s in state
         }
-        group.copy_out = update_target(group, torch.device("cpu"), self.compute_dtype, lambda n, dt: _POOLED)
-        pooled = group.copy_out is _POOLED
+        self._adopt_gradient(group, numel)
+        self._state[group.index] = tuple(state)
+
+    def _adopt_gradient(self, group, numel: int) -> None:
+        """The host side every host-stepped group has, whatever keeps its master: the gradient's
+        landing buffer and where the rounded update goes (``group.master`` is set)."""
+        group.copy_out = update_target(group, torch.device("cpu"), self.compute_dtype, lambda n, dt: POOLED)
+        pooled = group.copy_out is POOLED
         if pooled:
             group.copy_out = None  # lent from the staging pool for each step (`acquire`)
             self._staging.expect(numel)
-        self._slots[group.index] = _Slot(landing=host_empty(numel, self._landing_dtype, pin=self._pin()), pooled=pooled)
-        self._state[group.index] = tuple(state)
+        self._slots[group.index] = _Slot(
+            landing=host_empty(numel, self._landing_dtype, pin=self._pin()), pooled=pooled, update=group.copy_out
+        )
+
+    def _update_buffers(self, slot: _Slot) -> list[torch.Tensor]:
+        """What a group's rounded updates are written into, as `zkernel_memory_tensors` counts it."""
+        if slot.pooled:
+            return self._staging.buffers
+        return [slot.update] if slot.update is not None else []
 
     def _on_device(self, group) -> bool:
         slot = self._slots.get(group.index)
@@ -357,59 +380,11 @@ class CpuTier(OptimizerTier):
         if slot.on_device:
             return self._device_tier.zkernel_memory_tensors(group)
         return {
-            "params": [group.copy_out] if group.copy_out is not None else self._staging.buffers,
+            "params": self._update_buffers(slot),
             "grads": [slot.landing],
             "master_weights": [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
         }
-
-
-_POOLED = object()  # `update_target` asked for a staging buffer: lent from the pool per step
-
-
-class _StagingPool:
-    """Page-locked compute-dtype buffers shared by every host-stepped group.
-
-    A host step rounds its updated parameters into one (taken at `acquire`) and
-    the params tier uploads from it; the buffer goes back with an event on the
-    h2d stream after that upload and is lent again once the event completed.
-    ``count`` buffers as large as the largest group bound the host memory this
-    takes, instead of a copy of every parameter.
-    """
-
-    def __init__(self, count: int, dtype: torch.dtype, pin: bool | None) -> None:
-        self.count, self.dtype, self.pin = count, dtype, pin
-        self._numel = 0
-        self.buffers: list[torch.Tensor] = []
-        self._free: deque = deque()  # (buffer, event after which it is free)
-        self._cond = threading.Condition()
-
-    def expect(self, numel: int) -> None:
-        self._numel = max(self._numel, numel)
-
-    def take(self, numel: int) -> torch.Tensor:
-        with self._cond:
-            if not self.buffers:
-                self.buffers = [host_empty(self._numel, self.dtype, pin=self.pin) for _ in range(self.count)]
-                self._free.extend((b, None) for b in self.buffers)
-            while not self._free:
-                self._cond.wait()
-            buffer, event = self._free.popleft()
-        if event is not None:
-            event.synchronize()
-        return buffer[:numel]
-
-    def give(self, view: torch.Tensor, event) -> None:
-        base = next(b for b in self.buffers if b.data_ptr() == view.data_ptr())
-        with self._cond:
-            self._free.append((base, event))
-            self._cond.notify()
-
-    def close(self) -> None:
-        for _, event in self._free:
-            if event is not None:
-                event.synchronize()
-        self.buffers, self._free = [], deque()
 
 
 def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final: bool) -> float | None:
@@ -417,128 +392,6 @@ def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final
     copied.synchronize()
     landing.add_(staging)
     return float(landing.pow(2).sum()) if final else None
-
-
-@attrs.frozen(kw_only=True)
-class CpuParamsOptions:
-    """``offload.params_options`` of the ``cpu`` tier."""
-
-    # Page-lock the host shards: None = where CUDA is available; True = required (error without CUDA).
-    pin_memory: bool | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(bool)))
-    # Bytes of shards ahead of the running unit, in the traced order, to upload to the device
-    # (the nearest `prefetch_bytes` of them are also gathered ahead).
-    prefetch_device_bytes: int = attrs.field(default=1 << 30, validator=attrs.validators.ge(0))
-
-
-class CpuParamsTier(ParamsTier):
-    """Compute-dtype parameter shards in (page-locked) host memory, uploaded to the device per gather.
-
-    Each group's shard lives on the host; a gather needs it on the device, so
-    `to_device` uploads it on the h2d stream into a transient device buffer
-    (allocated from that stream's pool) and records an event; the consumer (the
-    compute stream for a fetch, the gather stream for a prefetch) waits for that
-    event only. The buffer is freed once the gather consumed it. An optimizer
-    step on the host writes its rounded result straight into the home shard
-    (zero copy); one on the device is downloaded on the d2h stream. Each rank
-    moves only its own shard over its own link, so host bandwidth adds up with
-    the number of GPUs (bandwidth-centric partitioning).
-    """
-
-    on_compute_device = False
-
-    def __init__(self, context, role: str = "params") -> None:
-        self.options = context.options or CpuParamsOptions()
-        self.lookahead_device_bytes = self.options.prefetch_device_bytes
-        self.device = context.device
-        self.cuda = self.device.type == "cuda"
-        self.streams = context.streams
-        self.timeline = context.timeline
-        # group index -> (device copy, its upload event); reads of the home in flight: group -> event
-        self._device: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._home_reads: dict[int, Any] = {}
-        self._downloads: dict[int, Any] = {}
-
-    def demand(self, numel, compute_dtype):
-        return {Resource.HOST: numel * torch.empty((), dtype=compute_dtype).element_size()}
-
-    def adopt(self, group, shard):
-        home = host_empty(shard.numel(), shard.dtype, pin=self.options.pin_memory)
-        home.copy_(shard)
-        return home
-
-    def to_device(self, group, *, consume, block):
-        home = group.param_shard
-        if not self.cuda:
-            if consume:
-                group.device_shard = home
-            return True
-        entry = self._device.get(group.index)
-        if entry is None:
-            h2d = self.streams.h2d
-            nbytes = home.numel() * home.element_size()
-            with torch.cuda.stream(h2d), self.timeline.span(SpanKind.PARAM_H2D, stream=h2d, label=group.name, nbytes=nbytes):
-                copy = torch.empty(home.shape, dtype=home.dtype, device=self.device)
-                copy.copy_(home, non_blocking=True)
-            entry = (copy, record_event(h2d))
-            self._device[group.index] = entry
-            self._home_reads[group.index] = entry[1]
-        if consume:
-            torch.cuda.current_stream(self.device).wait_event(entry[1])
-            group.device_shard = entry[0]
-        return True
-
-    def drop_device(self, group):
-        entry = self._device.pop(group.index, None)
-        group.device_shard = None
-        if entry is not None:
-            copy = entry[0]
-            copy.record_stream(torch.cuda.current_stream(self.device))
-            if self.streams.gather is not None:
-                copy.record_stream(self.streams.gather)
-
-    def before_update(self, group):
-        for pending in (self._home_reads, self._downloads):
-            event = pending.pop(group.index, None)
-            if event is not None:
-                event.synchronize()
-
-    def commit(self, group):
-        home = group.param_shard
-        source = group.copy_out if group.copy_out is not None else group.master
-        stale = self._device.pop(group.index, None)  # a device copy of the old values
-        if stale is not None:
-            stale[0].record_stream(torch.cuda.current_stream(self.device))
-        if shares_storage(source, home):
-            return None
-        if source.device.type == "cpu" or not self.cuda:
-            home.copy_(source)
-            return None
-        d2h = self.streams.d2h
-        d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(d2h):
-            home.copy_(source, non_blocking=True)
-            source.record_stream(d2h)
-        event = record_event(d2h)
-        self._downloads[group.index] = event
-        return event
-
-    def write_shard(self, group, values):
-        self.before_update(group)
-        stale = self._device.pop(group.index, None)
-        if stale is not None:
-            stale[0].record_stream(torch.cuda.current_stream(self.device))
-        group.param_shard.copy_(values)
-
-    def close(self):
-        for event in (*self._home_reads.values(), *self._downloads.values()):
-            event.synchronize()
-        self._device.clear()
-        self._home_reads.clear()
-        self._downloads.clear()
-
-    @hookimpl
-    def zkernel_memory_tensors(self, group):
-        return {"params": [group.param_shard]} if group.param_shard is not None else None
 
 
 def cpu_tier(context, role: str):

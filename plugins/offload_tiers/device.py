@@ -34,7 +34,9 @@ def shares_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 def update_target(group, device: torch.device, compute_dtype: torch.dtype, allocate) -> torch.Tensor | None:
     """Where an optimizer stepping on ``device`` writes the rounded update: the shard's home when it
     lives there, else a new buffer from ``allocate(numel, dtype)``; None when the fp32 master itself
-    is the update (an fp32 run), is the home, or there is no compute-dtype shard (gathers cast it)."""
+    is the update (an fp32 run), is the home, or there is no compute-dtype shard tensor: gathers
+    cast the master, or the params tier's home is not a tensor (a swap file) and it lends a buffer
+    for each step instead (`ParamsTier.before_update`)."""
     shard, master = group.param_shard, group.master
     if shard is None or shares_storage(shard, master):  # gathers cast the master, or it is the shard
         return None
@@ -54,6 +56,8 @@ class DeviceOptimizerTier(OptimizerTier):
         self.compute_dtype = context.compute_dtype
         # Landings not yet completed, oldest first: (group, reduced).
         self._pending: deque = deque()
+        # Group index -> this tier's own ``copy_out`` (a params tier may lend another for a step).
+        self._staging: dict[int, torch.Tensor | None] = {}
 
     def __repr__(self) -> str:
         return "DeviceOptimizerTier()"
@@ -65,7 +69,7 @@ class DeviceOptimizerTier(OptimizerTier):
     def adopt(self, group, master, state):
         group.master = master
         group.optim_state = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=master.device) for s in state}
-        group.copy_out = update_target(
+        group.copy_out = self._staging[group.index] = update_target(
             group, master.device, self.compute_dtype, lambda n, dt: torch.empty(n, dtype=dt, device=master.device)
         )
 
@@ -122,7 +126,7 @@ class DeviceOptimizerTier(OptimizerTier):
         if not group.requires_grad:
             return None
         return {
-            "params": [group.copy_out] if group.copy_out is not None else [],
+            "params": [t] if (t := self._staging.get(group.index)) is not None else [],
             "grads": [group.grad] if group.grad is not None else [],
             "master_weights": [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],

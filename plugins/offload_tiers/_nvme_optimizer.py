@@ -1,0 +1,543 @@
+"""Tier ``nvme``, optimizer role: fp32 masters and optimizer state in swap files, streamed through the step.
+
+Algorithm (ZeRO-Infinity's optimizer swapping). Gradients land exactly as in
+the ``cpu`` tier (this tier is a `CpuTier`: pinned host landing buffers,
+host-side accumulation, the norm), but each trainable group's fp32 master and
+declared optimizer state live in one swap file of the engine's run directory
+(see [Note: run directories]), laid out as the image of a host block:
+``[master | state 1 | state 2 | ...]``, each tensor on O_DIRECT alignment.
+Between steps nothing of them is in memory. The step pipeline tells the tier
+the groups it will step, in order (`prepare`); the tier streams them through
+a bounded pool of page-locked blocks (`PinnedArena`, ``buffer_bytes``):
+
+* `prepare` queues the group; as soon as the pool has room for its whole file
+  image, its extents are read (``sub_group_size`` elements per request, each
+  checked against the CRC32C of its last write, [Note: swap-file integrity]).
+  Groups get room strictly in the order they will step, so the reads of the
+  next groups are in flight while the host worker steps this one;
+* `acquire` (host worker) waits for the group's reads only, then points
+  ``group.master`` and ``group.optim_state`` at the block;
+* `release` (right after the optimizer) starts writing the block back (each
+  extent's CRC32C computed by the I/O threads as they write) and returns at
+  once; the block goes back to the pool when its writes are done, and the
+  next queued group's reads start in its room.
+
+So disk reads of later groups, the Adam step of this one and the writes of
+earlier ones overlap, and the pool bounds the host memory the optimizer
+state takes, however large the model. Nothing waits on a device-wide
+synchronise; the only host waits are a group's own reads (in `acquire`).
+Rounded updates go through the cpu tier's staging pool (lent at `acquire`,
+given back at `release`) or into a block the params tier lends.
+
+[Note: no speculation on disk] Steps whose coefficient is known before
+backward ends (no clipping, no fp16 scale) start during backward as with the
+cpu tier (`prepare` then comes from autograd's thread). A *speculative* step
+is declined (``speculate = "never"``): its state is written back at
+`release`, so a rollback would first read it back from disk, and a clipped
+window would move every group's state twice. `acquire` is idempotent while a
+group steps (the pipeline acquires again when it leaves a step untaken).
+
+Outside a step, `read_master` / `read_state` (close, state dicts,
+checkpoints) read the newest image (the group's block while it has one, the
+rescue copy, else the file, checked as every read), and `write_state` (a
+checkpoint load) writes a new image once the group's I/O has drained.
+
+[Note: write failures] A write can fail (disk full, an I/O error). The
+state then stays consistent: an extent's CRC32C is recorded only when its
+write completed, a failed extent is marked unreadable, and the group's block
+is copied to plain host memory (the *rescue copy*) before it returns to the
+pool, so the newest master and state of every group are always either in its
+file (all extents written and checksummed) or in memory, never lost and never
+read back half-written. The step during which the write failed completes for
+every group (a write failure of one group does not stop another's step); the
+error, naming the file and offset, is raised by the next `prepare`, that is
+before any group of the next step is updated (from `Engine.step`, or from
+`Engine.backward` when steps start during backward), so every group has been
+stepped the same number of times. The next step of that group starts from its
+rescue copy and writes it again, so once the disk has room training can go
+on; `read_master` (and so `Engine.close`, which gives the model back) reads
+the rescue copy. `close` removes the files and does not raise a failure that
+was only logged by then.
+
+[Note: block reuse] A block may still be read after `release`: by its own
+writes, and, in fp32 runs where the master itself is the update
+(``copy_out`` None), by the params tier's `commit`, which runs right after
+`release` on the same thread and may copy it to the parameter shard on a side
+stream. Such a block is *fenced*: it goes back to the pool only once its
+writes completed and the host worker has moved on (its next `acquire`, or
+`close` once it is idle), with CUDA after an event recorded on
+the side streams at that point has completed.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+import weakref
+from concurrent.futures import Future
+
+import attrs
+import torch
+
+from zkernel import hookimpl
+from zkernel.aio import aligned_empty
+from zkernel.config import ConfigError
+from zkernel.log import get_logger
+from zkernel.tiers import Resource, ShardState, StoredBytes
+from zkernel.timeline import SpanKind
+
+from ._arena import Block, PinnedArena, aligned
+from ._io_queue import IoQueue
+from ._nvme_options import NvmeTierOptions
+from ._progress import Preallocation
+from ._swap_dir import RunDirectory
+from ._swap_file import Extent, SwapFile, extents_of
+from .cpu import CpuTier, CpuTierOptions
+
+log = get_logger()
+
+# Pool size when ``buffer_bytes`` is not given: this, or two of the largest group's file image,
+# whichever is more, but never more than all files together.
+DEFAULT_BUFFER_BYTES = 2 << 30
+
+
+class _State(enum.Enum):
+    ON_DISK = "on disk"  # the file (or the rescue copy) holds the newest state; no block
+    QUEUED = "queued"  # `prepare`d: waits for room in the pool
+    READING = "reading"
+    RESIDENT = "resident"  # read and verified, not acquired yet
+    STEPPING = "stepping"  # acquired: the optimizer works on the block
+    WRITING = "writing"  # released: writes in flight from the block
+
+
+@attrs.define(eq=False)
+class _Segment:
+    name: str  # "master" or a declared state's name
+    offset: int  # in the file image
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@attrs.define(eq=False)
+class _SwapSlot:
+    """One group's file, where its state is, and the I/O in flight for it."""
+
+    group: weakref.ref
+    name: str
+    file: SwapFile
+    segments: list[_Segment]
+    state: _State = _State.ON_DISK
+    block: Block | None = None
+    pending: int = 0  # reads or writes of the block still in flight
+    error: BaseException | None = None  # a read's failure, raised by `acquire`
+    write_error: BaseException | None = None
+    zeros: list[Extent] = attrs.field(factory=list)  # extents to fill with zeros at `acquire`
+    rescue: torch.Tensor | None = None  # the newest file image, when its last write failed
+    fenced: bool = True  # see [Note: block reuse]
+    discard: bool = False  # a read whose group will not step (a skipped step): free on arrival
+
+    @property
+    def footprint(self) -> int:
+        return self.file.nbytes
+
+
+class NvmeTier(CpuTier):
+    """Masters and optimizer state in swap files, streamed through a bounded pinned pool for each step."""
+
+    def __init__(self, context, role: str = "optimizer") -> None:
+        options = context.options or NvmeTierOptions()
+        # The gradient side is the cpu tier's, without its GPU share and without speculation
+        # (a speculative step on disk-backed state would be written back before it is known).
+        super().__init__(attrs.evolve(context, options=CpuTierOptions(pin_memory=options.pin_memory, speculate="never")))
+        self.nvme_options = options
+        self.nvme_path = context.config.offload.nvme_path
+        self.run_dir = RunDirectory.acquire(self.nvme_path, context.host_worker)
+        self.io = IoQueue(
+            threads=options.aio_threads, block_size=options.aio_block_size, timeline=context.timeline, name="nvme-optimizer"
+        )
+        self._cv = threading.Condition(threading.RLock())
+        self._swap: dict[int, _SwapSlot] = {}
+        self._queue: collections.deque[_SwapSlot] = collections.deque()
+        self._arena: PinnedArena | None = None
+        self._failures: list[BaseException] = []
+        self._layout = Preallocation("optimizer state")
+        self._closed = False
+
+    # -- placement ------------------------------------------------------------------------------
+
+    def demand(self, numel, state, compute_dtype):
+        disk = 4 * numel + sum(s.nbytes for s in state)
+        pool = self.nvme_options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)
+        self._layout.plan(disk)
+        return {Resource.HOST: numel * 4 + pool, Resource.DISK: disk}  # landing buffers and the pool
+
+    def adopt(self, group, master, state):
+        numel = master.numel()
+        segments, offset = [], 0
+        for name, dtype, shape in (("master", torch.float32, (numel,)), *((s.name, s.dtype, s.shape) for s in state)):
+            segment = _Segment(name, offset, dtype, tuple(shape))
+            segments.append(segment)
+            offset += aligned(segment.nbytes)
+        extent_bytes = self.nvme_options.sub_group_size * 4
+        file = SwapFile(
+            self.run_dir.file(f"optimizer-{group.index:05d}.swap"),
+            offset,
+            extents_of([(s.offset, s.nbytes) for s in segments], extent_bytes),
+        )
+        self._check_pool_fits(group, file.nbytes)
+        file.preallocate(f"the optimizer state of group {group.name!r}")
+        slot = _SwapSlot(weakref.ref(group), group.name, file, segments)
+        self._swap[group.index] = slot
+        self._write_master(slot, master)
+        self._layout.advance(file.nbytes)
+        self._adopt_gradient(group, numel)  # (reads the initial ``group.master``)
+        group.master = None  # in memory only while the group steps
+        group.optim_state = {}
+
+    def _check_pool_fits(self, group, nbytes: int) -> None:
+        limit = self.nvme_options.buffer_bytes
+        if limit is not None and nbytes > limit:
+            raise ConfigError(
+                f"offload.optimizer_options.buffer_bytes = {limit} cannot hold group {group.name!r}: its master "
+                f"and optimizer state take {nbytes} bytes; raise buffer_bytes to at least {nbytes} (two or more "
+                "groups' worth lets reads, the step and writes overlap), or make groups smaller "
+                "(partitioner_options.bucket_size, or zero3)"
+            )
+
+    def _write_master(self, slot: _SwapSlot, master: torch.Tensor) -> None:
+        """Write the initial master into the file (the state extents stay unwritten: zeros)."""
+        segment = slot.segments[0]
+        image = aligned_empty(aligned(segment.nbytes), torch.uint8, pin=False)
+        image[: segment.nbytes].view(torch.float32).copy_(master.detach().reshape(-1))
+        image[segment.nbytes :].zero_()
+        try:
+            slot.file.write_now(self.io, image, kind=SpanKind.NVME_WRITE, label=slot.name, only=(0, image.numel()))
+        except OSError as error:
+            error.add_note(f"writing the initial master of group {slot.name!r} to its swap file")
+            raise
+
+    def _pool(self) -> PinnedArena:
+        if self._arena is None:
+            footprints = [s.footprint for s in self._swap.values()]
+            size = self.nvme_options.buffer_bytes or min(
+                sum(footprints), max(DEFAULT_BUFFER_BYTES, 2 * max(footprints, default=0))
+            )
+            self._arena = PinnedArena(size, pin=self._pin(), name="optimizer")
+        return self._arena
+
+    # -- the step: prepare (main/autograd thread), acquire and release (host worker) -------------
+
+    def prepare(self, group):
+        self._layout.finish()
+        self._raise_failures()  # [Note: write failures]: before any update of the next step
+        with self._cv:
+            self._pool()  # pinned here, on a thread bound to the device, not on the I/O reaper
+            self._enqueue(self._swap[group.index])
+            self._pump()
+
+    def _enqueue(self, slot: _SwapSlot) -> None:
+        """Queue ``slot`` for a block unless it has (or is getting) one for this step (``_cv`` held)."""
+        if slot.state is _State.READING:
+            slot.discard = False  # a skipped step's read, wanted again
+        elif slot.state in (_State.ON_DISK, _State.WRITING) and slot not in self._queue:
+            self._queue.append(slot)
+            if slot.state is _State.ON_DISK:
+                slot.state = _State.QUEUED
+
+    def _pump(self) -> None:
+        """Give queued groups room in the pool, strictly in step order, and start their reads (``_cv`` held)."""
+        while self._queue:
+            slot = self._queue[0]
+            if slot.state is _State.WRITING or slot.block is not None:
+                return  # its previous writes (or fence) are not done: its file is not current yet
+            block = self._pool().allocate(slot.footprint)
+            if block is None:
+                return
+            self._queue.popleft()
+            self._start_read(slot, block)
+
+    def _start_read(self, slot: _SwapSlot, block: Block) -> None:
+        slot.block, slot.state, slot.error, slot.discard = block, _State.READING, None, False
+        if slot.rescue is not None:  # [Note: write failures]: the newest state is in memory
+            slot.zeros = []
+            block.data[: slot.footprint].copy_(slot.rescue)
+            self._read_done(slot)
+            return
+        indices, slot.zeros = slot.file.plan_read()
+        slot.pending = len(indices)
+        if not indices:
+            self._read_done(slot)
+            return
+        for i in indices:
+            slot.file.read(self.io, i, block.data, kind=SpanKind.NVME_READ, label=slot.name,
+                           done=lambda f, slot=slot: self._on_read(slot, f))
+
+    def _on_read(self, slot: _SwapSlot, future: Future) -> None:
+        with self._cv:
+            error = future.exception()
+            if error is not None and slot.error is None:
+                error.add_note(f"reading the optimizer state of group {slot.name!r} from its swap file")
+                slot.error = error
+            slot.pending -= 1
+            if slot.pending == 0:
+                self._read_done(slot)
+
+    def _read_done(self, slot: _SwapSlot) -> None:
+        slot.state = _State.RESIDENT
+        if slot.discard:
+            self._free_block(slot)
+            slot.state = _State.ON_DISK
+            self._pump()
+        self._cv.notify_all()
+
+    def acquire(self, group):
+        with self._cv:
+            slot = self._swap[group.index]
+            if slot.state is _State.STEPPING:  # acquired again before its release (a step not taken)
+                super().acquire(group)
+                return
+            self._fence()
+            self._enqueue(slot)
+            while slot.state is not _State.RESIDENT:
+                self._pump()
+                self._cv.wait()
+            if slot.error is not None:
+                error, slot.error = slot.error, None
+                self._free_block(slot)
+                slot.state = _State.ON_DISK
+                self._pump()
+                raise error
+            slot.state = _State.STEPPING
+            block, zeros = slot.block, slot.zeros
+            slot.zeros = []
+        for extent in zeros:  # a state never written yet: its zeros are made here, not read
+            block.data[extent.offset : extent.offset + extent.nbytes].zero_()
+        group.master = block.view(torch.float32, 0, slot.segments[0].numel)
+        group.optim_state = {s.name: block.view(s.dtype, s.offset, s.numel).view(s.shape) for s in slot.segments[1:]}
+        super().acquire(group)  # the gradient, and a staging buffer for the update (reads ``group.master``)
+
+    def release(self, group):
+        with self._cv:
+            slot = self._swap[group.index]
+            slot.state = _State.WRITING
+            # Without a low-precision copy the params tier's commit reads the master from the block.
+            slot.fenced = group.copy_out is not None
+            slot.write_error = None
+            slot.pending = len(slot.file.extents)
+            for i in range(len(slot.file.extents)):
+                slot.file.write(self.io, i, slot.block.data, kind=SpanKind.NVME_WRITE, label=slot.name,
+                                done=lambda f, slot=slot: self._on_write(slot, f))
+        super().release(group)  # the staging buffer goes back once its upload is queued
+
+    def _on_write(self, slot: _SwapSlot, future: Future) -> None:
+        with self._cv:
+            error = future.exception()
+            if error is not None and slot.write_error is None:
+                slot.write_error = error
+            slot.pending -= 1
+            if slot.pending:
+                return
+            if slot.write_error is not None:
+                slot.rescue = slot.block.data[: slot.footprint].clone()  # [Note: write failures]
+                error = slot.write_error
+                error.add_note(
+                    f"writing the optimizer state of group {slot.name!r} to its swap file; the newest state is "
+                    "kept in host memory and written again at the group's next step"
+                )
+                self._failures.append(error)
+                log.error("zkernel.nvme.write_failed", group=slot.name, path=str(slot.file.path), error=str(error))
+            else:
+                slot.rescue = None
+            slot.state = _State.ON_DISK if slot not in self._queue else _State.QUEUED
+            if slot.fenced:
+                self._free_block(slot)
+            self._pump()
+            self._cv.notify_all()
+
+    def _fence(self) -> None:
+        """Called where every `commit` so far has returned (the host worker's next `acquire`, or once the
+        worker is idle): blocks that a commit may have read go back to the pool once their writes are
+        done ([Note: block reuse]; ``_cv`` held)."""
+        waiting = [s for s in self._swap.values() if not s.fenced]
+        if not waiting:
+            return
+        if self.cuda:
+            for stream in (self.streams.h2d, self.streams.d2h):
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    event.synchronize()
+        for slot in waiting:
+            slot.fenced = True
+            if slot.state is not _State.WRITING and slot.state is not _State.STEPPING:
+                self._free_block(slot)
+        self._pump()
+        self._cv.notify_all()
+
+    def _free_block(self, slot: _SwapSlot) -> None:
+        if slot.block is not None:
+            self._arena.free(slot.block)
+            slot.block = None
+        group = slot.group()
+        if group is not None:
+            group.master = None
+            group.optim_state = {}
+
+    def end_window(self, group):
+        super().end_window(group)
+        with self._cv:
+            slot = self._swap.get(group.index)
+            if slot is None:
+                return
+            # Prepared but not stepped (a skipped step): give the room back.
+            if slot.state is _State.QUEUED:
+                self._queue.remove(slot)
+                slot.state = _State.ON_DISK
+            elif slot.state is _State.READING:
+                slot.discard = True
+            elif slot.state is _State.RESIDENT:
+                self._free_block(slot)
+                slot.state = _State.ON_DISK
+            self._pump()
+
+    def _raise_failures(self) -> None:
+        with self._cv:
+            failures, self._failures = self._failures, []
+        if failures:
+            first = failures[0]
+            for other in failures[1:]:
+                first.add_note(f"also failed: {other}")
+            raise first
+
+    def after_first_step(self, order):
+        return None
+
+    # -- reading and replacing state outside a step (close, state dicts, checkpoints) -------------
+
+    def _current_image(self, slot: _SwapSlot, nbytes: int) -> torch.Tensor:
+        """A copy of the first ``nbytes`` of ``slot``'s newest file image: from its block while it has
+        one (resident, or written back and not returned yet), its rescue copy, or the file."""
+        image = aligned_empty(aligned(nbytes), torch.uint8, pin=False)
+        with self._cv:
+            while slot.state is _State.READING:
+                self._cv.wait()
+            if slot.block is not None:
+                image[:nbytes].copy_(slot.block.data[:nbytes])
+                return image
+            if slot.rescue is not None:
+                image[:nbytes].copy_(slot.rescue[:nbytes])
+                return image
+        try:
+            slot.file.read_now(self.io, image, kind=SpanKind.NVME_READ, label=slot.name, only=(0, image.numel()))
+        except (OSError, EOFError) as error:
+            error.add_note(f"reading the optimizer state of group {slot.name!r} from its swap file")
+            raise
+        return image
+
+    def read_master(self, group):
+        slot = self._swap[group.index]
+        master = slot.segments[0]
+        return self._current_image(slot, master.nbytes)[: master.nbytes].view(torch.float32)
+
+    def read_state(self, group):
+        slot = self._swap[group.index]
+        image = self._current_image(slot, slot.footprint)
+        views = {s.name: image[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slot.segments}
+        master = views.pop("master")
+        return ShardState(master=master, state=views)
+
+    def write_state(self, group, state):
+        slot = self._swap[group.index]
+        missing = sorted({s.name for s in slot.segments[1:]} - set(state.state))
+        unknown = sorted(set(state.state) - {s.name for s in slot.segments})
+        if missing or unknown:
+            raise ValueError(
+                f"optimizer state of group {slot.name!r}: the nvme tier keeps exactly the declared state "
+                f"{[s.name for s in slot.segments[1:]]}; missing {missing}, undeclared {unknown}"
+            )
+        self.io.wait_idle()  # no write of the old state in flight
+        with self._cv:
+            self._fence()
+            if slot.state is not _State.ON_DISK:  # prepared for a step that was not taken
+                self._free_block(slot)
+                if slot in self._queue:
+                    self._queue.remove(slot)
+                slot.state = _State.ON_DISK
+        image = aligned_empty(slot.footprint, torch.uint8, pin=False)
+        image.zero_()
+        for segment in slot.segments:
+            source = state.master if segment.name == "master" else state.state[segment.name]
+            image[segment.offset : segment.offset + segment.nbytes].view(segment.dtype).copy_(source.reshape(-1))
+        try:
+            slot.file.write_now(self.io, image, kind=SpanKind.NVME_WRITE, label=slot.name)
+        except OSError as error:
+            slot.rescue = image  # [Note: write failures]: the loaded state stays in memory
+            error.add_note(f"writing the loaded optimizer state of group {slot.name!r} to its swap file")
+            raise
+        slot.rescue = None
+
+    def wait_writes(self) -> None:
+        """Block until every swap-file write started so far is done (a group's writes start when its
+        step ends: wait for the engine's pending updates first, ``engine.pipeline.wait_all()``)."""
+        self.io.wait_idle()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.io.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.io.bytes_written
+
+    # -- shutdown and accounting -----------------------------------------------------------------
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._layout.finish()
+        try:
+            super().close()
+            self.io.wait_idle()
+            with self._cv:
+                self._fence()
+                for slot in self._swap.values():
+                    self._free_block(slot)
+                    group = slot.group()
+                    if group is not None:
+                        group.copy_out = None
+                        group.grad = None
+                self._queue.clear()
+        finally:
+            self.io.close()
+            if self._arena is not None:
+                self._arena.close()
+            self.run_dir.release()
+        self._failures.clear()  # logged when they happened; the files are gone now, the values were given back
+
+    @hookimpl
+    def zkernel_memory_tensors(self, group):
+        slot = self._swap.get(group.index)
+        landing = self._slots.get(group.index)
+        if slot is None or landing is None:
+            return None
+        path = str(slot.file.path)
+        stored = {s.name: StoredBytes("nvme", (path, s.name), s.nbytes) for s in slot.segments}
+        return {
+            "params": self._update_buffers(landing),
+            "grads": [landing.landing],
+            "master_weights": [stored["master"]],
+            "optimizer_state": [stored[s.name] for s in slot.segments[1:]],
+        }

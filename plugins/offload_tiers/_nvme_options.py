@@ -1,0 +1,49 @@
+"""Options of the ``nvme`` tier, one class per role (``offload.optimizer_options``, ``offload.params_options``)."""
+
+from __future__ import annotations
+
+import attrs
+
+from zkernel.aio import ALIGNMENT, DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
+from zkernel.config import OptionValidator, integer
+
+
+def _block_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= ALIGNMENT and value % ALIGNMENT == 0
+
+
+_BLOCK_SIZE = OptionValidator(_block_size, f"a positive multiple of {ALIGNMENT} (bytes)")
+
+
+@attrs.frozen(kw_only=True)
+class NvmeTierOptions:
+    """``offload.optimizer_options`` of the ``nvme`` tier."""
+
+    # Elements of one tensor per swap-file request: the unit of a read or write and of its CRC32C.
+    sub_group_size: int = attrs.field(default=1 << 24, validator=integer(minimum=1024))
+    # Bytes of page-locked host memory the step streams masters and state through; None: 2 GiB or
+    # twice the largest group's master and state, whichever is more, capped at all of them.
+    buffer_bytes: int | None = attrs.field(default=None, validator=integer(minimum=ALIGNMENT, optional=True))
+    # Page-lock the buffers (pool and gradient landing): None = where CUDA is available.
+    pin_memory: bool | None = None
+    # I/O threads (concurrent requests at the disk) and bytes per request chunk of the native engine.
+    aio_threads: int = attrs.field(default=DEFAULT_THREADS, validator=integer(minimum=1))
+    aio_block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=_BLOCK_SIZE)
+
+
+@attrs.frozen(kw_only=True)
+class NvmeParamsOptions:
+    """``offload.params_options`` of the ``nvme`` tier."""
+
+    # Bytes of parameters ahead of the running unit, in the traced order, to read from disk into
+    # host memory, and (nearer) to upload to the device (the nearest prefetch_bytes are gathered).
+    lookahead_host_bytes: int = attrs.field(default=2 << 30, validator=integer(minimum=0))
+    prefetch_device_bytes: int = attrs.field(default=512 << 20, validator=integer(minimum=0))
+    # Bytes of page-locked host memory for shards read ahead and updates written back; None: the
+    # host look-ahead plus four of the largest shard, capped at twice all shards together.
+    buffer_bytes: int | None = attrs.field(default=None, validator=integer(minimum=ALIGNMENT, optional=True))
+    # Elements per swap-file request: the unit of a read or write and of its CRC32C.
+    sub_group_size: int = attrs.field(default=1 << 25, validator=integer(minimum=2048))
+    pin_memory: bool | None = None
+    aio_threads: int = attrs.field(default=DEFAULT_THREADS, validator=integer(minimum=1))
+    aio_block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=_BLOCK_SIZE)

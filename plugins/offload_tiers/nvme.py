@@ -1,0 +1,35 @@
+"""Tier ``nvme``: optimizer state (fp32 masters and declared state) and parameter shards in swap files.
+
+The optimizer role is `NvmeTier` (``_nvme_optimizer``), the params role
+`NvmeParamsTier` (``_nvme_params``); both keep their files in one run
+directory per engine under ``offload.nvme_path`` (``_swap_dir``), move them
+through the native async I/O engine with a reaper thread (``_io_queue``),
+stage them in a bounded pool of page-locked blocks (``_arena``) and check
+every read against the CRC32C of what was written (``_swap_file``). Each role
+has its own options (``_nvme_options``).
+"""
+
+from __future__ import annotations
+
+from zkernel import hookimpl
+
+from ._nvme_optimizer import NvmeTier
+from ._nvme_options import NvmeParamsOptions, NvmeTierOptions
+from ._nvme_params import NvmeParamsTier
+
+__all__ = ["NvmeParamsOptions", "NvmeParamsTier", "NvmeTier", "NvmeTierOptions", "nvme_tier"]
+
+
+def nvme_tier(context, role: str):
+    return NvmeTier(context, role) if role == "optimizer" else NvmeParamsTier(context, role)
+
+
+@hookimpl
+def zkernel_register_offload_tiers(registry) -> None:
+    registry.add(
+        "nvme",
+        nvme_tier,
+        description="optimizer: fp32 masters and state in swap files under offload.nvme_path, streamed through the "
+        "CPU step with read-ahead and write-behind; params: shards in swap files, read ahead per stage",
+        options_cls={"optimizer": NvmeTierOptions, "params": NvmeParamsOptions},
+    )
