@@ -33,6 +33,7 @@ itself):
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -209,7 +210,12 @@ class _StatementRing:
 
 
 def _end_process(message: str) -> None:
-    print(f"zkernel: RankDivergenceError: {message}", file=sys.stderr, flush=True)
+    """The error was logged (ERROR reaches stderr even where logging is unconfigured); the
+    mismatched collective behind it cannot be cancelled, so the process ends without unwinding."""
+    for handler in (*logging.getLogger("zkernel").handlers, *logging.getLogger().handlers, logging.lastResort):
+        if handler is not None:
+            handler.flush()
+    sys.stderr.flush()
     os._exit(1)
 
 

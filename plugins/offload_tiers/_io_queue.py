@@ -137,3 +137,22 @@ class IoQueue:
             self._cv.notify_all()
         self._reaper.join()
         self._handle.close()
+
+
+class SwapFileTraffic:
+    """What both NVMe tiers report about their swap files' I/O (their ``io`` is an `IoQueue`)."""
+
+    io: IoQueue
+
+    def wait_writes(self) -> None:
+        """Block until every swap-file write started so far is done (a group's writes start when its
+        step ends: wait for the engine's pending updates first, ``engine.pipeline.wait_all()``)."""
+        self.io.wait_idle()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.io.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.io.bytes_written

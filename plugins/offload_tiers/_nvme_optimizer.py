@@ -88,7 +88,7 @@ from zkernel.tiers import Resource, ShardState, StoredBytes
 from zkernel.timeline import SpanKind
 
 from ._arena import Block, PinnedArena, aligned
-from ._io_queue import IoQueue
+from ._io_queue import IoQueue, SwapFileTraffic
 from ._nvme_options import NvmeTierOptions
 from ._progress import Preallocation
 from ._swap_dir import RunDirectory
@@ -153,7 +153,7 @@ class _SwapSlot:
         return self.file.nbytes
 
 
-class NvmeTier(CpuTier):
+class NvmeTier(SwapFileTraffic, CpuTier):
     """Masters and optimizer state in swap files, streamed through a bounded pinned pool for each step."""
 
     def __init__(self, context, role: str = "optimizer") -> None:
@@ -487,19 +487,6 @@ class NvmeTier(CpuTier):
             error.add_note(f"writing the loaded optimizer state of group {slot.name!r} to its swap file")
             raise
         slot.rescue = None
-
-    def wait_writes(self) -> None:
-        """Block until every swap-file write started so far is done (a group's writes start when its
-        step ends: wait for the engine's pending updates first, ``engine.pipeline.wait_all()``)."""
-        self.io.wait_idle()
-
-    @property
-    def bytes_read(self) -> int:
-        return self.io.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.io.bytes_written
 
     # -- shutdown and accounting -----------------------------------------------------------------
 

@@ -61,7 +61,7 @@ from zkernel.tiers import ParamsTier, Resource, StoredBytes
 from zkernel.timeline import SpanKind
 
 from ._arena import Block, PinnedArena, aligned
-from ._io_queue import IoQueue
+from ._io_queue import IoQueue, SwapFileTraffic
 from ._nvme_options import NvmeParamsOptions
 from ._progress import Preallocation
 from ._swap_dir import RunDirectory
@@ -109,7 +109,7 @@ class _ParamSlot:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-class NvmeParamsTier(ParamsTier):
+class NvmeParamsTier(SwapFileTraffic, ParamsTier):
     """Compute-dtype parameter shards in swap files, staged through a bounded pinned pool."""
 
     on_compute_device = False
@@ -503,19 +503,6 @@ class NvmeParamsTier(ParamsTier):
         self._write_image(slot, values)
 
     # -- shutdown and accounting --------------------------------------------------------------------------
-
-    def wait_writes(self) -> None:
-        """Block until every swap-file write started so far is done (a group's write starts when its
-        step ends: wait for the engine's pending updates first, ``engine.pipeline.wait_all()``)."""
-        self.io.wait_idle()
-
-    @property
-    def bytes_read(self) -> int:
-        return self.io.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.io.bytes_written
 
     def close(self):
         if self._closed:
