@@ -174,8 +174,8 @@ class _StatementRing:
         # the copy has run on whichever stream issued it. A device slot is rewritten _RING
         # statements later, long after the all-gather that read it (later gathers of the same
         # collective stream have been waited on by then).
-        source = torch.tensor(statement, dtype=torch.int64)
-        self.mine[slot].copy_(source.pin_memory() if self.cuda else source, non_blocking=True)
+        source = torch.tensor(statement, dtype=torch.int64, pin_memory=self.cuda)
+        self.mine[slot].copy_(source, non_blocking=True)
         _all_gather(self.gathered[slot].view(-1), self.mine[slot])
 
     def settle(self, timeout_s: float) -> bool:
