@@ -15,6 +15,7 @@ native = Pybind11Extension(
             "native/bindings.cpp",
             "native/cpu_adam.cpp",
             "native/crc32c.cpp",
+            "native/ring_watch.cpp",
             "native/thread_pool.cpp",
         ]
     ),

@@ -1,5 +1,5 @@
 // Thin pybind11 binding over the native kernels; see cpu_adam.h, crc32c.h,
-// aio.h and bandwidth.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
+// aio.h, bandwidth.h and ring_watch.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
 // lengths, so nothing here links against libtorch. Every call that touches
 // memory or files releases the GIL.
 #include <pybind11/pybind11.h>
@@ -13,6 +13,7 @@
 #include "bandwidth.h"
 #include "cpu_adam.h"
 #include "crc32c.h"
+#include "ring_watch.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -61,7 +62,7 @@ class AlignedBuffer {
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zkernel native core: CPU Adam, async file I/O, bandwidth probes";
-    m.def("abi_version", []() { return 3; });  // zkernel/native.py ABI_VERSION
+    m.def("abi_version", []() { return 4; });  // zkernel/native.py ABI_VERSION
 
     // -- thread pool -------------------------------------------------------
     m.def("pool_threads", &zk::pool_threads);
@@ -218,6 +219,40 @@ PYBIND11_MODULE(_native, m) {
             return py::buffer_info(b.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
                                    {static_cast<py::ssize_t>(b.nbytes())}, {static_cast<py::ssize_t>(1)});
         });
+
+    // -- rank-path ring watcher (zkernel/divergence.py) ---------------------
+    py::class_<zk::RingWatch>(m, "RingWatch")
+        .def(py::init([](std::uintptr_t rows, py::object /*owner*/, std::int64_t slots, std::int64_t world, double poll_s, double grace_s,
+                         std::vector<std::string> clauses, std::int64_t kinds, std::string head, std::string middle,
+                         std::string tail) {
+                 zk::RingText text{std::move(clauses), kinds, std::move(head), std::move(middle), std::move(tail)};
+                 return new zk::RingWatch(ptr<const std::int64_t>(rows), slots, world, poll_s, grace_s, std::move(text));
+             }),
+             // `owner` (the tensor whose memory `rows` is) lives as long as the watcher reads it.
+             py::arg("rows"), py::arg("owner"), py::arg("slots"), py::arg("world"), py::kw_only(), py::arg("poll_s"),
+             py::arg("grace_s"), py::arg("clauses"), py::arg("kinds"), py::arg("head"), py::arg("middle"),
+             py::arg("tail"), py::keep_alive<1, 3>())
+        .def(
+            "wait",
+            [](zk::RingWatch& w, double timeout_s) -> py::object {
+                std::optional<zk::RingFinding> f;
+                {
+                    py::gil_scoped_release no_gil;
+                    f = w.wait(timeout_s);
+                }
+                if (!f) return py::none();
+                return py::make_tuple(f->number, f->micro_step, f->rows);
+            },
+            py::arg("timeout_s") = -1.0)
+        .def(
+            "scan",
+            [](const zk::RingWatch& w) -> py::object {
+                auto f = w.scan();
+                if (!f) return py::none();
+                return py::make_tuple(f->number, f->micro_step, f->rows);
+            })
+        .def("acknowledge", &zk::RingWatch::acknowledge, release_gil())
+        .def("stop", &zk::RingWatch::stop, release_gil());
 
     m.def("preallocate_file", &zk::preallocate_file, py::arg("path"), py::arg("nbytes"), release_gil());
 }

@@ -155,3 +155,26 @@ def deferred_statements_then_close(diverge_at: int) -> str:
         check.before(groups[2 if (rank == 1 and n == diverge_at) else 0], "forward", micro_step=7)
     check.close()
     return said[0] if said else "no error"
+
+
+def deferred_statements_lock_held(diverge_at: int) -> str:
+    """Ranks diverge at statement ``diverge_at``, then the main thread holds the interpreter lock
+    (as a thread blocked inside a collective can) for 30 s: only the native watcher can report."""
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from zkernel.distributed import init_distributed
+    from zkernel.divergence import PathCheck
+
+    init_distributed()
+    rank, _ = _rank_world()
+    groups = [SimpleNamespace(index=i, name=f"layers.{i}") for i in range(3)]
+    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, grace_s=1.0, deferred=True)
+    for n in range(diverge_at + 1):
+        check.before(groups[2 if (rank == 1 and n == diverge_at) else 0], "forward", micro_step=5)
+    sys.setswitchinterval(60.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pass
+    return "no error"

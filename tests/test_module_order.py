@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.branch_scenarios import deferred_statements, deferred_statements_then_close, diverge, reference_branching, train_branching
-from tests.harness import run_ranks
+from tests.harness import _free_port, run_ranks
 
 STEPS, LR = 6, 2e-2
 
@@ -72,3 +75,21 @@ def test_deferred_path_check_names_the_divergence_and_tolerates_agreement():
     # Diverged into units of equal sizes and ended before the watchdog looked: close still says so.
     for text in run_ranks(2, deferred_statements_then_close, 40, timeout=120):
         assert "micro-step 7: rank 0 was about to gather for forward 'layers.0', rank 1 was about to gather for forward 'layers.2'" in text, text
+
+
+def test_deferred_path_check_reports_while_a_thread_holds_the_interpreter_lock():
+    """A rank hung in a collective may hold the lock; the native watcher then reports and ends it."""
+    code = "import sys; from tests.branch_scenarios import deferred_statements_lock_held as f; print(f(12))"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+         "--no-python", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "no error" not in proc.stdout
+    assert "written by the native watchdog" in proc.stderr, proc.stderr[-3000:]
+    expected = ("ranks took different module paths in micro-step 5: rank 0 was about to gather for forward "
+                "'layers.0', rank 1 was about to gather for forward 'layers.2'")
+    assert expected in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 25  # not the 30 s the lock was held

@@ -142,3 +142,24 @@ class AlignedBuffer:
     on_free: Callable[[], object] | None
 
 def preallocate_file(path: str, nbytes: int) -> int: ...
+
+class RingWatch:
+    def __init__(
+        self,
+        rows: int,
+        owner: object,
+        slots: int,
+        world: int,
+        *,
+        poll_s: float,
+        grace_s: float,
+        clauses: list[str],
+        kinds: int,
+        head: str,
+        middle: str,
+        tail: str,
+    ) -> None: ...
+    def wait(self, timeout_s: float = -1.0) -> tuple[int, int, list[list[int]]] | None: ...
+    def scan(self) -> tuple[int, int, list[list[int]]] | None: ...
+    def acknowledge(self) -> None: ...
+    def stop(self) -> None: ...

@@ -19,16 +19,23 @@ itself):
   collective is issued.
 * NCCL: reading it at once would synchronise the host with the GPU at every
   gather. Each statement goes instead from page-locked memory to a device ring
-  (one asynchronous copy) and is all-gathered into a second device ring; no
-  comparison runs on the device and the host never waits. A watchdog thread
-  copies the gathered ring to the host every ``poll_s`` and compares it there:
-  a statement that every rank has written (equal statement numbers) naming
-  different groups, seen in two polls in a row (a poll may read a row that
-  NCCL is still writing), is logged with the same message and the process
-  ends (the mismatched collective behind it would hang until NCCL's own
-  watchdog kills the job after ``collective_timeout``, with a message that
-  names no module). Cost per gather or reduction: one 24-byte copy and one
-  24-byte all-gather, queued on the stream that issues the collective.
+  (one asynchronous copy), is all-gathered into a second device ring, and the
+  gathered row is copied back (asynchronously, on the stream that issued the
+  collective) into a page-locked mirror; no comparison runs on the device and
+  the host never waits. A native thread (``zkernel._native.RingWatch``) reads
+  the mirror every ``poll_s``: a statement that every rank has written (equal
+  statement numbers) naming different groups, seen in two polls in a row (a
+  poll may read a row that is still being written), is handed to a Python
+  thread that logs it and ends the process (the mismatched collective behind
+  it would hang until NCCL's own watchdog kills the job after
+  ``collective_timeout``, with a message that names no module). The watcher
+  needs neither the interpreter lock nor the CUDA driver: a rank hung in a
+  collective may be holding the lock inside a blocking call (measured on two
+  H200s: a Python watchdog that copied the ring itself never ran again), so if
+  no Python thread has reported within ``grace_s`` the native thread writes the
+  same message to stderr and ends the process itself. Cost per gather or
+  reduction: two 32-byte copies and one 32-byte all-gather, queued on the
+  stream that issues the collective.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from zkernel import native
 from zkernel.groups import ParamGroup
 from zkernel.log import get_logger
 
@@ -61,8 +69,8 @@ class RankDivergenceError(RuntimeError):
 class PathCheck:
     """Every rank states the group of its next collective; disagreement is an error (see the Note).
 
-    ``deferred`` (default: on NCCL) selects the ring-and-watchdog check; ``on_divergence``
-    (default: end the process) receives the watchdog's message.
+    ``deferred`` (default: on NCCL) selects the ring-and-watcher check; ``on_divergence``
+    (default: end the process) receives the watcher's message.
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class PathCheck:
         poll_s: float = 0.5,
         deferred: bool | None = None,
         on_divergence: Callable[[str], None] | None = None,
+        grace_s: float = 2.0,
     ) -> None:
         self.enabled = enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._names = {g.index: g.name for g in groups}
@@ -85,98 +94,114 @@ class PathCheck:
         if self.deferred:
             self._ring = _StatementRing(self.world, device if dist.get_backend() == "nccl" else torch.device("cpu"))
             self._on_divergence = on_divergence or _end_process
+            self._report_lock = threading.Lock()
             self._reported = False
-            self._stop = threading.Event()
-            self._watchdog = threading.Thread(target=self._watch, args=(poll_s,), name="zkernel-paths", daemon=True)
-            self._watchdog.start()
+            self._closed = False
+            count = max(self._names, default=-1) + 1
+            self._watch = native.load().RingWatch(
+                self._ring.host.data_ptr(), self._ring.host, _RING, self.world, poll_s=poll_s, grace_s=grace_s,
+                clauses=[self._clause(index, kind) for index in range(count) for kind in range(len(_KINDS))],
+                kinds=len(_KINDS), head=_HEAD, middle=_MIDDLE, tail=_TAIL,
+            )
+            self._reporter = threading.Thread(target=self._report_when_found, name="zkernel-paths", daemon=True)
+            self._reporter.start()
 
     def before(self, group: ParamGroup, kind: str, micro_step: int) -> None:
         """Called by every rank right before it issues a collective for ``group`` (``kind``)."""
         if not self.enabled:
             return
         self.micro_step = micro_step
-        number = self.count
+        statement = (self.count, group.index, _KINDS.index(kind), micro_step)
         self.count += 1
-        statement = (number, group.index, _KINDS.index(kind))
         if self.deferred:
-            self._ring.state(statement, micro_step)
+            self._ring.state(statement)
             return
-        gathered = torch.empty(self.world * 3, dtype=torch.int64)
+        gathered = torch.empty(self.world * _COLS, dtype=torch.int64)
         _all_gather(gathered, torch.tensor(statement, dtype=torch.int64))
-        rows = gathered.view(self.world, 3).tolist()
-        if any(r != rows[0] for r in rows):
+        rows = gathered.view(self.world, _COLS).tolist()
+        if any(r[1:3] != rows[0][1:3] for r in rows):
             raise RankDivergenceError(self._message(rows, micro_step))
 
+    def _clause(self, index: int, kind: int) -> str:
+        if index not in self._names or not 0 <= kind < len(_KINDS):
+            return f"move group {index}"
+        return f"{_verb(_KINDS[kind])} {self._names[index]!r}"
+
     def _message(self, rows: list[list[int]], micro_step: int) -> str:
-        said = ", ".join(
-            f"rank {r} was about to {_verb(_KINDS[kind])} {self._names.get(index, f'group {index}')!r}"
-            for r, (_, index, kind) in enumerate(rows)
-        )
-        return (
-            f"ranks took different module paths in micro-step {micro_step}: {said}. Every rank must run the "
-            "same modules in the same order (a data-dependent branch must take the same path on every rank)"
-        )
+        said = ", ".join(f"rank {r} was about to {self._clause(row[1], row[2])}" for r, row in enumerate(rows))
+        return f"{_HEAD}{micro_step}{_MIDDLE}{said}{_TAIL}"
 
-    def _watch(self, poll_s: float) -> None:
-        suspects: set[int] = set()
-        while not self._stop.wait(poll_s):
-            found = self._ring.disagreements()
-            confirmed = sorted(n for n in found if n in suspects)
-            suspects = set(found)
-            if confirmed:
-                self._report(found[confirmed[0]])
+    def _report_when_found(self) -> None:
+        found = self._watch.wait()
+        if found is not None:
+            self._report(found)
+
+    def _report(self, found: tuple[int, int, list[list[int]]]) -> None:
+        with self._report_lock:
+            if self._reported:
                 return
-
-    def _report(self, found: tuple[list[list[int]], int]) -> None:
-        if self._reported:
-            return
-        self._reported = True
-        message = self._message(*found)
+            self._reported = True
+        _, micro_step, rows = found
+        message = self._message(rows, micro_step)
         log.error("zkernel.ranks.diverged", message=message)
+        self._watch.acknowledge()
         self._on_divergence(message)
 
     def close(self) -> None:
-        """Stop the watchdog after a last look at the ring: ranks that diverged into units of equal
+        """Stop the watcher after a last look at the ring: ranks that diverged into units of equal
         sizes get through their collectives, and a job that ends soon after must not end quietly."""
-        if not (self.enabled and self.deferred) or self._stop.is_set():
+        if not (self.enabled and self.deferred) or self._closed:
             return
-        self._stop.set()
-        if self._watchdog is not threading.current_thread():
-            self._watchdog.join(timeout=5)
-        if not self._reported and self._ring.settle(timeout_s=10.0):
-            found = self._ring.disagreements()
-            if found:
-                self._report(found[min(found)])
+        self._closed = True
+        if self._ring.settle(timeout_s=10.0):
+            found = self._watch.scan()
+            if found is not None:
+                self._report(found)
+        self._watch.stop()
+        if self._reporter is not threading.current_thread():
+            self._reporter.join(timeout=5)
 
 
-_RING = 1024  # statements the watchdog can see
+_RING = 1024  # statements the watcher can see
+_COLS = 4  # statement number, group index, kind, micro-step (compared: group index and kind)
+_HEAD = "ranks took different module paths in micro-step "
+_MIDDLE = ": "
+_TAIL = (
+    ". Every rank must run the same modules in the same order (a data-dependent branch must take the same path "
+    "on every rank)"
+)
 
 
 class _StatementRing:
-    """Statements as issued (page-locked), on the device, and as gathered from every rank.
+    """Statements as issued (page-locked), on the device, as gathered from every rank, and the host
+    rows the watcher reads (the gathered ring itself on the CPU, its page-locked mirror with CUDA).
 
-    ``state`` is called by the training thread, ``disagreements`` by the watchdog.
+    ``state`` is called by the training thread only.
     """
 
     def __init__(self, world: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self.cuda = cuda
-        self.mine = torch.zeros(_RING, 3, dtype=torch.int64, device=device)
-        self.gathered = torch.full((_RING, world, 3), -1, dtype=torch.int64, device=device)
-        self._read = torch.empty(_RING, world, 3, dtype=torch.int64, pin_memory=cuda)
-        self._micro_steps = [0] * _RING
-        self._stream = torch.cuda.Stream(device) if cuda else None
+        self.cuda = device.type == "cuda"
+        self.mine = torch.zeros(_RING, _COLS, dtype=torch.int64, device=device)
+        self.gathered = torch.full((_RING, world, _COLS), -1, dtype=torch.int64, device=device)
+        self.host = (
+            torch.full((_RING, world, _COLS), -1, dtype=torch.int64, pin_memory=True) if self.cuda else self.gathered
+        )
 
-    def state(self, statement: tuple[int, int, int], micro_step: int) -> None:
+    def state(self, statement: tuple[int, int, int, int]) -> None:
         slot = statement[0] % _RING
-        self._micro_steps[slot] = micro_step
+        if not self.cuda:
+            self.mine[slot] = torch.tensor(statement, dtype=torch.int64)
+            _all_gather(self.gathered[slot].view(-1), self.mine[slot])
+            return
         # A page-locked source from torch's caching host allocator, which keeps the block until
         # the copy has run on whichever stream issued it. A device slot is rewritten _RING
         # statements later, long after the all-gather that read it (later gathers of the same
-        # collective stream have been waited on by then).
-        source = torch.tensor(statement, dtype=torch.int64, pin_memory=self.cuda)
+        # collective stream have been waited on by then). The mirror's copy is queued after the
+        # wait for the all-gather, so it runs even when the next collective never finishes.
+        source = torch.tensor(statement, dtype=torch.int64, pin_memory=True)
         self.mine[slot].copy_(source, non_blocking=True)
         _all_gather(self.gathered[slot].view(-1), self.mine[slot])
+        self.host[slot].copy_(self.gathered[slot], non_blocking=True)
 
     def settle(self, timeout_s: float) -> bool:
         """Wait (bounded: a hung collective must not hang the exit) until what was issued so far ran."""
@@ -190,23 +215,6 @@ class _StatementRing:
                 return False
             time.sleep(0.005)
         return True
-
-    def disagreements(self) -> dict[int, tuple[list[list[int]], int]]:
-        """Statement number -> (every rank's statement, micro-step) where complete rows disagree."""
-        if self.cuda:
-            with torch.cuda.stream(self._stream):
-                self._read.copy_(self.gathered, non_blocking=True)
-                self._stream.synchronize()
-        else:
-            self._read.copy_(self.gathered)
-        rows = self._read.numpy()
-        numbers = rows[:, :, 0]
-        complete = (numbers[:, 0] >= 0) & (numbers == numbers[:, :1]).all(axis=1)
-        differs = (rows[:, :, 1:] != rows[:, :1, 1:]).any(axis=(1, 2))
-        return {
-            int(rows[slot, 0, 0]): (rows[slot].tolist(), self._micro_steps[slot])
-            for slot in (complete & differs).nonzero()[0]
-        }
 
 
 def _end_process(message: str) -> None:

@@ -51,7 +51,7 @@ BUILD_HINT = (
 
 # The extension's abi_version() this module was written against; bumped when
 # native/bindings.cpp gains or changes functions, so a stale build is named as such.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class NativeExtensionError(ImportError):

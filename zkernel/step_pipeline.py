@@ -178,7 +178,8 @@ class StepPipeline:
             # takes part for the others, and its host does not wait for the result.
             return
         work.wait()
-        self._unused = {g.index for g, used in zip(self.trainable, flags.tolist()) if not used}
+        # .cpu() waits for the device with the interpreter lock released (the path watcher's reporter needs it).
+        self._unused = {g.index for g, used in zip(self.trainable, flags.cpu().tolist()) if not used}
 
     def _global_norm(self) -> float:
         sharded = [g for g in self.trainable if g.grad_is_shard]
