@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from zkernel.aio import ALIGNMENT, DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
-from zkernel.config import OptionValidator, integer
+from zkernel.config import ConfigError, OptionValidator, integer, number
 
 
 def _block_size(value) -> bool:
@@ -13,6 +13,8 @@ def _block_size(value) -> bool:
 
 
 _BLOCK_SIZE = OptionValidator(_block_size, f"a positive multiple of {ALIGNMENT} (bytes)")
+_SHARE = OptionValidator(lambda v: number(minimum=0.0).test(v) and v <= 1.0, "a number in [0, 1] (a fraction of the trainable elements)")
+
 
 
 @attrs.frozen(kw_only=True)
@@ -29,6 +31,18 @@ class NvmeTierOptions:
     # I/O threads (concurrent requests at the disk) and bytes per request chunk of the native engine.
     aio_threads: int = attrs.field(default=DEFAULT_THREADS, validator=integer(minimum=1))
     aio_block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=_BLOCK_SIZE)
+    # Fractions of the trainable elements whose optimizer is not on disk ([Note: spill]): the first
+    # ``gpu_share`` in module order (the next forward's order) on the GPU (master, state and fp32
+    # gradient; CUDA only), the next ``host_share`` with master and state in host memory.
+    gpu_share: float = attrs.field(default=0.0, validator=_SHARE)
+    host_share: float = attrs.field(default=0.0, validator=_SHARE)
+
+    def __attrs_post_init__(self) -> None:
+        if self.gpu_share + self.host_share > 1.0:
+            raise ConfigError(
+                f"offload.optimizer_options: gpu_share ({self.gpu_share}) + host_share ({self.host_share}) is more "
+                "than 1; they are fractions of the trainable elements, and what is left is on disk"
+            )
 
 
 @attrs.frozen(kw_only=True)
