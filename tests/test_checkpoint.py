@@ -63,7 +63,9 @@ EXACT = {
     "zero2-nvme": config("zero2", "nvme"),
     "zero3-nvme-both": config("zero3", "nvme", "nvme", optimizer={"name": "cpu_adam", "lr": LR, "weight_decay": WD}),
     "zero3-cpu-params-nvme": config("zero3", "cpu", "nvme"),
+    "zero3-nvme-spill": config("zero3", "nvme", "cpu"),
 }
+EXACT["zero3-nvme-spill"]["offload"]["optimizer_options"] = {"host_share": 0.5}  # half in host memory, half on disk
 # Saved on 2 ranks without dropout, resumed elsewhere and compared with plain torch.
 SOURCES = {"zero2": config("zero2"), "zero3": config("zero3"), "zero1": config("zero1"), "zero2-cpu": config("zero2", "cpu")}
 

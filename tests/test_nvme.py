@@ -99,6 +99,25 @@ def test_params_on_host_beside_the_nvme_optimizer_match_torch(tmp_path):
     assert set(result["memory"]["params"]) == {"cpu"} and set(result["memory"]["master_weights"]) == {"nvme"}
 
 
+def test_spill_over_host_memory_and_disk_matches_torch(tmp_path):
+    """host_share keeps the first groups' master and state in host memory and the rest in swap files:
+    loss for loss like torch, with the bytes where the shares say (a share of 1 leaves no file)."""
+    for stage, optimizer in (("zero2", "adamw"), ("zero3", "cpu_adam")):
+        for share in (0.5, 1.0):
+            cfg = optimizer_on_nvme(stage, optimizer, tmp_path, host_share=share)
+            result = train(cfg, STEPS, ACCUM, MICRO, SEED)
+            assert_matches(result["losses"], reference(1), f"{stage} {optimizer} host_share {share}")
+            masters = result["memory"]["master_weights"]
+            if share == 1.0:
+                assert set(masters) == {"cpu"}, masters
+                continue
+            assert set(masters) == {"cpu", "nvme"}, masters
+            total = masters["cpu"] + masters["nvme"]
+            assert 0.2 * total <= masters["cpu"] <= 0.5 * total, masters  # greedy: at most the share
+            assert set(result["memory"]["optimizer_state"]) == {"cpu", "nvme"}
+    assert not _runs(tmp_path)
+
+
 def test_branches_an_eval_pass_and_a_failing_forward_with_both_roles_on_nvme(tmp_path):
     """Issue 8 on the disk tiers: the module order changes every step, an evaluation forward (no grad,
     another batch size, another branch) runs first and one forward raises: loss for loss like torch,
@@ -188,6 +207,9 @@ def test_nvme_on_two_ranks_matches_torch(tmp_path):
     optimizer tier, on two gloo ranks sharing one nvme_path."""
     configs = [optimizer_on_nvme(s, o, tmp_path) for s in STAGES for o in OPTIMIZERS]
     configs += [params_on_nvme(t, o, tmp_path) for t, o in PARAM_COMBOS] + [params_on_host("adamw", tmp_path)]
+    spill = params_on_host("cpu_adam", tmp_path)
+    spill["offload"]["optimizer_options"]["host_share"] = 0.4
+    configs.append(spill)
     results = run_ranks(2, train_many, configs, STEPS, ACCUM, MICRO, SEED)
     for rank_results in results:
         for cfg, result in zip(configs, rank_results):
@@ -497,6 +519,22 @@ def test_cuda_nvme_tiers_match_torch(optimizer_tier, params_tier, tmp_path):
             for i, (a, b) in enumerate(zip(result["losses"], expected)):
                 assert abs(a - b) <= 2e-5 * abs(b), f"{stage} {optimizer_tier}/{params_tier} prefetch {prefetch} step {i}: {a} vs {b}"
             assert "nvme" in {*result["memory"]["master_weights"], *result["memory"]["params"]}
+    assert not _runs(tmp_path)
+
+
+@pytest.mark.cuda
+def test_cuda_spill_over_gpu_host_and_disk_matches_torch(tmp_path):
+    """gpu_share and host_share: the optimizer across the GPU, host memory and swap files, against torch."""
+    from tests import test_cuda
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = _cuda_config("zero3", "nvme", "cpu", tmp_path)
+    cfg["offload"]["optimizer_options"] = {"gpu_share": 0.3, "host_share": 0.4}
+    result = train(cfg, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)
+    for i, (a, b) in enumerate(zip(result["losses"], test_cuda._reference(1))):
+        assert abs(a - b) <= 2e-5 * abs(b), f"step {i}: {a} vs {b}"
+    where = {device.split(":")[0] for device in result["memory"]["master_weights"]}
+    assert where == {"cuda", "cpu", "nvme"}, result["memory"]["master_weights"]
     assert not _runs(tmp_path)
 
 

@@ -37,6 +37,19 @@ is declined (``speculate = "never"``): its state is written back at
 window would move every group's state twice. `acquire` is idempotent while a
 group steps (the pipeline acquires again when it leaves a step untaken).
 
+[Note: spill] A box's capacity is its GPU, host memory and disk together: the
+optimizer of a model that fits in none of them alone may fit across all
+three. ``gpu_share`` and ``host_share`` split the trainable elements in module
+order (the next forward's order), group by group: the first ``gpu_share`` keep
+master, state and gradient on the GPU and step there (the cpu tier's [Note: GPU
+share], placed at `adopt`), the next ``host_share`` keep master and state in
+host memory and step on the host like the cpu tier's groups, and the rest,
+the last layers, live in swap files. That order is also the fast one: the
+step runs in the next forward's order, so the pool reads the first disk
+groups while the GPU and host groups step, and the disk groups, which the
+next forward needs last, are written back behind it. Only the disk part
+crosses the disk.
+
 Outside a step, `read_master` / `read_state` (close, state dicts,
 checkpoints) read the newest image (the group's block while it has one, the
 rescue copy, else the file, checked as every read), and `write_state` (a
@@ -158,9 +171,11 @@ class NvmeTier(SwapFileTraffic, CpuTier):
 
     def __init__(self, context, role: str = "optimizer") -> None:
         options = context.options or NvmeTierOptions()
-        # The gradient side is the cpu tier's, without its GPU share and without speculation
-        # (a speculative step on disk-backed state would be written back before it is known).
-        super().__init__(attrs.evolve(context, options=CpuTierOptions(pin_memory=options.pin_memory, speculate="never")))
+        # The gradient side is the cpu tier's, without speculation (a speculative step on
+        # disk-backed state would be written back before it is known); its numeric GPU share is
+        # this tier's too ([Note: spill]).
+        cpu_options = CpuTierOptions(pin_memory=options.pin_memory, speculate="never", gpu_share=options.gpu_share)
+        super().__init__(attrs.evolve(context, options=cpu_options))
         self.nvme_options = options
         self.nvme_path = context.config.offload.nvme_path
         self.run_dir = RunDirectory.acquire(self.nvme_path, context.host_worker)
@@ -174,17 +189,32 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         self._failures: list[BaseException] = []
         self._layout = Preallocation("optimizer state")
         self._closed = False
+        self.host_share_numel = 0
+        self._placement_logged = False
 
     # -- placement ------------------------------------------------------------------------------
 
     def demand(self, numel, state, compute_dtype):
-        disk = 4 * numel + sum(s.nbytes for s in state)
-        pool = self.nvme_options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)
+        self._planned_numel = numel
+        gpu, host = self._adopt_time_share(), self.nvme_options.host_share
+        image = 4 * numel + sum(s.nbytes for s in state)  # master and state of every group
+        disk = int(image * max(0.0, 1.0 - gpu - host))
+        pool = (self.nvme_options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)) if disk else 0
         self._layout.plan(disk)
-        return {Resource.HOST: numel * 4 + pool, Resource.DISK: disk}  # landing buffers and the pool
+        need = {Resource.HOST: int(numel * (1 - gpu)) * 4 + int(image * host) + pool, Resource.DISK: disk}
+        if gpu:
+            need[Resource.DEVICE] = int(numel * gpu) * 16  # master, two moments and the gradient
+        return need
 
     def adopt(self, group, master, state):
         numel = master.numel()
+        if self._takes_gpu_share(group, numel):
+            self._adopt_on_device(group, master, state)
+            return
+        if numel <= int(self.nvme_options.host_share * self._planned_numel) - self.host_share_numel:
+            self.host_share_numel += numel
+            self._adopt_on_host(group, master, state)
+            return
         segments, offset = [], 0
         for name, dtype, shape in (("master", torch.float32, (numel,)), *((s.name, s.dtype, s.shape) for s in state)):
             segment = _Segment(name, offset, dtype, tuple(shape))
@@ -242,6 +272,17 @@ class NvmeTier(SwapFileTraffic, CpuTier):
     def prepare(self, group):
         self._layout.finish()
         self._raise_failures()  # [Note: write failures]: before any update of the next step
+        if not self._placement_logged:
+            self._placement_logged = True
+            log.info(
+                "zkernel.nvme_tier.placement",
+                gpu_numel=self.gpu_share_numel,
+                host_numel=self.host_share_numel,
+                disk_numel=sum(s.segments[0].numel for s in self._swap.values()),
+                disk_bytes=sum(s.footprint for s in self._swap.values()),
+            )
+        if group.index not in self._swap:
+            return
         with self._cv:
             self._pool()  # pinned here, on a thread bound to the device, not on the I/O reaper
             self._enqueue(self._swap[group.index])
@@ -303,6 +344,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         self._cv.notify_all()
 
     def acquire(self, group):
+        if group.index not in self._swap:
+            super().acquire(group)
+            return
         with self._cv:
             slot = self._swap[group.index]
             if slot.state is _State.STEPPING:  # acquired again before its release (a step not taken)
@@ -329,6 +373,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         super().acquire(group)  # the gradient, and a staging buffer for the update (reads ``group.master``)
 
     def release(self, group):
+        if group.index not in self._swap:
+            super().release(group)
+            return
         with self._cv:
             slot = self._swap[group.index]
             slot.state = _State.WRITING
@@ -447,11 +494,15 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         return image
 
     def read_master(self, group):
+        if group.index not in self._swap:
+            return super().read_master(group)
         slot = self._swap[group.index]
         master = slot.segments[0]
         return self._current_image(slot, master.nbytes)[: master.nbytes].view(torch.float32)
 
     def read_state(self, group):
+        if group.index not in self._swap:
+            return super().read_state(group)
         slot = self._swap[group.index]
         image = self._current_image(slot, slot.footprint)
         views = {s.name: image[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slot.segments}
@@ -459,6 +510,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         return ShardState(master=master, state=views)
 
     def write_state(self, group, state):
+        if group.index not in self._swap:
+            super().write_state(group, state)
+            return
         slot = self._swap[group.index]
         missing = sorted({s.name for s in slot.segments[1:]} - set(state.state))
         unknown = sorted(set(state.state) - {s.name for s in slot.segments})
@@ -518,7 +572,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
     def zkernel_memory_tensors(self, group):
         slot = self._swap.get(group.index)
         landing = self._slots.get(group.index)
-        if slot is None or landing is None:
+        if slot is None:
+            return super().zkernel_memory_tensors(group)
+        if landing is None:
             return None
         path = str(slot.file.path)
         stored = {s.name: StoredBytes("nvme", (path, s.name), s.nbytes) for s in slot.segments}

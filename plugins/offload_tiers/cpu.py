@@ -160,16 +160,25 @@ class CpuTier(OptimizerTier):
         return share if self.cuda and share != "auto" else 0.0
 
     def adopt(self, group, master, state):
-        numel = master.numel()
+        if self._takes_gpu_share(group, master.numel()):
+            self._adopt_on_device(group, master, state)
+        else:
+            self._adopt_on_host(group, master, state)
+
+    def _takes_gpu_share(self, group, numel: int) -> bool:
+        """Module-bound groups come in module order, the next forward's order: the first ones
+        within a numeric share stay on the GPU from the start, so their host buffers never exist."""
         budget = int(self._adopt_time_share() * self._planned_numel)
-        if group.module is not None and numel <= budget - self.gpu_share_numel:
-            # Module-bound groups come in module order, the next forward's order: the first ones
-            # stay on the GPU from the start, so their host buffers never exist.
-            self._device_tier.adopt(group, master, state)
-            self._slots[group.index] = _Slot(landing=torch.empty(0), on_device=True)
-            self._state[group.index] = tuple(state)
-            self.gpu_share_numel += numel
-            return
+        return group.module is not None and numel <= budget - self.gpu_share_numel
+
+    def _adopt_on_device(self, group, master, state) -> None:
+        self._device_tier.adopt(group, master, state)
+        self._slots[group.index] = _Slot(landing=torch.empty(0), on_device=True)
+        self._state[group.index] = tuple(state)
+        self.gpu_share_numel += master.numel()
+
+    def _adopt_on_host(self, group, master, state) -> None:
+        numel = master.numel()
         host_master = host_empty(numel, torch.float32, pin=self._pin())
         host_master.copy_(master)
         group.master = host_master
