@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import zkernel
 from tests.harness import run_ranks
@@ -230,3 +231,127 @@ def test_cli_tabulates_every_partitioner_and_marks_what_fits(capsys, restore_zke
     with pytest.raises(SystemExit):
         main(["estimate", *shape, "--gpu-memory", "lots"])
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+# -- the optimizer spill: gpu_share / host_share ([Note: optimizer spill]) ----------------------
+
+STEP = 4  # bytes of Adam's step counter, one per trainable group
+
+
+def linears(*shapes: tuple[int, int]) -> nn.Module:
+    """Bias-free Linear layers of the given (in, out) shapes on the meta device: one group each under
+    zero3 with persistence_threshold 0, and one bucket each under zero1 with a bucket per layer."""
+    with torch.device("meta"):
+        return nn.Sequential(*(nn.Linear(i, o, bias=False) for i, o in shapes))
+
+
+def spill_config(partitioner: str, tier: str, precision: str = "bf16", **shares) -> dict:
+    options = {"persistence_threshold": 0} if partitioner == "zero3" else {"bucket_size": 1}
+    return {
+        "partitioner": partitioner,
+        "precision": precision,
+        "partitioner_options": options,
+        "offload": {"optimizer": tier, "nvme_path": "/nowhere", "optimizer_options": shares},
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvme_spill_bytes_follow_the_split(world):
+    """Ten groups of n elements per rank: gpu_share 0.3 keeps the first 3 on the GPU (master, two
+    moments, gradient), host_share 0.4 the next 4 in host memory, the last 3 are in swap files."""
+    model = linears(*[(64, 64)] * 10)
+    n = 64 * 64 // world
+    cfg = spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4)
+    got = totals(zkernel.estimate(model, cfg, world, device="cuda"))
+    gpu, host, disk = 3, 4, 3
+    # bf16 shards of every group stay on the device (parameters are not offloaded).
+    device = 10 * 2 * n + gpu * (4 * n + 8 * n + STEP + 4 * n)
+    # Host-kept groups: master, moments, fp32 landing buffer, bf16 copy of the update; the disk
+    # groups keep only their landing buffer and update copy in host memory.
+    cpu = host * (4 * n + 8 * n + STEP + 4 * n + 2 * n) + disk * (4 * n + 2 * n)
+    nvme = disk * (4 * n + 8 * n + STEP)
+    assert got == {"cuda": device, "cpu": cpu, "nvme": nvme}
+    # Without any fraction: every group's master and moments are on disk (the tier as it was).
+    plain = totals(zkernel.estimate(model, spill_config("zero3", "nvme"), world, device="cuda"))
+    assert plain == {"cuda": 10 * 2 * n, "cpu": 10 * 6 * n, "nvme": 10 * (12 * n + STEP)}
+
+
+def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():
+    """On a CPU compute device the tier ignores gpu_share; host_share still takes the first groups
+    (their updates are written straight into the parameters there: no copy)."""
+    model = linears(*[(64, 64)] * 10)
+    n = 64 * 64
+    got = totals(zkernel.estimate(model, spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4), 1, device="cpu"))
+    assert got == {"cpu": 10 * 2 * n + 4 * (16 * n + STEP) + 6 * 4 * n, "nvme": 6 * (12 * n + STEP)}
+
+
+@pytest.mark.parametrize(("partitioner", "tier"), [("zero1", "nvme"), ("zero3", "nvme"), ("zero3", "cpu")])
+def test_the_spill_takes_groups_in_module_order(partitioner, tier):
+    """Groups of 2n, 2n and n elements (zero1 builds its buckets from the last layer): a budget of
+    0.4 x 5n = 2n elements holds the first layer; taken from the last, it would hold n only."""
+    n = 32 * 32
+    model = linears((32, 64), (64, 32), (32, 32))
+    report = zkernel.estimate(model, spill_config(partitioner, tier, gpu_share=0.4), 1, device="cuda")
+    assert report["master_weights"]["cuda"] == 4 * 2 * n
+    assert report["optimizer_state"]["cuda"] == 8 * 2 * n + STEP
+    home = "nvme" if tier == "nvme" else "cpu"
+    assert report["master_weights"][home] == 4 * 3 * n
+
+
+def test_cpu_tier_gpu_share_auto_is_not_modelled_and_bad_fractions_are_errors():
+    model = linears(*[(64, 64)] * 4)
+    auto = zkernel.estimate(model, spill_config("zero3", "cpu", gpu_share="auto"), 1, device="cuda")
+    assert "cuda" not in auto["master_weights"]
+    with pytest.raises(ConfigError, match="host_share"):
+        zkernel.estimate(model, spill_config("zero3", "nvme", host_share=1.5), 1, device="cuda")
+    with pytest.raises(ConfigError, match=r"gpu_share \(0.6\) \+ host_share \(0.6\) is more than 1"):
+        zkernel.estimate(model, spill_config("zero3", "nvme", gpu_share=0.6, host_share=0.6), 1, device="cuda")
+    with pytest.raises(ConfigError, match="host_share"):  # the cpu tier has no host share
+        zkernel.estimate(model, spill_config("zero3", "cpu", host_share=0.5), 1, device="cuda")
+
+
+def test_table_gives_the_configured_fractions_to_the_configured_tier_only():
+    from zkernel.estimator import estimate_table
+
+    model = linears(*[(64, 64)] * 10)
+    cfg = spill_config("zero3", "nvme", host_share=0.5)
+    rows = {(r.partitioner, r.offload_optimizer, r.offload_params): r for r in estimate_table(model, cfg, 1, device="cuda", tiers=["none", "cpu", "nvme"])}
+    n = 64 * 64
+    assert rows["zero3", "nvme", "none"].report["master_weights"] == {"cpu": 5 * 4 * n, "nvme": 5 * 4 * n}
+    assert rows["zero3", "cpu", "none"].report["master_weights"] == {"cpu": 10 * 4 * n}
+
+
+@pytest.mark.cuda
+def test_nvme_spill_is_what_memory_report_measures_on_cuda(tmp_path):
+    """GPU machine: the nvme tier's gpu_share and host_share, predicted and measured after a step."""
+    shares = {"gpu_share": 0.3, "host_share": 0.4}
+    cfgs = [
+        {
+            "partitioner": partitioner,
+            "precision": "bf16",
+            "partitioner_options": options,
+            "gradient_accumulation_steps": 2,
+            "offload": {"optimizer": "nvme", "params": params, "nvme_path": str(tmp_path), "optimizer_options": shares},
+        }
+        for partitioner, options, params in [
+            ("zero1", {"bucket_size": 5001}, "none"),
+            ("zero3", {"persistence_threshold": 0}, "none"),
+            ("zero3", {"persistence_threshold": 0}, "cpu"),
+        ]
+    ]
+    with torch.device("meta"):
+        meta_gpt = small_gpt()
+    for cfg, measured in zip(cfgs, memory_after_step("gpt", cfgs)):
+        predicted = zkernel.estimate(meta_gpt, cfg, 1, device="cuda")
+
+        def by_place(report: dict) -> dict:
+            out: dict = {}
+            for place, nbytes in report.items():
+                key = "cuda" if place.startswith("cuda") else place
+                out[key] = out.get(key, 0) + nbytes
+            return out
+
+        wanted = {c: by_place(measured["step"][c]) for c in ("params", "master_weights", "optimizer_state")}
+        wanted["grads"] = peak([{"grads": by_place(r["grads"])} for r in measured["backward"]], "grads")
+        for category, value in wanted.items():
+            assert_close(predicted[category], value, f"{cfg['partitioner']}/{cfg['offload']['params']} {category}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -373,3 +374,101 @@ def test_cuda_measures_copies_and_the_gpu_share_lands_on_the_gpu():
         assert any(place.startswith("cuda") for place in masters) and "cpu" in masters
     finally:
         engine.close()
+
+
+# -- the nvme tier's spill: gpu_share and host_share sized from what the box has left ------------
+
+GPT_13B = {"layers": 40, "hidden": 5120, "heads": 40, "vocab": 50304, "sequence": 1024}
+H100_BOX = {"gpu_memory": "80GB", "ram": "125GiB", "disk": "64GB"}
+
+
+def box_config(tmp_path, box: dict, **extra) -> dict:
+    """bf16, everything 'auto', micro-batch 8, the machine's figures as [planner] overrides, no probes."""
+    cfg = {
+        **AUTO,
+        "precision": "bf16",
+        "offload": {**AUTO["offload"], "nvme_path": str(tmp_path)},
+        "planner": {**box, "micro_batch": 8, "options": {"measure": False}},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def test_13b_on_one_h100_box_spreads_the_optimizer_over_gpu_host_and_disk(tmp_path):
+    from zkernel_plugins.offload_tiers._nvme_options import NvmeTierOptions
+
+    numel = sum(p.numel() for p in TransformerShape(**GPT_13B).build().parameters())
+    assert numel == 12_848_384_000
+    usable = {"device": int(80e9 * 0.9), "cpu": int(125 * 2**30 * 0.9), "nvme": 64_000_000_000}
+    # No one tier holds fp32 master and Adam moments (12 bytes per element): not the disk, not the RAM.
+    assert 12 * numel > usable["nvme"] and 12 * numel > usable["cpu"]
+    decision = plan(GPT_13B, box_config(tmp_path, H100_BOX), 1, gpus=1)
+    assert (decision.partitioner, decision.offload_optimizer, decision.offload_params) == ("zero3", "nvme", "cpu")
+    assert decision.activation_checkpointing == (("_Block",), "none")
+    g, h = decision.optimizer_options["gpu_share"], decision.optimizer_options["host_share"]
+    assert 0.2 < g < 0.35 and 0.3 < h < 0.4
+    NvmeTierOptions(**decision.optimizer_options)  # a valid config for the tier: fractions in [0, 1], sum <= 1
+    assert f"gpu_share {g:g}, host_share {h:g}" in decision.placement
+    assert any(f"gpu_share {g:g} on the GPU, host_share {h:g} in host memory, the rest in swap files" in n for n in decision.notes)
+    assert dict(decision.budgets) == usable
+    for place, kinds in decision.bytes.items():
+        assert sum(kinds.values()) <= usable[place], (place, kinds)
+    # Per tier, against the split: the fractions take whole groups, at most a thousandth less each.
+    slack = 0.001 * numel
+    states = {place: kinds["model_states"] for place, kinds in decision.bytes.items()}
+    on_disk = (states["nvme"] - 200 * 4) / 12  # master and two moments (a step counter per group)
+    assert numel * (1 - g - h) <= on_disk <= numel * (1 - g - h) + 2 * slack
+    on_gpu = (states["device"] - 200 * 4) / 18  # master, moments, gradient; bf16 update copy (params on CPU)
+    assert numel * g - slack <= on_gpu <= numel * g
+    on_host = (states["cpu"] - 2 * numel - 4 * (numel - on_gpu)) / 12  # less the bf16 shard and landing buffers
+    assert numel * h - slack - 200 <= on_host <= numel * h
+    # Without the spill (the tier fixed to nvme with no fractions) the same box has no placement.
+    fixed = box_config(tmp_path, H100_BOX)
+    fixed["offload"] = {**fixed["offload"], "optimizer": "nvme"}
+    with pytest.raises(PlacementError, match="no placement fits: 12,848,384,000 parameters"):
+        plan(GPT_13B, fixed, 1, gpus=1)
+
+
+def test_a_model_the_cpu_tier_holds_keeps_the_cpu_tier(tmp_path):
+    """The spill makes NVMe placements fit more often, not come earlier: a model whose optimizer fits
+    in host memory still gets the cpu tier (stage 2), though nvme is usable."""
+    model = stack()
+    offloaded = device_states(model, "zero1", "cpu", "none")
+    cfg = settings(gpu_memory=gpu_memory_for(offloaded + 4096), ram="16GiB", offload={"nvme_path": str(tmp_path)})
+    decision = plan(model, cfg, 2)
+    assert (decision.partitioner, decision.offload_optimizer) == ("zero1", "cpu")
+    assert "host_share" not in decision.optimizer_options and "nvme" not in decision.bytes
+
+
+def test_no_room_for_a_share_is_the_placement_as_before(tmp_path):
+    """Training on the CPU (no GPU share) with host memory for the shards, the landing buffers and the
+    stream pool only: host_share 0, every master and moment in swap files, as before the spill."""
+    model = stack(depth=32, width=4096)  # 32 zero3 units of 16,781,312 elements
+    unit = 4096 * 4096 + 4096
+    shard = unit // 2  # per rank, of two
+    # Host: bf16 shards and fp32 landing buffers of every unit, the 2 GiB pool (the files hold 3.2 GB),
+    # one unit gathered with its gradient.
+    host = 32 * shard * (2 + 4) + 2 * 2**30 + unit * (2 + 4)
+    cfg = settings(ram=math.ceil((host + 2**20) * 2 / 0.9), offload={"nvme_path": str(tmp_path)})
+    decision = plan(model, cfg, 2, gpus=0)
+    assert (decision.partitioner, decision.offload_optimizer, decision.offload_params) == ("zero3", "nvme", "none")
+    assert dict(decision.optimizer_options) == {}
+    assert decision.bytes["cpu"] == {"model_states": 32 * shard * 6, "working": unit * 6, "activations": 0, "swap_pools": 2 * 2**30}
+    assert decision.bytes["nvme"] == {"model_states": 32 * (12 * shard + 4)}
+    assert not any("_share" in line for line in decision.rejected)  # no room for one anywhere
+
+
+def test_fractions_the_config_gives_are_kept_and_an_impossible_model_still_gets_the_numbers(tmp_path):
+    small_disk = {**H100_BOX, "disk": "16GB"}
+    with pytest.raises(PlacementError) as info:
+        plan(GPT_13B, box_config(tmp_path, small_disk), 1, gpus=1)
+    message = str(info.value)
+    assert "no placement fits: 12,848,384,000 parameters, bf16, 1 rank(s)" in message
+    assert "nvme 14.90 GiB" in message  # usable per rank
+    assert re.search(r"zero3 optimizer@nvme params@cpu \(every block checkpointed\) with gpu_share 0\.\d+, host_share 0\.\d+: nvme needs", message)
+    assert "nvme needs" in message and "more GPU or host memory" in message
+    # The tier fixed with its fractions given: they are estimated as given, not sized.
+    given = box_config(tmp_path, H100_BOX)
+    given["offload"] = {**given["offload"], "optimizer": "nvme", "optimizer_options": {"gpu_share": 0.1, "host_share": 0.2}}
+    with pytest.raises(PlacementError, match=r"with gpu_share 0.1, host_share 0.2: nvme needs"):
+        plan(GPT_13B, given, 1, gpus=1)

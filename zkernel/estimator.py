@@ -19,9 +19,11 @@ for none/zero1/zero2; ZeRO-3 units by ``units`` policy, with those under
 buffers are listed with their roles (`Buffer`) exactly as the builtin
 partitioners and tiers allocate them, padding to a multiple of the world size
 included, and `TIER_PLACEMENT` says where each role lives for the selected
-offload tiers. The builtin partitioners are modelled here, not asked: the
-accuracy test (tests/test_estimator.py) holds this file to what
-``memory_report()`` measures.
+offload tiers (group by group where a tier keeps fractions of its groups
+elsewhere: ``gpu_share``, ``host_share``, [Note: optimizer spill]). The
+builtin partitioners are modelled here, not asked: the accuracy test
+(tests/test_estimator.py) holds this file to what ``memory_report()``
+measures.
 
 `estimate_activations` is a rough formula, labelled as such: the tensors a
 transformer's forward saves for backward, per rank, for a micro-batch and
@@ -78,11 +80,26 @@ _ROLES = {
 
 
 @attrs.frozen
+class Spill:
+    """Part of an optimizer tier's groups whose optimizer roles are kept as another row of `TIER_PLACEMENT` keeps them."""
+
+    option: str  # the tier's option giving the fraction of the trainable elements, e.g. "gpu_share"
+    row: str  # the row those groups' optimizer roles follow, e.g. "none" (on the compute device)
+    cuda_only: bool = False  # the tier ignores the option without CUDA
+    # The tier places its groups as it adopts them, so a group's fp32 master on the device may be
+    # the partitioner's own tensor; False: only zero3's module-bound groups are placed then, the
+    # others are moved after the first step, as copies.
+    at_adopt: bool = True
+
+
+@attrs.frozen
 class TierPlacement:
     """Where a tier keeps the buffers of the roles it owns (`DEVICE`: the compute device; None: not kept)."""
 
     serves: tuple[str, ...]  # offload roles it can be selected for: "optimizer", "params"
     where: Mapping[Role, str | None]
+    # Fractions of its groups kept elsewhere, taken in this order ([Note: optimizer spill]).
+    spills: tuple[Spill, ...] = ()
 
 
 # [Note: placement table] What `estimate` knows of each tier: where it keeps each
@@ -91,20 +108,39 @@ class TierPlacement:
 # ``offload.params`` the compute-dtype parameter shard). On the device, tier
 # ``none`` adopts the reduced gradient as its landing buffer (so for none and
 # zero1 it is the window's whole gradient, counted once) and writes updates
-# straight into the parameters (no staging copy). Adding or changing a tier is
-# editing its row; tests/test_estimator.py holds each installed tier's row to
-# what ``memory_report()`` measures.
+# straight into the parameters when they live there (else into a staging copy
+# on the device). Adding or changing a tier is editing its row; tests/test_estimator.py
+# holds each installed tier's row to what ``memory_report()`` measures.
+#
+# [Note: optimizer spill] An optimizer tier may keep some of its groups as
+# another row does (`Spill`): the ``cpu`` tier's numeric ``gpu_share`` keeps
+# the optimizer of the first groups on the GPU (master, state, gradient); the
+# ``nvme`` tier's ``gpu_share`` does the same and its ``host_share`` keeps the
+# next groups' master and state in host memory, the rest in swap files.
+# Groups are taken whole, in the next forward's order (zero3's units in
+# module order, its pooled group last; for none/zero1/zero2 the last bucket
+# built, which holds the first parameters, first), each by the first spill
+# whose budget, ``int(fraction * total)`` elements, still holds it; a group
+# no budget holds stays in the tier's own row. ``total`` is this rank's
+# trainable elements as the tier learns them before adopting any group (over
+# the shards, rounded up; the cpu tier's moves after the first step count the
+# groups' padded slices, less than one element more per group). So a spill
+# never takes more than its fraction, and the own row takes the rest; also
+# when the fractions add up to 1, the floors of separate budgets leave a
+# group there unless the first fraction is exact. ``gpu_share = "auto"``
+# (cpu tier, sized at run time from the free GPU memory) is not modelled:
+# estimated as 0.
 TIER_PLACEMENT: dict[str, TierPlacement] = {
     "none": TierPlacement(
         ("optimizer", "params"),
-        {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: None, Role.PARAM_SHARD: DEVICE},
+        {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: DEVICE, Role.PARAM_SHARD: DEVICE},
     ),
     # fp32 master, optimizer state, fp32 gradient landing buffer and the compute-dtype staging
     # copy in (pinned) CPU memory; as offload.params, the compute-dtype shard in CPU memory.
-    # Not modelled: its gpu_share option (CUDA only) keeping some groups' optimizer on the GPU.
     "cpu": TierPlacement(
         ("optimizer", "params"),
         {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu", Role.PARAM_SHARD: "cpu"},
+        spills=(Spill("gpu_share", "none", cuda_only=True, at_adopt=False),),
     ),
     # master and optimizer state on NVMe, gradient landing buffer and staging copy in CPU memory;
     # as offload.params, the compute-dtype shard on NVMe. Not modelled: the page-locked pools
@@ -112,16 +148,18 @@ TIER_PLACEMENT: dict[str, TierPlacement] = {
     "nvme": TierPlacement(
         ("optimizer", "params"),
         {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.STAGING: "cpu", Role.PARAM_SHARD: "nvme"},
+        spills=(Spill("gpu_share", "none", cuda_only=True), Spill("host_share", "cpu")),
     ),
 }
 
 
 @attrs.frozen
 class Buffer:
-    """One per-rank buffer of a group."""
+    """One per-rank buffer of a group, and where its tier keeps it (`DEVICE`, ``"cpu"``, ``"nvme"``)."""
 
     role: Role
     nbytes: int
+    where: str = DEVICE
 
 
 @attrs.frozen
@@ -327,59 +365,71 @@ def _slices(numel: int, shards: int) -> tuple[int, int]:
 
 @attrs.frozen
 class _Placement:
-    """Where the selected tiers put the roles that change what the partitioners allocate."""
+    """Where the selected tiers put one group's buffers."""
 
-    optimizer: TierPlacement
+    optimizer: TierPlacement  # this group's row for the optimizer roles (the tier's own, or a spill's)
     params: TierPlacement
+    tier: TierPlacement  # the selected optimizer tier's own row: what the partitioner asks of it
+    copied_master: bool = False  # moved to the device after the first step: an fp32 master is a copy
+
+    def where(self, role: Role) -> str | None:
+        owner = _ROLES[role][1]
+        return DEVICE if owner is None else getattr(self, owner).where[role]
 
     def on_device(self, role: Role) -> bool:
-        owner = _ROLES[role][1]
-        return owner is None or getattr(self, owner).where[role] == DEVICE
+        return self.where(role) == DEVICE
 
     def kept(self, role: Role) -> bool:
-        owner = _ROLES[role][1]
-        return owner is None or getattr(self, owner).where[role] is not None
+        return self.where(role) is not None
+
+    def buffer(self, role: Role, nbytes: int) -> Buffer:
+        return Buffer(role, nbytes, self.where(role))
+
+    def master_is_params(self, c: int) -> bool:
+        """An fp32 master on the device is the parameters' own slice (nothing of its own)."""
+        return c == 4 and self.on_device(Role.MASTER) and not self.copied_master
 
 
 def _optimizer_buffers(shard: int, c: int, placement: _Placement) -> list[Buffer]:
     """What the optimizer tier adds for a trainable group of ``shard`` owned elements."""
-    buffers = [Buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES)]
+    buffers = [placement.buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES)]
     if c != 4 and placement.kept(Role.STAGING):
-        buffers.append(Buffer(Role.STAGING, shard * c))
+        buffers.append(placement.buffer(Role.STAGING, shard * c))
     return buffers
 
 
 def _whole_group(numel: int, shards: int, c: int, partitioner: str, placement: _Placement) -> list[Buffer]:
     """none/zero1/zero2: whole compute-dtype parameters, fp32 master/gradient/state slices."""
     shard, padded = _slices(numel, shards)
-    buffers = [Buffer(Role.PARAM_FULL, padded * c)]
-    if not (c == 4 and placement.on_device(Role.MASTER)):  # an fp32 master on the device is the parameters' slice
-        buffers.append(Buffer(Role.MASTER, 4 * shard))
+    buffers = [placement.buffer(Role.PARAM_FULL, padded * c)]
+    if not placement.master_is_params(c):
+        buffers.append(placement.buffer(Role.MASTER, 4 * shard))
     landing_adopted = placement.on_device(Role.GRAD_LANDING)
     if partitioner in ("none", "zero1"):
         # The window's whole gradient; a landing buffer on the device is it (none) or replaces it (zero1).
-        buffers.append(Buffer(Role.GRAD_REDUCE, 4 * padded))
+        buffers.append(placement.buffer(Role.GRAD_REDUCE, 4 * padded))
         if not landing_adopted:
-            buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+            buffers.append(placement.buffer(Role.GRAD_LANDING, 4 * shard))
     else:
-        buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+        buffers.append(placement.buffer(Role.GRAD_LANDING, 4 * shard))
     return buffers + _optimizer_buffers(shard, c, placement)
 
 
 def _zero3_group(numel: int, shards: int, c: int, trainable: bool, whole: bool, placement: _Placement) -> list[Buffer]:
     """zero3: a compute-dtype shard unless gathers cast an fp32 master that lives on the device."""
     shard, padded = _slices(numel, shards)
-    buffers = [Buffer(Role.PARAM_FULL, padded * c)] if whole else []
+    buffers = [placement.buffer(Role.PARAM_FULL, padded * c)] if whole else []
     if not trainable:
-        return [*buffers, Buffer(Role.PARAM_SHARD, shard * c)]
-    master_on_device = placement.on_device(Role.MASTER)
-    casts_master = c != 4 and master_on_device and placement.on_device(Role.PARAM_SHARD)
+        return [*buffers, placement.buffer(Role.PARAM_SHARD, shard * c)]
+    params_on_device = placement.on_device(Role.PARAM_SHARD)
+    # Whether gathers cast the master is the partitioner's choice for every group: it asks the tier.
+    casts_master = c != 4 and placement.tier.where[Role.MASTER] == DEVICE and params_on_device
     if not casts_master:
-        buffers.append(Buffer(Role.PARAM_SHARD, shard * c))
+        buffers.append(placement.buffer(Role.PARAM_SHARD, shard * c))
     # An fp32 master on the device is the shard, unless the params tier moved the shard elsewhere.
-    if not (c == 4 and master_on_device and placement.on_device(Role.PARAM_SHARD)):
-        buffers.append(Buffer(Role.MASTER, 4 * shard))
-    buffers.append(Buffer(Role.GRAD_LANDING, 4 * shard))
+    if not (placement.master_is_params(c) and params_on_device):
+        buffers.append(placement.buffer(Role.MASTER, 4 * shard))
+    buffers.append(placement.buffer(Role.GRAD_LANDING, 4 * shard))
     return buffers + _optimizer_buffers(shard, c, placement)
 
 
@@ -394,10 +444,81 @@ def _partitioner_options(config: Config, partitioner: str) -> Any:
     return build_options("partitioner_options", component.options_cls, config.partitioner_options)
 
 
-def group_buffers(
-    module: nn.Module, config: Config, world_size: int, options: Any = None
-) -> list[list[Buffer]]:
-    """Every group's per-rank buffers for ``module`` under ``config`` on ``world_size`` ranks."""
+def _optimizer_tier_options(config: Config) -> Any:
+    """The selected optimizer tier's validated options (None when it is not installed or takes none)."""
+    from zkernel.plugin_manager import collect_components, get_plugin_manager
+    from zkernel.registry import Family
+
+    component = collect_components(get_plugin_manager(config=config)).get(Family.OFFLOAD_TIER, config.offload.optimizer)
+    if component is None:
+        return None
+    slot = Family.OFFLOAD_TIER.slots[0]
+    return build_options(slot.options, component.options_for(slot), config.offload.optimizer_options)
+
+
+def spill_shares(config: Config, device: str, optimizer_options: Any = None) -> dict[str, float]:
+    """The selected optimizer tier's spill fractions by option name ([Note: optimizer spill]).
+
+    ``optimizer_options``: the tier's validated options object, when the caller
+    has it (else built from ``config``, which loads the plugins). Fractions
+    that are not numbers (``"auto"``) and, on a ``"cpu"`` compute device,
+    CUDA-only ones count as 0 and are left out.
+    """
+    row = TIER_PLACEMENT.get(config.offload.optimizer)
+    if row is None or not row.spills:
+        return {}
+    if optimizer_options is None:
+        if not config.offload.optimizer_options:
+            return {}
+        optimizer_options = _optimizer_tier_options(config)  # validated: a wrong key or value is an error
+    shares = {}
+    for spill in row.spills:
+        value = getattr(optimizer_options, spill.option, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            continue
+        if spill.cuda_only and device == "cpu":
+            continue
+        shares[spill.option] = float(value)
+    return shares
+
+
+@attrs.frozen
+class _Group:
+    """One group as the partitioner makes it: its elements, whether it trains, whether zero3 keeps it whole."""
+
+    numel: int
+    trainable: bool
+    whole: bool = False
+
+
+def _share_total(groups: list[_Group], shards: int) -> int:
+    """What the fractions are of: this rank's trainable elements as the tier is told them before
+    adoption (its ``demand``), the trainable elements over the shards, rounded up."""
+    return -(-sum(g.numel for g in groups if g.trainable) // shards)
+
+
+def _spills_of(groups: list[_Group], shards: int, partitioner: str, tier: TierPlacement, shares: Mapping[str, float]) -> list[Spill | None]:
+    """The spill each group's optimizer roles follow (None: the tier's own row), by [Note: optimizer spill]."""
+    chosen: list[Spill | None] = [None] * len(groups)
+    spills = [s for s in tier.spills if shares.get(s.option, 0.0) > 0]
+    if not spills:
+        return chosen
+    trainable = [i for i, g in enumerate(groups) if g.trainable]
+    sizes = {i: _slices(groups[i].numel, shards)[0] for i in trainable}
+    total = _share_total(groups, shards)
+    budgets = [int(shares[s.option] * total) for s in spills]
+    used = [0] * len(spills)
+    for i in trainable if partitioner == "zero3" else trainable[::-1]:
+        for k, spill in enumerate(spills):
+            if sizes[i] <= budgets[k] - used[k]:
+                used[k] += sizes[i]
+                chosen[i] = spill
+                break
+    return chosen
+
+
+def _groups(module: nn.Module, config: Config, world_size: int, options: Any) -> tuple[list[_Group], int, list[_Param]]:
+    """(the groups the partitioner makes, in the order it makes them; how many ways each is sharded; frozen parameters)."""
     partitioner = config.partitioner
     if partitioner not in PARTITIONERS:
         raise ConfigError(
@@ -410,30 +531,95 @@ def group_buffers(
                 f"estimate has no placement for offload.{role} {tier!r}; known: {', '.join(known)}"
             )
     options = options if options is not None else _partitioner_options(config, partitioner)
-    c = _DTYPE_BYTES[config.precision]
-    placement = _Placement(TIER_PLACEMENT[config.offload.optimizer], TIER_PLACEMENT[config.offload.params])
     params = _parameters(module)
     frozen = [p for p in params if not p.trainable]
     if partitioner != "zero3":
         shards = 1 if partitioner == "none" else world_size
-        groups = [
-            _whole_group(n, shards, c, partitioner, placement)
-            for n in _buckets([p for p in params if p.trainable], options.bucket_size)
-        ]
+        groups = [_Group(n, True) for n in _buckets([p for p in params if p.trainable], options.bucket_size)]
+    else:
+        shards = world_size
+        groups, pooled = [], {True: 0, False: 0}
+        for unit in _units(module, options.units):
+            for trainable in (True, False):
+                numel = sum(p.numel for p in unit if p.trainable == trainable)
+                if numel < options.persistence_threshold:
+                    pooled[trainable] += numel
+                elif numel:
+                    groups.append(_Group(numel, trainable))
+        groups += [_Group(numel, trainable, whole=True) for trainable, numel in pooled.items() if numel]
+    return groups, shards, frozen
+
+
+@attrs.frozen
+class SpillCount:
+    """What the spills take of one rank's trainable elements (`spill_numel`)."""
+
+    taken: dict[str, int]  # elements per spill option (the slices of the groups it takes)
+    total: int  # what the fractions are of: this rank's trainable elements, unpadded
+    groups: int  # its trainable groups
+
+
+def spill_numel(
+    module: nn.Module, config: Config, world_size: int, options: Any = None, *, shares: Mapping[str, float]
+) -> SpillCount:
+    """What each spill of ``shares`` takes ([Note: optimizer spill]).
+
+    Any fraction from ``taken / total`` up to the one given places the same
+    groups: the greedy order is the same, every group taken still fits, and
+    every group passed over still does not.
+    """
+    groups, shards, _ = _groups(module, config, world_size, options)
+    taken: dict[str, int] = {}
+    for group, spill in zip(groups, _spills_of(groups, shards, config.partitioner, TIER_PLACEMENT[config.offload.optimizer], shares)):
+        if spill is not None:
+            taken[spill.option] = taken.get(spill.option, 0) + _slices(group.numel, shards)[0]
+    return SpillCount(taken, _share_total(groups, shards), sum(g.trainable for g in groups))
+
+
+def group_buffers(
+    module: nn.Module, config: Config, world_size: int, options: Any = None, *, shares: Mapping[str, float] | None = None
+) -> list[list[Buffer]]:
+    """Every group's per-rank buffers for ``module`` under ``config`` on ``world_size`` ranks.
+
+    ``options``: the partitioner's validated options (built from ``config`` when
+    None); ``shares``: the optimizer tier's spill fractions by option name
+    (`spill_shares`; none when None).
+    """
+    groups, shards, frozen = _groups(module, config, world_size, options)
+    partitioner = config.partitioner
+    c = _DTYPE_BYTES[config.precision]
+    tier, params_row = TIER_PLACEMENT[config.offload.optimizer], TIER_PLACEMENT[config.offload.params]
+    out = []
+    for group, spill in zip(groups, _spills_of(groups, shards, partitioner, tier, shares or {})):
+        row = tier if spill is None else TIER_PLACEMENT[spill.row]
+        # Placed after the first step (all but zero3's module-bound groups): a copy of the master.
+        copied = spill is not None and not spill.at_adopt and (partitioner != "zero3" or group.whole)
+        placement = _Placement(row, params_row, tier, copied_master=copied)
+        if partitioner != "zero3":
+            out.append(_whole_group(group.numel, shards, c, partitioner, placement))
+        else:
+            out.append(_zero3_group(group.numel, shards, c, group.trainable, group.whole, placement))
+    if partitioner != "zero3":
         # Frozen parameters stay whole on every rank, outside any group.
-        return groups + [[Buffer(Role.PARAM_FULL, p.numel * c)] for p in frozen]
-    groups, pooled = [], {True: 0, False: 0}
-    for unit in _units(module, options.units):
-        for trainable in (True, False):
-            numel = sum(p.numel for p in unit if p.trainable == trainable)
-            if numel < options.persistence_threshold:
-                pooled[trainable] += numel
-            elif numel:
-                groups.append(_zero3_group(numel, world_size, c, trainable, False, placement))
-    for trainable, numel in pooled.items():
-        if numel:
-            groups.append(_zero3_group(numel, world_size, c, trainable, True, placement))
-    return groups
+        out += [[Buffer(Role.PARAM_FULL, p.numel * c)] for p in frozen]
+    return out
+
+
+def tally(groups: Iterable[Iterable[Buffer]], config: Config, device: str) -> dict[str, dict[str, int]]:
+    """`estimate`'s report from `group_buffers`' groups: bytes by category and place (``device`` named)."""
+    report: dict[str, dict[str, int]] = {c: {} for c in CATEGORIES}
+    # An optimizer stepping where the parameters live writes its update straight into them; one
+    # whose parameters live on NVMe writes it into a buffer the params tier lends for the step.
+    home = TIER_PLACEMENT[config.offload.params].where[Role.PARAM_SHARD] if config.partitioner == "zero3" else DEVICE
+    params_home = device if home == DEVICE else home
+    for group in groups:
+        for buffer in group:
+            where = device if buffer.where == DEVICE else buffer.where
+            if buffer.role is Role.STAGING and params_home in (where, "nvme"):
+                continue
+            by_place = report[_ROLES[buffer.role][0]]
+            by_place[where] = by_place.get(where, 0) + buffer.nbytes
+    return report
 
 
 def estimate(
@@ -443,14 +629,18 @@ def estimate(
     *,
     device: str | None = None,
     partitioner_options: Any = None,
+    optimizer_options: Any = None,
 ) -> dict[str, dict[str, int]]:
     """Predicted bytes one rank holds, by category (memory_report's) and by where it lives.
 
     ``device`` names the compute device in the result (default ``"cuda"`` when
     CUDA is available, else ``"cpu"``, as `zkernel.initialize` would pick);
     tiers add ``"cpu"`` and ``"nvme"``. ``grads`` is the peak after backward.
-    ``partitioner_options``: the partitioner's validated options object, when
-    the caller has it (else they are built from the config, which loads the plugins).
+    ``partitioner_options``, ``optimizer_options``: the partitioner's and the
+    optimizer tier's validated options objects, when the caller has them (else
+    they are built from the config, which loads the plugins); the tier's
+    ``gpu_share``/``host_share`` are modelled ([Note: optimizer spill]), its
+    ``gpu_share`` only on a compute device other than ``"cpu"``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -461,25 +651,9 @@ def estimate(
             "zkernel.planning.plan(model, config, world_size) (or `zkernel estimate --plan`) shows its choice"
         )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    report: dict[str, dict[str, int]] = {c: {} for c in CATEGORIES}
-
-    def place(role: Role) -> str | None:
-        owner = _ROLES[role][1]
-        where = DEVICE if owner is None else TIER_PLACEMENT[getattr(cfg.offload, owner)].where[role]
-        return device if where == DEVICE else where
-
-    # An optimizer stepping where the parameters live writes its update straight into them; one
-    # whose parameters live on NVMe writes it into a buffer the params tier lends for the step.
-    params_home = place(Role.PARAM_SHARD) if cfg.partitioner == "zero3" else device
-    for group in group_buffers(as_module(model), cfg, world_size, partitioner_options):
-        for buffer in group:
-            category = _ROLES[buffer.role][0]
-            where = place(buffer.role)
-            if buffer.role is Role.STAGING and params_home in (where, "nvme"):
-                continue
-            by_place = report[category]
-            by_place[where] = by_place.get(where, 0) + buffer.nbytes
-    return report
+    shares = spill_shares(cfg, device, optimizer_options)
+    groups = group_buffers(as_module(model), cfg, world_size, partitioner_options, shares=shares)
+    return tally(groups, cfg, device)
 
 
 def totals(report: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
@@ -636,11 +810,14 @@ def estimate_table(
         for optimizer_tier, params_tier in offload_combinations(tiers, partitioner):
             if "nvme" in (optimizer_tier, params_tier) and cfg.offload.nvme_path is None:
                 continue  # an NVMe row needs offload.nvme_path
-            variant = attrs.evolve(
-                cfg,
-                partitioner=partitioner,
-                partitioner_options=options,
-                offload=attrs.evolve(cfg.offload, optimizer=optimizer_tier, params=params_tier),
+            # The configured tier options (its spill fractions) belong to the configured tiers only.
+            offload = attrs.evolve(
+                cfg.offload,
+                optimizer=optimizer_tier,
+                params=params_tier,
+                optimizer_options=cfg.offload.optimizer_options if optimizer_tier == cfg.offload.optimizer else {},
+                params_options=cfg.offload.params_options if params_tier == cfg.offload.params else {},
             )
+            variant = attrs.evolve(cfg, partitioner=partitioner, partitioner_options=options, offload=offload)
             rows.append(Row(partitioner, optimizer_tier, params_tier, estimate(module, variant, world_size, device=device)))
     return rows

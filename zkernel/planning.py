@@ -115,9 +115,10 @@ class Plan:
 
     ``bytes`` holds the predicted bytes per rank by place (``"device"``,
     ``"cpu"``, ``"nvme"``) and kind (``"model_states"``, ``"activations"``,
-    ``"working"``); ``budgets`` the usable bytes per rank by place;
+    ``"working"``, ``"swap_pools"``: the page-locked pools swap files stream
+    through); ``budgets`` the usable bytes per rank by place;
     ``measurements`` each probe's rate (`zkernel.machine.Probe`); ``rejected``
-    one line per placement tried before the chosen one; ``notes`` what was
+    one line per placement tried that does not fit; ``notes`` what was
     assumed or left out.
     """
 
@@ -166,9 +167,13 @@ class Plan:
     def placement(self) -> str:
         """``partitioner, optimizer on X, parameters on Y`` (and what else was set), for people."""
         text = f"{self.partitioner}, optimizer on {_where(self.offload_optimizer)}, parameters on {_where(self.offload_params)}"
-        share = self.optimizer_options.get("gpu_share")
-        if isinstance(share, (int, float)) and share > 0:
-            text += f" (gpu_share {share:g})"
+        shares = [
+            f"{key} {value:g}"
+            for key in ("gpu_share", "host_share")
+            if isinstance(value := self.optimizer_options.get(key), (int, float)) and not isinstance(value, bool) and value > 0
+        ]
+        if shares:
+            text += f" ({', '.join(shares)})"
         if self.activation_checkpointing is not None:
             modules, where = self.activation_checkpointing
             text += f", activation checkpointing of {', '.join(modules)}" + (" offloaded to CPU" if where == "cpu" else "")

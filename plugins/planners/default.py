@@ -8,20 +8,53 @@ and each keeping less on the compute device:
    ``cpu`` tier, zero1 to zero3, with the tier's ``gpu_share`` sized from the
    device memory the placement leaves free (that share steps on the GPU);
 3. the parameters on the CPU too (zero3);
-4. the optimizer on NVMe (zero1 to zero3, then zero3 with parameters on the CPU);
-5. the parameters on NVMe too.
+4. the optimizer on NVMe (zero1 to zero3, then zero3 with parameters on the
+   CPU), with the ``nvme`` tier's ``gpu_share`` and ``host_share`` sized from
+   the device and host memory the placement leaves free, so that only the
+   rest of the optimizer is on disk ([Note: sizing the spill]);
+5. the parameters on NVMe too (the spill sized likewise).
 
 Within a stage, when the activations are known (`_activations`) and the
 config does not checkpoint any module itself, the placements are tried as
 they are, then with every block checkpointed, then with the checkpointed
 blocks' inputs offloaded to host memory. A placement fits when, per rank,
-its model states (`zkernel.estimate`), activations (an ESTIMATE) and
-working memory (the largest group gathered or reduced at once, plus
-zero3's prefetch window) fit: the device's free memory less
-``device_reserve``, the machine's host memory less 10% shared by its ranks,
-the disk at ``offload.nvme_path`` shared likewise. A zero3 placement that
-fails on the device only because a layer is too large to gather gets the
-Linear layers that are split into tiles small enough to gather.
+its model states (`zkernel.estimate`), activations (an ESTIMATE), working
+memory (the largest group gathered or reduced at once, plus zero3's
+prefetch window) and the page-locked pools the nvme tiers stream their
+swap files through fit: the device's free memory less ``device_reserve``,
+the machine's host memory less 10% shared by its ranks, the disk at
+``offload.nvme_path`` shared likewise. The first placement of a stage that
+fits is chosen, unless it keeps model states on disk: then the stage's
+placement that fits with the least on disk. A zero3 placement that fails on
+the device because a layer is too large to gather gets the Linear layers
+that are split into tiles small enough to gather.
+
+[Note: sizing the spill] A box holds what its GPUs, its RAM and its disk hold
+together, and every byte of optimizer state on disk is read and written
+every step (at 1-3 GB/s, against tens to hundreds of GB/s for host memory
+and the GPU), so the nvme tier keeps the optimizer of the first
+``gpu_share`` of the trainable elements (in module order, the next
+forward's) on the GPU and of the next ``host_share`` in host memory
+([Note: optimizer spill] in `zkernel.estimator`). For a candidate with the
+optimizer on NVMe whose other needs fit the device, the planner, when the
+tier is its choice and the config gives no fraction: gives ``gpu_share`` the
+largest fraction (in thousandths) whose groups fit the device with
+everything else the placement keeps there, then ``host_share`` the largest
+that fits host memory likewise (the host budget is already per rank; the
+optimizer pool shrinks as files leave the disk); each is judged by
+estimating the placement at that fraction (groups are placed whole, the
+bytes per element differ by placement), starting from the bytes per
+element the largest fraction adds, then bisecting; then lowers each to the
+least thousandth that places the same groups (so the next one has room).
+The candidate fits if what is left fits the disk. A fraction of 0 places
+nothing, so where neither has room the plan is the tier without fractions:
+every master and state in swap files. Within the stage, the fitting candidate with the least on disk wins
+(ties keep the order): a step moves that many bytes over the disk twice,
+which costs more than checkpointing's recompute or parameters crossing
+PCIe from host memory. The cpu tier's ``gpu_share`` is not sized this way:
+it moves groups after the first step, so host memory must hold all of them
+first; it is sized after the choice from the device memory left
+(`_gpu_share`).
 
 Keys the config sets are kept; offload tiers that are not installed (nvme,
 before its plugin is) or that would need ``offload.nvme_path`` without one
@@ -43,7 +76,18 @@ from torch import nn
 
 from zkernel import hookimpl
 from zkernel.config import AUTO, boolean, number
-from zkernel.estimator import PARTITIONERS, TIER_PLACEMENT, Role, estimate, group_buffers, totals
+from zkernel.estimator import (
+    DEVICE,
+    PARTITIONERS,
+    TIER_PLACEMENT,
+    Buffer,
+    Role,
+    Spill,
+    group_buffers,
+    spill_numel,
+    tally,
+    totals,
+)
 from zkernel.machine import Probe, format_bytes, probe_copy, probe_cpu_adam, probe_disk
 from zkernel.planning import Plan, PlacementError, Planner, PlanRequest
 from zkernel.tiers import HOST_MARGIN
@@ -54,6 +98,19 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _MAX_TILES = 64
 # Bytes per element of the optimizer a gpu_share keeps on the GPU: master, two moments, gradient.
 _SHARE_BYTES = 16
+# How the nvme tiers size their page-locked pools when buffer_bytes is not given: the optimizer
+# role's DEFAULT_BUFFER_BYTES (plugins/offload_tiers/_nvme_optimizer.py) and the params role's
+# default lookahead_host_bytes (_nvme_options.py); files are on O_DIRECT alignment.
+_NVME_OPTIMIZER_POOL = 2 << 30
+_NVME_PARAMS_LOOKAHEAD = 2 << 30
+_ALIGNMENT = 4096
+# The nvme tier's spill fractions are sized in steps of 1/_STEPS of the trainable elements.
+_STEPS = 1000
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+
 
 # (stage, placements as (partitioner, offload.optimizer, offload.params)), fastest first.
 STAGES = (
@@ -113,6 +170,26 @@ class _Outcome:
     report: dict[str, dict[str, int]]
     short: list[str]
     tiling: tuple[int, int] | None = None
+    # The optimizer tier's spill fractions the bytes were counted with (given, or sized here).
+    shares: dict[str, float] = attrs.field(factory=dict)
+
+    @property
+    def disk(self) -> int:
+        """Bytes per rank in swap files: what every step moves over the disk."""
+        return sum(self.need.get("nvme", {}).values())
+
+    def shares_text(self) -> str:
+        return ", ".join(f"{k} {v:g}" for k, v in self.shares.items() if v > 0)
+
+
+@attrs.frozen
+class _States:
+    """A candidate's model states at given spill fractions, and what they need beside them."""
+
+    report: dict[str, dict[str, int]]
+    largest: int  # bytes of the largest group while gathered or reduced
+    prefetch: int  # zero3's prefetch window
+    pools: int  # page-locked host pools the nvme tiers stream swap files through
 
 
 class DefaultPlanner(Planner):
@@ -220,9 +297,9 @@ class _Planning:
             write, read = Probe(None, reason), Probe(None, reason)
         return {"host_to_device": h2d, "device_to_host": d2h, "disk_write": write, "disk_read": read, "cpu_adam": probe_cpu_adam()}
 
-    # -- judging one candidate -------------------------------------------------------------------
+    # -- a candidate as a config -----------------------------------------------------------------
 
-    def _variant(self, candidate: _Candidate):
+    def _variant(self, candidate: _Candidate, shares: dict[str, float] | None = None):
         config = self.config
         return attrs.evolve(
             config,
@@ -231,7 +308,7 @@ class _Planning:
                 config.offload,
                 optimizer=candidate.optimizer,
                 params=candidate.params,
-                optimizer_options={},
+                optimizer_options=dict(shares or {}),
                 params_options={},
             ),
             partitioner_options=self._partitioner_options(candidate.partitioner),
@@ -256,6 +333,106 @@ class _Planning:
         component = self.request.components.get(Family.PARTITIONER, variant.partitioner)
         return build_options("partitioner_options", component.options_cls, variant.partitioner_options)
 
+    # -- the optimizer tier's spill ([Note: sizing the spill]) -----------------------------------
+
+    def _spill_options(self, tier: str) -> set[str]:
+        """The spill fractions of ``tier`` the planner counts: declared in `TIER_PLACEMENT`, taken by
+        its installed options class, and placed as the tier adopts its groups (the cpu tier's
+        gpu_share moves groups after the first step, so it does not lower what that step needs)."""
+        from zkernel.registry import Family
+
+        component = self.request.components.get(Family.OFFLOAD_TIER, tier) if self.request.components else None
+        options_cls = component.options_for(Family.OFFLOAD_TIER.slots[0]) if component is not None else None
+        taken = {a.name for a in attrs.fields(options_cls)} if options_cls is not None else set()
+        return {s.option for s in TIER_PLACEMENT[tier].spills if s.option in taken and s.at_adopt}
+
+    def _given_shares(self, candidate: _Candidate) -> dict[str, float]:
+        """The counted spill fractions the config gives (numbers only), as the tier takes them here."""
+        given = self.config.offload.optimizer_options
+        out = {}
+        for option in sorted(self._spill_options(candidate.optimizer)):
+            value = given.get(option)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[option] = float(value)
+        return self._effective(candidate, out)
+
+    def _effective(self, candidate: _Candidate, shares: dict[str, float]) -> dict[str, float]:
+        """``shares`` the tier acts on: positive, and a CUDA-only one only where the plan has a GPU."""
+        cuda_only = {s.option for s in TIER_PLACEMENT[candidate.optimizer].spills if s.cuda_only}
+        return {k: v for k, v in shares.items() if v > 0 and (self.separate or k not in cuda_only)}
+
+    def _sizable(self, candidate: _Candidate) -> list[Spill]:
+        """The spills the planner sizes: the tier is its choice and the config gives no fraction."""
+        if "offload.optimizer" not in self.request.auto:
+            return []
+        options = self._spill_options(candidate.optimizer) - set(self.config.offload.optimizer_options)
+        return [
+            s
+            for s in TIER_PLACEMENT[candidate.optimizer].spills
+            if s.option in options and (self.separate or not s.cuda_only)
+        ]
+
+    def _size_spills(self, candidate: _Candidate, options, base: _Outcome, spills: list[Spill]) -> _Outcome:
+        """``base`` with each spill in turn given the largest fraction (in 1/_STEPS) that its place holds."""
+        working = base.need[self.label]["working"]
+        outcome = base
+        for spill in spills:
+            row = TIER_PLACEMENT[spill.row].where[Role.MASTER]
+            place = self.label if row == DEVICE else row
+            budget = self.budgets.get(place)
+            cap = math.floor((1 - sum(outcome.shares.values())) * _STEPS + 1e-9)
+            if budget is None or cap <= 0 or sum(outcome.need[place].values()) > budget:
+                continue
+            shares = dict(outcome.shares)
+
+            def judged(steps: int, shares=shares, option=spill.option) -> _Outcome:
+                return self._outcome(candidate, options, {**shares, option: steps / _STEPS}, working, base.tiling)
+
+            def fits(judged_outcome: _Outcome, place=place, budget=budget) -> bool:
+                return sum(judged_outcome.need[place].values()) <= budget
+
+            whole = judged(cap)
+            if fits(whole):
+                outcome = self._trimmed(candidate, options, whole, spill.option)
+                continue
+            # The largest fraction that fits, in (0, cap): first where the bytes per element the
+            # whole of it added say, then its neighbour, then bisection (groups are placed whole).
+            low = sum(outcome.need[place].values())
+            added = sum(whole.need[place].values()) - low
+            guess = int((budget - low) / added * cap) if added > 0 else 0
+            lo, hi, best = 0, cap, outcome  # fits at lo, not at hi
+            probe, first = min(max(guess, 1), cap - 1), True
+            while hi - lo > 1:
+                tried = judged(probe)
+                if fits(tried):
+                    lo, best = probe, tried
+                else:
+                    hi = probe
+                after = (probe + 1 if probe == lo else probe - 1) if first else (lo + hi) // 2
+                probe, first = (after if lo < after < hi else (lo + hi) // 2), False
+            outcome = self._trimmed(candidate, options, best, spill.option)
+        return outcome
+
+    def _trimmed(self, candidate: _Candidate, options, outcome: _Outcome, option: str) -> _Outcome:
+        """``outcome`` with fraction ``option`` lowered to the least step that still takes the same
+        groups (from what they take up, a fraction places the same whole groups), or dropped if it
+        takes none; so the next spill may take the rest. One element per group of slack: the tier
+        may count its trainable elements without the groups' padding."""
+        shares = dict(outcome.shares)
+        variant = self._variant(candidate, shares)
+        count = spill_numel(self.request.model, variant, self.request.world_size, options, shares=shares)
+        placed = count.taken.get(option, 0)
+        if not placed:
+            shares.pop(option, None)
+            return attrs.evolve(outcome, shares=shares)
+        least = math.ceil(placed * _STEPS / count.total)
+        while int(least / _STEPS * (count.total - count.groups)) < placed and least < round(shares[option] * _STEPS):
+            least += 1
+        shares[option] = least / _STEPS
+        return attrs.evolve(outcome, shares=shares)
+
+    # -- judging one candidate -------------------------------------------------------------------
+
     def _activation_bytes(self, mode: Mode) -> tuple[int, int]:
         """(on the device, in host memory) for ``mode``."""
         acts: Activations | None = self.activations
@@ -270,14 +447,19 @@ class _Planning:
             return acts.checkpointed, 0
         return acts.checkpointed - acts.block_inputs, acts.block_inputs
 
-    def _transients(self, variant, options) -> tuple[int, int]:
+    def _states(self, candidate: _Candidate, options, shares: dict[str, float]) -> _States:
+        variant = self._variant(candidate, shares)
+        groups = group_buffers(self.request.model, variant, self.request.world_size, options, shares=shares)
+        largest, prefetch = self._transients(variant.partitioner, groups)
+        return _States(tally(groups, variant, self.label), largest, prefetch, self._pools(candidate, groups))
+
+    def _transients(self, partitioner: str, groups: list[list[Buffer]]) -> tuple[int, int]:
         """(largest bytes one group needs while gathered or reduced, zero3's prefetch window)."""
-        partitioner = variant.partitioner
         if partitioner in ("none", "zero1"):
             return 0, 0  # the whole gradient is a model state of theirs
         world = self.request.world_size
         largest, gathered = 0, 0
-        for buffers in group_buffers(self.request.model, variant, world, options):
+        for buffers in groups:
             by_role: dict[Role, int] = {}
             for b in buffers:
                 by_role[b.role] = by_role.get(b.role, 0) + b.nbytes
@@ -291,29 +473,69 @@ class _Planning:
         prefetch = min(self.config.prefetch_bytes, gathered) if partitioner == "zero3" else 0
         return largest, prefetch
 
-    def _judge(self, candidate: _Candidate) -> _Outcome:
-        variant = self._variant(candidate)
-        options = self._built_options(variant)
-        report = estimate(self.request.model, variant, self.request.world_size, device=self.label, partitioner_options=options)
-        need: dict[str, dict[str, int]] = {place: {"model_states": n} for place, n in totals(report).items()}
+    def _pools(self, candidate: _Candidate, groups: list[list[Buffer]]) -> int:
+        """Page-locked host bytes the nvme tiers stream their swap files through, sized as they size
+        them (their ``buffer_bytes`` where the config gives it for the tier it fixes)."""
+        total = 0
+        if candidate.optimizer == "nvme":
+            files = [
+                sum(_aligned(b.nbytes) for b in group if b.where == "nvme" and b.role in (Role.MASTER, Role.OPTIMIZER_STATE))
+                for group in groups
+            ]
+            files = [f for f in files if f]
+            given = self.config.offload.optimizer_options if self._fixed("offload.optimizer") == "nvme" else {}
+            if files:
+                total += given.get("buffer_bytes") or min(sum(files), max(_NVME_OPTIMIZER_POOL, 2 * max(files)))
+        if candidate.params == "nvme":
+            shards = [_aligned(b.nbytes) for group in groups for b in group if b.where == "nvme" and b.role is Role.PARAM_SHARD]
+            given = self.config.offload.params_options if self._fixed("offload.params") == "nvme" else {}
+            if shards:
+                lookahead = given.get("lookahead_host_bytes", _NVME_PARAMS_LOOKAHEAD)
+                total += given.get("buffer_bytes") or min(2 * sum(shards), lookahead + 4 * max(shards))
+        return total
+
+    def _need(self, candidate: _Candidate, states: _States, working: int) -> dict[str, dict[str, int]]:
+        """Bytes per rank by place and kind: model states, the device's working memory, activations, pools."""
+        need: dict[str, dict[str, int]] = {place: {"model_states": n} for place, n in totals(states.report).items()}
         need.setdefault(self.label, {"model_states": 0})
-        largest, prefetch = self._transients(variant, options)
         on_device, on_host = self._activation_bytes(candidate.mode)
-        need[self.label]["working"] = largest + prefetch
+        need[self.label]["working"] = working
         need[self.label]["activations"] = on_device
         if on_host:
             need.setdefault("cpu", {"model_states": 0})
             need["cpu"]["activations"] = need["cpu"].get("activations", 0) + on_host
-        short = self._short(need)
-        if short and candidate.partitioner == "zero3" and short == [self.label] and largest:
-            tiling = self._tiling(variant, options, need, prefetch)
-            if tiling is not None:
-                (min_numel, tiles), working = tiling
-                need[self.label]["working"] = working
-                if not self._short(need):
-                    return _Outcome(need, report, [], (min_numel, tiles))
-                need[self.label]["working"] = largest + prefetch
-        return _Outcome(need, report, short)
+        if states.pools:
+            need.setdefault("cpu", {"model_states": 0})
+            need["cpu"]["swap_pools"] = states.pools
+        return need
+
+    def _outcome(self, candidate: _Candidate, options, shares: dict[str, float], working: int, tiling) -> _Outcome:
+        """The candidate at spill fractions ``shares``, its device working memory (and tiling) known."""
+        shares = self._effective(candidate, shares)
+        states = self._states(candidate, options, shares)
+        need = self._need(candidate, states, working)
+        return _Outcome(need, states.report, self._short(need), tiling, shares)
+
+    def _judge(self, candidate: _Candidate) -> _Outcome:
+        options = self._built_options(self._variant(candidate))
+        given = self._given_shares(candidate)
+        states = self._states(candidate, options, given)
+        working, tiling = states.largest + states.prefetch, None
+        need = self._need(candidate, states, working)
+        if self.label in self._short(need) and candidate.partitioner == "zero3" and states.largest:
+            found = self._tiling(options, need, states.prefetch)
+            if found is not None:
+                tiles, tiled = found
+                need[self.label]["working"] = tiled
+                if self.label in self._short(need):
+                    need[self.label]["working"] = working
+                else:
+                    working, tiling = tiled, tiles
+        outcome = _Outcome(need, states.report, self._short(need), tiling, given)
+        spills = self._sizable(candidate)
+        if spills and self.label not in outcome.short:
+            outcome = self._size_spills(candidate, options, outcome, spills)
+        return outcome
 
     def _short(self, need: dict[str, dict[str, int]]) -> list[str]:
         short = []
@@ -326,7 +548,7 @@ class _Planning:
                 short.append(place)
         return short
 
-    def _tiling(self, variant, options, need, prefetch) -> tuple[tuple[int, int], int] | None:
+    def _tiling(self, options, need, prefetch) -> tuple[tuple[int, int], int] | None:
         """((min_numel, tiles), working bytes) that make every gathered unit fit, or None."""
         section = self.config.tiling
         if section.modules or section.min_numel or options.units != "modules":
@@ -371,16 +593,38 @@ class _Planning:
         rejected: dict[tuple[str, str, str], tuple[int, str]] = {}
         last: tuple[_Candidate, _Outcome] | None = None
         for stage in self._candidates():
+            fitting: list[tuple[_Candidate, _Outcome]] = []
             for candidate in stage:
                 outcome = self._judge(candidate)
                 if not outcome.short:
-                    return self._plan(candidate, outcome, [line for _, line in rejected.values()])
+                    fitting.append((candidate, outcome))
+                    if not outcome.disk:
+                        break  # nothing crosses the disk: no later candidate of the stage is faster
+                    continue
                 key = (candidate.partitioner, candidate.optimizer, candidate.params)
                 excess = self._excess(outcome)
                 if key not in rejected or excess < rejected[key][0]:
-                    rejected[key] = (excess, f"{candidate.text()}: {self._shortfall(outcome)}")
+                    rejected[key] = (excess, f"{self._text(candidate, outcome)}: {self._shortfall(outcome)}")
                 last = (candidate, outcome)
+            if fitting:
+                # [Note: sizing the spill]: the least on disk is fastest; ties keep the stage's order.
+                candidate, outcome = min(fitting, key=lambda fit: fit[1].disk)
+                plan = self._plan(candidate, outcome, [line for _, line in rejected.values()])
+                first, first_outcome = fitting[0]
+                if first is not candidate:
+                    note = (
+                        f"within the stage, {self._text(candidate, outcome)} keeps the least in swap files "
+                        f"({format_bytes(outcome.disk)} per rank; {self._text(first, first_outcome)} fits with "
+                        f"{format_bytes(first_outcome.disk)})"
+                    )
+                    plan = attrs.evolve(plan, notes=(*plan.notes, note))
+                return plan
         raise self._nothing_fits([line for _, line in rejected.values()], last)
+
+    @staticmethod
+    def _text(candidate: _Candidate, outcome: _Outcome) -> str:
+        shares = outcome.shares_text()
+        return f"{candidate.text()} with {shares}" if shares else candidate.text()
 
     def _excess(self, outcome: _Outcome) -> int:
         """Bytes over budget, summed over the places that are short (unknown disk counts fully)."""
@@ -413,13 +657,19 @@ class _Planning:
         dropped = sorted(set(config.partitioner_options) - set(kept))
         if dropped:
             notes.append(f"partitioner_options {dropped} dropped: {candidate.partitioner} does not take them")
-        share = 0.0
+        share = outcome.shares.get("gpu_share", 0.0)
         if candidate.optimizer == "cpu" and "offload.optimizer" in auto and self.separate and "gpu_share" not in optimizer_options:
             share = self._gpu_share(outcome)
             if share > 0:
                 optimizer_options["gpu_share"] = share
                 if self.request.device.type != "cuda":
                     notes.append("gpu_share takes effect on CUDA only")
+        sized = {k: v for k, v in outcome.shares.items() if k not in optimizer_options}
+        optimizer_options.update(sized)
+        if sized.get("gpu_share") and self.request.device.type != "cuda":
+            notes.append("gpu_share takes effect on CUDA only")
+        if outcome.shares:
+            notes.append(self._spill_note(candidate, outcome))
         checkpointing = None
         if candidate.mode in (Mode.CHECKPOINT, Mode.OFFLOAD):
             checkpointing = ((self.activations.block_class,), "cpu" if candidate.mode is Mode.OFFLOAD else "none")
@@ -441,6 +691,23 @@ class _Planning:
             predicted_seconds=self._seconds(candidate, outcome, share),
             rejected=tuple(rejected),
             notes=tuple(n for n in notes if n),
+        )
+
+    def _spill_note(self, candidate: _Candidate, outcome: _Outcome) -> str:
+        """Where the optimizer tier keeps what, in words (``outcome.shares`` are its fractions)."""
+        words = {DEVICE: "on the GPU", "cpu": "in host memory", "nvme": "in swap files"}
+        row = TIER_PLACEMENT[candidate.optimizer]
+        parts = [
+            f"{s.option} {outcome.shares[s.option]:g} {words[TIER_PLACEMENT[s.row].where[Role.MASTER]]}"
+            for s in row.spills
+            if s.option in outcome.shares
+        ]
+        home = row.where[Role.MASTER]
+        rest = sum(outcome.report[c].get(home, 0) for c in ("master_weights", "optimizer_state"))
+        return (
+            f"optimizer tier {candidate.optimizer!r} keeps the master and optimizer state of the first "
+            f"trainable elements in module order: {', '.join(parts)}, the rest {words[home]} "
+            f"({format_bytes(rest)} per rank)"
         )
 
     def _trainable_numel(self, outcome: _Outcome) -> int:
@@ -473,8 +740,10 @@ class _Planning:
         if rate["disk_read"] and rate["disk_write"]:
             read = write = 0
             if candidate.optimizer == "nvme":
-                read += 12 * numel  # master and two moments in, then out
-                write += 12 * numel
+                # Master and state in swap files are read and written back every step.
+                swapped = sum(outcome.report[c].get("nvme", 0) for c in ("master_weights", "optimizer_state"))
+                read += swapped
+                write += swapped
             if candidate.params == "nvme":
                 read += 2 * params_off * self.c
                 write += params_off * self.c
@@ -512,7 +781,10 @@ class _Planning:
             else:
                 advice.append("more host memory")
         if "nvme" in short:
-            advice.append("an offload.nvme_path on a disk with more free space")
+            advice.append(
+                "an offload.nvme_path on a disk with more free space, or more GPU or host memory to keep more of "
+                "the optimizer off the disk (the nvme tier's gpu_share, host_share)"
+            )
         if advice:
             lines.append("to make it fit: " + "; or ".join(advice))
         notes = [n for n in self.notes if n]
