@@ -71,6 +71,16 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    if args.log_level:
+        import logging
+
+        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                            format=f"%(relativeCreated)9.0f ms [rank {os.environ.get('RANK', '0')}] %(message)s")
+    if args.dump_stacks:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_stacks, repeat=True)
+
     sys.path.insert(0, str(HERE))
     from gpt_model import GPT, VOCAB, flops_per_token
 
@@ -210,6 +220,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme")
     parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--deadline", type=float, default=0.0, help="seconds: no step starts that would end after it")
+    parser.add_argument("--log-level", default="", help="log zkernel's events to stderr at this level (info, debug)")
+    parser.add_argument("--dump-stacks", type=float, default=0.0, help="seconds: dump every thread's stack this often")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker or args.nproc == 1:

@@ -285,7 +285,17 @@ def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():
     assert got == {"cpu": 10 * 2 * n + 4 * (16 * n + STEP) + 6 * 4 * n, "nvme": 6 * (12 * n + STEP)}
 
 
-@pytest.mark.parametrize(("partitioner", "tier"), [("zero1", "nvme"), ("zero3", "nvme"), ("zero3", "cpu")])
+def test_the_nvme_gpu_share_takes_only_zero3_modules():
+    """The nvme tier places its GPU share at adopt, from zero3's module-bound groups only: under
+    zero1 (buckets) every master stays on disk."""
+    n = 32 * 32
+    model = linears((32, 64), (64, 32), (32, 32))
+    report = zkernel.estimate(model, spill_config("zero1", "nvme", gpu_share=0.4), 1, device="cuda")
+    assert "cuda" not in report["master_weights"]
+    assert report["master_weights"]["nvme"] == 4 * 5 * n
+
+
+@pytest.mark.parametrize(("partitioner", "tier"), [("zero1", "cpu"), ("zero3", "nvme"), ("zero3", "cpu")])
 def test_the_spill_takes_groups_in_module_order(partitioner, tier):
     """Groups of 2n, 2n and n elements (zero1 builds its buckets from the last layer): a budget of
     0.4 x 5n = 2n elements holds the first layer; taken from the last, it would hold n only."""

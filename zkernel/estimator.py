@@ -507,10 +507,15 @@ def _spills_of(groups: list[_Group], shards: int, partitioner: str, tier: TierPl
     sizes = {i: _slices(groups[i].numel, shards)[0] for i in trainable}
     total = _share_total(groups, shards)
     budgets = [int(shares[s.option] * total) for s in spills]
+    # Shares that sum to 1 leave nothing on disk: the last takes what the others did not.
+    everything = sum(shares[s.option] for s in spills) >= 1.0 - 1e-9
     used = [0] * len(spills)
     for i in trainable if partitioner == "zero3" else trainable[::-1]:
         for k, spill in enumerate(spills):
-            if sizes[i] <= budgets[k] - used[k]:
+            # Placed at adopt, a GPU share takes only zero3's module-bound groups (the nvme tier's).
+            if spill.cuda_only and spill.at_adopt and partitioner != "zero3":
+                continue
+            if sizes[i] <= budgets[k] - used[k] or (everything and k == len(spills) - 1):
                 used[k] += sizes[i]
                 chosen[i] = spill
                 break

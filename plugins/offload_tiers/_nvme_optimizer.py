@@ -211,7 +211,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         if self._takes_gpu_share(group, numel):
             self._adopt_on_device(group, master, state)
             return
-        if numel <= int(self.nvme_options.host_share * self._planned_numel) - self.host_share_numel:
+        host = self.nvme_options.host_share
+        everything = host > 0 and self._adopt_time_share() + host >= 1.0 - 1e-9  # shares summing to 1: no disk
+        if everything or numel <= int(host * self._planned_numel) - self.host_share_numel:
             self.host_share_numel += numel
             self._adopt_on_host(group, master, state)
             return

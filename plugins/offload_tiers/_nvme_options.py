@@ -33,7 +33,7 @@ class NvmeTierOptions:
     aio_block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=_BLOCK_SIZE)
     # Fractions of the trainable elements whose optimizer is not on disk ([Note: spill]): the first
     # ``gpu_share`` in module order (the next forward's order) on the GPU (master, state and fp32
-    # gradient; CUDA only), the next ``host_share`` with master and state in host memory.
+    # gradient; CUDA, zero3 only), the next ``host_share`` with master and state in host memory.
     gpu_share: float = attrs.field(default=0.0, validator=_SHARE)
     host_share: float = attrs.field(default=0.0, validator=_SHARE)
 

@@ -428,7 +428,10 @@ class _Planning:
         least = math.ceil(placed * _STEPS / count.total)
         while int(least / _STEPS * (count.total - count.groups)) < placed and least < round(shares[option] * _STEPS):
             least += 1
-        shares[option] = least / _STEPS
+        # The fractions must not sum past 1 (rounding each up could); at exactly 1 the tier keeps
+        # every group off the disk.
+        room = math.floor((1 - sum(v for k, v in shares.items() if k != option)) * _STEPS + 1e-9)
+        shares[option] = min(least, room) / _STEPS
         return attrs.evolve(outcome, shares=shares)
 
     # -- judging one candidate -------------------------------------------------------------------
