@@ -80,7 +80,8 @@ class CpuTierOptions:
     # fp16 overflow applies: "auto" (when the previous step needed neither), "always", "never".
     speculate: str = attrs.field(default="auto", validator=attrs.validators.in_(SPECULATE_POLICIES))
     # Page-locked compute-dtype buffers the host step rounds updated parameters into before their
-    # upload, shared by all groups (each as large as the largest group).
+    # upload, shared by all groups (each as large as the largest group); as many again carry later
+    # micro-batches' gradients down for accumulation on the host.
     staging_buffers: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     # Dtype gradients cross to the host in: "fp32" (as reduced), or "bf16" (half the bytes over the
     # link and in host memory, and a shorter host step; the gradient is rounded to bf16 before the
@@ -140,6 +141,10 @@ class CpuTier(OptimizerTier):
         self.gpu_share_numel = 0
         self._planned_numel = 0
         self._staging = StagingPool(self.options.staging_buffers, self.compute_dtype, self.options.pin_memory)
+        # Later micro-batches' gradients cross through these (allocated at the first accumulation):
+        # bounded, so a host worker that adds slower than backward downloads holds back the
+        # downloads instead of page-locking a copy of every gradient.
+        self._accumulation = StagingPool(self.options.staging_buffers, self._transfer_dtype, self.options.pin_memory)
 
     def _pin(self) -> bool | None:
         return self.options.pin_memory
@@ -194,6 +199,7 @@ class CpuTier(OptimizerTier):
         landing buffer and where the rounded update goes (``group.master`` is set)."""
         group.copy_out = update_target(group, torch.device("cpu"), self.compute_dtype, lambda n, dt: POOLED)
         pooled = group.copy_out is POOLED
+        self._accumulation.expect(numel)
         if pooled:
             group.copy_out = None  # lent from the staging pool for each step (`acquire`)
             self._staging.expect(numel)
@@ -286,11 +292,11 @@ class CpuTier(OptimizerTier):
             slot.landing.copy_(tensor.to(slot.landing.dtype), non_blocking=True)
             slot.landed_event = record_event(d2h)
             return
-        staging = torch.empty(tensor.numel(), dtype=self._transfer_dtype, pin_memory=True)
+        staging = self._accumulation.take(tensor.numel())
         staging.copy_(tensor.to(self._transfer_dtype), non_blocking=True)
         slot.landed_event = None
         copied = record_event(d2h)
-        slot.accumulation = self.worker.submit(_accumulate, slot.landing, staging, copied, final)
+        slot.accumulation = self.worker.submit(_accumulate, slot.landing, staging, copied, final, self._accumulation)
         slot.sq_norm = slot.accumulation if final else None
 
     @staticmethod
@@ -387,6 +393,7 @@ class CpuTier(OptimizerTier):
         self._pending.clear()
         self._state.clear()
         self._staging.close()
+        self._accumulation.close()
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
@@ -403,10 +410,12 @@ class CpuTier(OptimizerTier):
         }
 
 
-def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final: bool) -> float | None:
-    """Host worker: add a later micro-batch's gradient once its copy arrived; the norm when final."""
+def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final: bool, pool: StagingPool) -> float | None:
+    """Host worker: add a later micro-batch's gradient once its copy arrived, give the staging buffer
+    back; the norm when final."""
     copied.synchronize()
     landing.add_(staging)
+    pool.give(staging, None)
     return float(landing.pow(2).sum()) if final else None
 
 
