@@ -173,8 +173,9 @@ def _worker(args) -> None:
     }
     if engine is not None:
         report = engine.memory_report()
-        for where in ("cuda", "cpu", "nvme"):
-            result[f"states_{where}_gib"] = round(sum(report[c].get(where, 0) for c in report) / 2**30, 2)
+        for where in ("cuda", "cpu", "nvme"):  # the report's devices are "cuda:0", "cpu", "nvme"
+            held = sum(n for c in report for device, n in report[c].items() if device.split(":")[0] == where)
+            result[f"states_{where}_gib"] = round(held / 2**30, 2)
         moved = [b - a for a, b in zip(disk, _disk_counters(engine))]
         if any(moved):
             result["disk_read_gb_per_step"] = round(moved[0] / len(measured) / 1e9, 2)
@@ -227,8 +228,14 @@ def main() -> None:
     if args.worker or args.nproc == 1:
         _worker(args)
         return
+    forwarded, skip = [], False  # every argument but --nproc (torchrun would take it for its own)
+    for arg in sys.argv[1:]:
+        if skip or arg.startswith("--nproc"):
+            skip = not skip and arg == "--nproc"
+            continue
+        forwarded.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29547",
-           __file__, "--worker", *sys.argv[1:]]
+           __file__, "--worker", *forwarded]
     sys.exit(subprocess.run(cmd).returncode)
 
 

@@ -15,7 +15,7 @@ import torch
 import zkernel
 from tests.harness import run_ranks
 from tests.lifecycle_scenarios import close_and_reuse, reference_two_phases
-from tests.models import TrickyNet
+from tests.models import VOCAB, TrickyNet
 
 LR = 1e-2
 
@@ -66,6 +66,29 @@ def test_close_on_two_ranks():
             torch.testing.assert_close(value.float(), r["gathered"][name], rtol=0, atol=0, msg=name)
     for name in results[0]["after"]:  # every rank got the same whole values back
         assert torch.equal(results[0]["after"][name], results[1]["after"][name]), name
+
+
+def test_close_releases_a_model_that_fits_nowhere_and_says_so(monkeypatch, caplog):
+    """A model whose whole parameters fit neither the device nor host memory: close releases them (meta)
+    with a WARNING naming the way to keep them, instead of failing half-way (here the CPU is the compute
+    device and ZKERNEL_HOST_MEMORY says there is next to no memory)."""
+    import logging
+
+    torch.manual_seed(0)
+    model = TrickyNet()
+    engine = zkernel.initialize(model, _cfg("zero3"))
+    tokens = torch.randint(0, VOCAB, (2, 6))
+    engine.backward(engine(tokens, tokens))
+    engine.step()
+    monkeypatch.setenv("ZKERNEL_HOST_MEMORY", "1KiB")
+    with caplog.at_level(logging.WARNING, logger="zkernel"):
+        engine.close()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert any("zkernel.engine.params_released" in r.getMessage() and "save_checkpoint" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    monkeypatch.delenv("ZKERNEL_HOST_MEMORY")
+    engine = zkernel.initialize(TrickyNet(), _cfg("zero3"))  # the released module's engine is gone
+    engine.close()
 
 
 def test_a_module_held_by_a_live_engine_is_refused():

@@ -222,6 +222,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
 
     apply_transforms(runtime, model, selection, base)  # tiling, activation checkpointing
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     original_tensors = tuple(
         (n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())
     )
@@ -259,6 +260,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         can_rollback=placer.can_rollback and bool(groups),
         speculate=getattr(optimizer_tier, "speculate", "never"),
         original_dtypes=original_dtypes,
+        whole_bytes=whole_bytes,
         original_tensors=original_tensors,
         placement_plan=plan,
     )

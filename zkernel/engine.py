@@ -36,6 +36,9 @@ from zkernel.distributed import DistInfo
 from zkernel.groups import ParamGroup, Phase, StepOptions
 from zkernel.log import get_logger
 from zkernel.loss_scale import DynamicLossScaler
+from zkernel.machine import available_host_bytes
+from zkernel.released import is_released
+from zkernel.sizes import format_bytes
 from zkernel.scheduler import Scheduler
 from zkernel.step_pipeline import StepPipeline
 from zkernel.streams import Streams
@@ -63,6 +66,8 @@ class EngineParts:
     speculate: str
     # (parameter name, dtype at initialize), to give the parameters back at close.
     original_dtypes: tuple[tuple[str, torch.dtype], ...]
+    # Bytes of every parameter, whole, in its dtype at `initialize` (where `close` can put them).
+    whole_bytes: int = 0
     # (name, shape, dtype) of every parameter and buffer at initialize (state dicts, checkpoints).
     original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
     # The planner's decision when the config had "auto" values (`zkernel.planning.Plan`), else None.
@@ -84,6 +89,7 @@ class Engine:
         self.optimizer_tier = parts.optimizer_tier
         self.params_tier = parts.params_tier
         self._original_dtypes = parts.original_dtypes
+        self._whole_bytes = parts.whole_bytes
         # name -> (shape, dtype) of each parameter and buffer as the plain model had it.
         self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
         self._worker = parts.worker
@@ -289,6 +295,27 @@ class Engine:
                     report[category][place] += nbytes
         return {c: dict(v) for c, v in report.items()}
 
+    def _restore_home(self) -> torch.device:
+        """Where `close` puts the whole parameters ([Note: where a closed model goes])."""
+        released = any(is_released(p) for p in self._module.parameters())  # held as shards (zero3)
+        missing = self._whole_bytes if released else 0
+        device = self.dist.device
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            if missing <= 0.9 * free:
+                return device
+        host = available_host_bytes()
+        if host is None or missing <= 0.9 * host:
+            return device if device.type == "cpu" else torch.device("cpu")
+        log.warning(
+            "zkernel.engine.params_released",
+            needed=format_bytes(missing),
+            host_available=format_bytes(host),
+            advice="the whole model fits neither the compute device nor host memory: its parameters are left "
+            "as meta tensors; save a checkpoint (engine.save_checkpoint) before close to keep the trained values",
+        )
+        return torch.device("meta")
+
     def close(self) -> None:
         """Give the model back and free everything the engine holds (collective: call on every rank).
 
@@ -298,6 +325,13 @@ class Engine:
         their memory and swap files; the host worker stops. The module can then
         be trained on its own or wrapped by a new engine. Closing twice is a no-op.
         A pending update that failed is raised after all that is done.
+
+        [Note: where a closed model goes] Whole parameters go to the compute
+        device if they fit in its free memory, else to host memory if they fit
+        there, else nowhere: a model that only trains spread over GPUs, host
+        memory and disk has no single place to be whole on every rank. Then the
+        parameters are released (meta tensors) with a WARNING; save a checkpoint
+        (`save_checkpoint`) before `close` to keep the trained values.
         """
         if self._closed:
             return
@@ -307,11 +341,12 @@ class Engine:
             self.pipeline.wait_all()
         except Exception as exc:  # noqa: BLE001 - a failed update: give the model back, then raise it
             failed = exc
+        home = self._restore_home()
         with self.scheduler.plugin_call():
             for group in self.groups:
                 master = self.optimizer_tier.read_master(group) if group.requires_grad else None
                 self.params_tier.to_device(group, consume=True, block=True)
-                self.hook.zkernel_restore_params(group=group, master=master)
+                self.hook.zkernel_restore_params(group=group, master=master, home=home)
                 self.params_tier.drop_device(group)
         with torch.no_grad():
             for name, dtype in self._original_dtypes:

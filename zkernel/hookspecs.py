@@ -318,15 +318,18 @@ def zkernel_publish_params(group: ParamGroup) -> None:
 
 
 @hookspec
-def zkernel_restore_params(group: ParamGroup, master: torch.Tensor | None) -> None:
+def zkernel_restore_params(group: ParamGroup, master: torch.Tensor | None, home: torch.device) -> None:
     """Give ``group``'s parameters their whole values in storage of their own, for good.
 
     Called by `Engine.close` on every rank for every group, in the same order on
     all ranks (the call may be collective). ``master`` is this rank's current
     fp32 master (on any device) for trainable groups, None for frozen ones; the
     parameters take the master's values (frozen ones their compute-dtype
-    values) on the compute device; the engine then casts each parameter back to
-    the dtype it had when `initialize` was called.
+    values); the engine then casts each parameter back to the dtype it had when
+    `initialize` was called. ``home`` is where parameters that are not whole
+    yet go: the compute device, the CPU, or ``meta`` when the whole model fits
+    nowhere (values released; see [Note: where a closed model goes]).
+    Parameters a partitioner keeps whole on the compute device stay there.
 
     All implementations are called.
     """

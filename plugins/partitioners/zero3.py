@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from torch import nn
 import torch.distributed as dist
 
 from zkernel import hookimpl
@@ -294,7 +295,7 @@ class Zero3:
                 self._gather_into(group, state.full, async_op=False)
 
     @hookimpl
-    def zkernel_restore_params(self, group, master):
+    def zkernel_restore_params(self, group, master, home):
         state: Zero3State = group.layout
         self._drop_prefetch(state)
         device, world = self.context.device, self.context.world_size
@@ -305,7 +306,10 @@ class Zero3:
             self._gather_into(group, full, async_op=False)
         for p, view in zip(group.params, state.flat.views(full)):
             mark_gathered(p)
-            p.data = view.clone()
+            if home.type == "meta":  # released ([Note: where a closed model goes]); .data cannot change type
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(view, device=home), p.requires_grad))
+            else:
+                p.data = view.to(home, copy=True)
         group.gathered = True
         state.full = full.new_empty(0)
 
