@@ -71,6 +71,11 @@ class CpuParamsTier(ParamsTier):
         entry = self._device.get(group.index)
         if entry is None:
             h2d = self.streams.h2d
+            download = self._downloads.get(group.index)
+            if download is not None:
+                # An update stepped on the GPU (a GPU share) is still being copied into the home on
+                # d2h: the upload must read what it writes, not the values before the step.
+                h2d.wait_event(download)
             nbytes = home.numel() * home.element_size()
             with torch.cuda.stream(h2d), self.timeline.span(SpanKind.PARAM_H2D, stream=h2d, label=group.name, nbytes=nbytes):
                 copy = torch.empty(home.shape, dtype=home.dtype, device=self.device)
