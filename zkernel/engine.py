@@ -38,8 +38,8 @@ from zkernel.log import get_logger
 from zkernel.loss_scale import DynamicLossScaler
 from zkernel.machine import available_host_bytes
 from zkernel.released import is_released
-from zkernel.sizes import format_bytes
 from zkernel.scheduler import Scheduler
+from zkernel.sizes import format_bytes
 from zkernel.step_pipeline import StepPipeline
 from zkernel.streams import Streams
 from zkernel.tiers import OptimizerTier, ParamsTier, StoredBytes

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import attrs
 import torch
-from torch import nn
 import torch.distributed as dist
+from torch import nn
 
 from zkernel import hookimpl
 from zkernel.config import choice, integer
