@@ -140,7 +140,8 @@ class IoQueue:
 
 
 class SwapFileTraffic:
-    """What both NVMe tiers report about their swap files' I/O (their ``io`` is an `IoQueue`)."""
+    """What both NVMe tiers share about their swap files' I/O (their ``io`` is an `IoQueue`, their
+    ``_arena`` a pool or None, their ``run_dir`` a `RunDirectory`)."""
 
     io: IoQueue
 
@@ -148,6 +149,14 @@ class SwapFileTraffic:
         """Block until every swap-file write started so far is done (a group's writes start when its
         step ends: wait for the engine's pending updates first, ``engine.pipeline.wait_all()``)."""
         self.io.wait_idle()
+
+    def _release_io(self) -> None:
+        """The last of `close`: stop the I/O threads, free the pool, remove the run directory."""
+        self.io.close()
+        if self._arena is not None:
+            self._arena.close()
+        self.run_dir.release()
+        self._failures.clear()  # logged when they happened; the files are gone now, the values were given back
 
     @property
     def bytes_read(self) -> int:

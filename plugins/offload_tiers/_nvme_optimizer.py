@@ -564,11 +564,7 @@ class NvmeTier(SwapFileTraffic, CpuTier):
                         group.grad = None
                 self._queue.clear()
         finally:
-            self.io.close()
-            if self._arena is not None:
-                self._arena.close()
-            self.run_dir.release()
-        self._failures.clear()  # logged when they happened; the files are gone now, the values were given back
+            self._release_io()
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

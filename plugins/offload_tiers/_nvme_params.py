@@ -531,11 +531,7 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
                     copy.uploads, copy.in_use, copy.waiters = [], False, 0
                 self._collect_uploads()
         finally:
-            self.io.close()
-            if self._arena is not None:
-                self._arena.close()
-            self.run_dir.release()
-        self._failures.clear()  # logged when they happened; the files are gone now, the values were given back
+            self._release_io()
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
