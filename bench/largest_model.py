@@ -11,7 +11,9 @@ AdamW on the GPU); otherwise ``--zkernel`` is a zkernel config (JSON) that the
 bench completes with the recipe (bf16, AdamW lr 1e-4 betas 0.9/0.95 wd 0.1,
 ``--clip``, ``--accum`` as ``gradient_accumulation_steps``, ``--checkpoint``
 as activation checkpointing of every ``Block``, ``--nvme-path``); "auto"
-placements are the planner's. Each step's loss, seconds, tokens/s and
+placements are the planner's. The model starts from GPT-2's initialisation and
+trains on sequences it can learn (`_sequences`), so a falling loss shows the
+updates land. Each step's loss, seconds, tokens/s and
 TFLOP/s per GPU are printed as a ``STEP`` JSON line as soon as it ends (a run
 cut short keeps what it measured), then a ``RESULT`` line: initialisation
 seconds, the median step after ``--warmup``, peak GPU memory, peak host RSS
@@ -82,7 +84,7 @@ def _worker(args) -> None:
         faulthandler.dump_traceback_later(args.dump_stacks, repeat=True)
 
     sys.path.insert(0, str(HERE))
-    from gpt_model import GPT, VOCAB, flops_per_token
+    from gpt_model import GPT, VOCAB, flops_per_token, gpt2_init
 
     start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -103,6 +105,7 @@ def _worker(args) -> None:
     if args.plain:
         with device:
             model = GPT(**spec, seq=SEQ)
+        model.apply(gpt2_init)
         model.checkpoint = args.checkpoint
         opt = torch.optim.AdamW(model.parameters(), fused=cuda, **ADAMW)
 
@@ -122,13 +125,13 @@ def _worker(args) -> None:
         config = _config(args)
         with torch.device("meta"):
             model = GPT(**spec, seq=SEQ)
-        engine = zkernel.initialize(model, config)
+        engine = zkernel.initialize(model, config, init_fn=gpt2_init)
 
         def train_step(micro_batches):
-            for idx in micro_batches:
+            for idx in micro_batches:  # step() counts micro-batches: it applies the optimizer at the last
                 loss = engine(idx, torch.roll(idx, -1, 1))
                 engine.backward(loss)
-            engine.step()
+                engine.step()
             return loss
 
     sync()
@@ -145,7 +148,7 @@ def _worker(args) -> None:
             break
         if i == args.warmup:
             disk = _disk_counters(engine)
-        batch = [torch.randint(0, VOCAB, (args.micro_batch, SEQ), device=device, generator=g) for _ in range(args.accum)]
+        batch = [_sequences(args.micro_batch, VOCAB, device, g) for _ in range(args.accum)]
         sync()
         t0 = time.perf_counter()
         loss = train_step(batch).detach().float()
@@ -195,6 +198,17 @@ def _worker(args) -> None:
         engine.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _sequences(batch: int, vocab: int, device, generator):
+    """Token sequences a model can learn from context: each counts up from a random start by a
+    random stride (mod ``vocab``), so after two tokens the rest follow; the loss falls from
+    ln(vocab) as the model learns it, where uniform random tokens would leave it flat."""
+    import torch
+
+    start = torch.randint(0, vocab, (batch, 1), device=device, generator=generator)
+    stride = torch.randint(1, 64, (batch, 1), device=device, generator=generator)
+    return (start + stride * torch.arange(SEQ, device=device)) % vocab
 
 
 def _disk_counters(engine) -> list[int]:

@@ -33,3 +33,26 @@ def test_step_applies_only_at_accumulation_boundary():
         changed = not torch.equal(before, model.weight.detach())
         assert changed == (i == 2)
     assert engine.global_steps == 1 and engine.micro_steps == 3
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_a_second_backward_before_step_is_an_error_that_loses_nothing(accumulation):
+    """step() counts micro-batches (DeepSpeed's contract): backward per micro-batch and one step at
+    the end of the window would silently stretch the window; it is refused, and training goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    reference = torch.nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    engine = zkernel.initialize(model, {"gradient_accumulation_steps": accumulation, "optimizer": {"name": "adamw", "lr": 0.1}})
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.0)
+    batches = [torch.randn(3, 4) for _ in range(accumulation)]
+    for i, x in enumerate(batches):
+        engine.backward(engine(x).square().mean())
+        if i == 0:
+            with pytest.raises(RuntimeError, match=r"twice without engine.step\(\).*gradient_accumulation_steps = " + str(accumulation)):
+                engine.backward(engine(x).square().mean())
+        engine.step()
+        (reference(x).square().mean() / accumulation).backward()
+    opt.step()
+    assert engine.global_steps == 1
+    torch.testing.assert_close(model.weight.detach(), reference.weight.detach(), rtol=1e-6, atol=1e-7)

@@ -266,14 +266,15 @@ def test_nvme_spill_bytes_follow_the_split(world):
     gpu, host, disk = 3, 4, 3
     # bf16 shards of every group stay on the device (parameters are not offloaded).
     device = 10 * 2 * n + gpu * (4 * n + 8 * n + STEP + 4 * n)
-    # Host-kept groups: master, moments, fp32 landing buffer, bf16 copy of the update; the disk
-    # groups keep only their landing buffer and update copy in host memory.
-    cpu = host * (4 * n + 8 * n + STEP + 4 * n + 2 * n) + disk * (4 * n + 2 * n)
+    # Host-kept groups: master, moments, fp32 landing buffer; the disk groups keep only their landing
+    # buffer in host memory; the bf16 updates of all seven go through the tier's staging pool
+    # (staging_buffers = 4 buffers as large as the largest group).
+    cpu = host * (4 * n + 8 * n + STEP + 4 * n) + disk * (4 * n) + 4 * 2 * n
     nvme = disk * (4 * n + 8 * n + STEP)
     assert got == {"cuda": device, "cpu": cpu, "nvme": nvme}
     # Without any fraction: every group's master and moments are on disk (the tier as it was).
     plain = totals(zkernel.estimate(model, spill_config("zero3", "nvme"), world, device="cuda"))
-    assert plain == {"cuda": 10 * 2 * n, "cpu": 10 * 6 * n, "nvme": 10 * (12 * n + STEP)}
+    assert plain == {"cuda": 10 * 2 * n, "cpu": 10 * 4 * n + 4 * 2 * n, "nvme": 10 * (12 * n + STEP)}
 
 
 def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():

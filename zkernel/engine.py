@@ -133,6 +133,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
+        self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._guard = None  # active released-parameter guard, from forward to end of backward
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
@@ -229,6 +230,16 @@ class Engine:
                 f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
+        if self._backward_done:
+            # [Note: one backward per step] step() counts micro-batches; a second backward before it
+            # would silently fold another micro-batch into this one (the window then spans more
+            # batches than configured), and at a boundary it would add gradients to a window whose
+            # optimizer step may already have started.
+            raise RuntimeError(
+                "engine.backward was called twice without engine.step() between them: step() counts "
+                f"micro-batches (gradient_accumulation_steps = {self.config.gradient_accumulation_steps}), so "
+                "call it after every backward; for several losses of one micro-batch, backward their sum"
+            )
         boundary = self.is_accumulation_boundary
         scale = 1.0 / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
@@ -244,6 +255,7 @@ class Engine:
             norm = self.pipeline.end_backward(boundary, need_norm=self._needs_norm())
         finally:
             self._exit_guard()
+        self._backward_done = True
         if boundary:
             self._coefficient = (self._coefficient_from(norm),)
 
@@ -252,6 +264,7 @@ class Engine:
         self._check_open()
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
+        self._backward_done = False
         if not boundary:
             return
         if self._coefficient is None:  # no backward in this window: step on what landed (zeros)

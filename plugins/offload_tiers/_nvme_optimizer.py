@@ -174,7 +174,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         # The gradient side is the cpu tier's, without speculation (a speculative step on
         # disk-backed state would be written back before it is known); its numeric GPU share is
         # this tier's too ([Note: spill]).
-        cpu_options = CpuTierOptions(pin_memory=options.pin_memory, speculate="never", gpu_share=options.gpu_share)
+        cpu_options = CpuTierOptions(
+            pin_memory=options.pin_memory, speculate="never", gpu_share=options.gpu_share, staging_buffers=options.staging_buffers
+        )
         super().__init__(attrs.evolve(context, options=cpu_options))
         self.nvme_options = options
         self.nvme_path = context.config.offload.nvme_path

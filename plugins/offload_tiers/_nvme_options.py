@@ -36,6 +36,10 @@ class NvmeTierOptions:
     # gradient; CUDA, zero3 only), the next ``host_share`` with master and state in host memory.
     gpu_share: float = attrs.field(default=0.0, validator=_SHARE)
     host_share: float = attrs.field(default=0.0, validator=_SHARE)
+    # Page-locked compute-dtype buffers host steps round updated parameters into before their
+    # upload (the cpu tier's option: shared by all groups, each as large as the largest; as many
+    # again carry later micro-batches' gradients down for accumulation on the host).
+    staging_buffers: int = attrs.field(default=4, validator=integer(minimum=1))
 
     def __attrs_post_init__(self) -> None:
         if self.gpu_share + self.host_share > 1.0:
