@@ -150,6 +150,23 @@ class SwapFileTraffic:
         step ends: wait for the engine's pending updates first, ``engine.pipeline.wait_all()``)."""
         self.io.wait_idle()
 
+    def _write_failed(self, error: BaseException, name: str, path, note: str) -> None:
+        """A swap-file write of ``name`` failed ([Note: write failures]): keep the error, with
+        ``note``, for `_raise_failures`, and log it now (``_cv`` held)."""
+        error.add_note(note)
+        self._failures.append(error)
+        log.error("zkernel.nvme.write_failed", group=name, path=str(path), error=str(error))
+
+    def _raise_failures(self) -> None:
+        """Raise the write failures kept since the last call, the first with the others as notes."""
+        with self._cv:
+            failures, self._failures = self._failures, []
+        if failures:
+            first = failures[0]
+            for other in failures[1:]:
+                first.add_note(f"also failed: {other}")
+            raise first
+
     def _release_io(self) -> None:
         """The last of `close`: stop the I/O threads, free the pool, remove the run directory."""
         self.io.close()

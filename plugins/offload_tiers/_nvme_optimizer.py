@@ -402,13 +402,11 @@ class NvmeTier(SwapFileTraffic, CpuTier):
                 return
             if slot.write_error is not None:
                 slot.rescue = slot.block.data[: slot.footprint].clone()  # [Note: write failures]
-                error = slot.write_error
-                error.add_note(
+                self._write_failed(
+                    slot.write_error, slot.name, slot.file.path,
                     f"writing the optimizer state of group {slot.name!r} to its swap file; the newest state is "
-                    "kept in host memory and written again at the group's next step"
+                    "kept in host memory and written again at the group's next step",
                 )
-                self._failures.append(error)
-                log.error("zkernel.nvme.write_failed", group=slot.name, path=str(slot.file.path), error=str(error))
             else:
                 slot.rescue = None
             slot.state = _State.ON_DISK if slot not in self._queue else _State.QUEUED
@@ -462,15 +460,6 @@ class NvmeTier(SwapFileTraffic, CpuTier):
                 self._free_block(slot)
                 slot.state = _State.ON_DISK
             self._pump()
-
-    def _raise_failures(self) -> None:
-        with self._cv:
-            failures, self._failures = self._failures, []
-        if failures:
-            first = failures[0]
-            for other in failures[1:]:
-                first.add_note(f"also failed: {other}")
-            raise first
 
     def after_first_step(self, order):
         return None

@@ -287,14 +287,6 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
                 self._collect_uploads(query=False)
             self._cv.notify_all()
 
-    def _raise_failures(self) -> None:
-        failures, self._failures = self._failures, []
-        if failures:
-            first = failures[0]
-            for other in failures[1:]:
-                first.add_note(f"also failed: {other}")
-            raise first
-
     def prefetch_host(self, group):
         self._layout.finish()
         with self._cv:
@@ -405,14 +397,7 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
     def commit(self, group):
         with self._cv:
             slot = self._slots[group.index]
-            if slot.host is not None:  # the old values: not used again
-                old, slot.host = slot.host, None
-                self._retire(old)
-            if slot.device is not None:
-                tensor, _ = slot.device
-                slot.device = None
-                if self.cuda:
-                    tensor.record_stream(torch.cuda.current_stream(self.device))
+            self._drop_old_copies(slot)
             copy, slot.lent = slot.lent, None
             if copy is not None:
                 group.copy_out = None
@@ -454,13 +439,11 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
                 return
             if copy.write_error is not None:
                 slot.rescue = copy.block.data[: aligned(slot.nbytes)].clone()  # [Note: write failures]
-                error = copy.write_error
-                error.add_note(
+                self._write_failed(
+                    copy.write_error, slot.name, slot.file.path,
                     f"writing the parameter shard of group {slot.name!r} to its swap file; the newest values are "
-                    "kept in host memory and written again after the group's next step"
+                    "kept in host memory and written again after the group's next step",
                 )
-                self._failures.append(error)
-                log.error("zkernel.nvme.write_failed", group=slot.name, path=str(slot.file.path), error=str(error))
             else:
                 slot.rescue = None
             if slot.host is copy and not copy.in_use:
@@ -492,15 +475,19 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
         slot = self._slots[group.index]
         self.io.wait_idle()  # reads of the old values done, and no write of them still in flight
         with self._cv:
-            old, slot.host = slot.host, None  # no copy of the old values is used again
-            if old is not None:
-                self._retire(old)
-            if slot.device is not None:
-                tensor, _ = slot.device
-                slot.device = None
-                if self.cuda:
-                    tensor.record_stream(torch.cuda.current_stream(self.device))
+            self._drop_old_copies(slot)
         self._write_image(slot, values)
+
+    def _drop_old_copies(self, slot) -> None:
+        """New values are coming: the host and device copies of the old ones are not used again (``_cv`` held)."""
+        old, slot.host = slot.host, None
+        if old is not None:
+            self._retire(old)
+        if slot.device is not None:
+            tensor, _ = slot.device
+            slot.device = None
+            if self.cuda:
+                tensor.record_stream(torch.cuda.current_stream(self.device))
 
     # -- shutdown and accounting --------------------------------------------------------------------------
 
