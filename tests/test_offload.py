@@ -157,3 +157,16 @@ def test_host_memory_override_must_be_a_size(monkeypatch):
     monkeypatch.setenv("ZKERNEL_HOST_MEMORY", "plenty")
     with pytest.raises(zkernel.ConfigError, match="ZKERNEL_HOST_MEMORY: 'plenty' is not a size; valid: a number"):
         zkernel.initialize(Wide(8, 1), offload_config("zero1", "cpu_adam"))
+
+
+@pytest.mark.parametrize("numel", [7, 1 << 20, 3 * (1 << 20) + 5])
+def test_bf16_gradients_add_into_fp32_landing_exactly(numel):
+    """A later micro-batch's bf16 gradient is widened piece by piece: the same bits as torch's mixed add."""
+    from zkernel_plugins.offload_tiers.cpu import _widening_add
+
+    gen = torch.Generator().manual_seed(numel)
+    landing = torch.randn(numel, generator=gen)
+    staging = torch.randn(numel, generator=gen).to(torch.bfloat16)
+    expected = landing.clone().add_(staging)
+    _widening_add(landing, staging)
+    assert torch.equal(landing, expected)

@@ -81,6 +81,12 @@ class SpanKind(str, enum.Enum):
     # The engine's thread blocked on a group's update still running on the host: the GPU
     # runs dry once its queue drains, so this is a lower bound of exposed step time.
     UPDATE_WAIT = "update_wait"
+    # A later micro-batch's gradient added into its host landing buffer (host worker thread).
+    GRAD_ACCUMULATE = "grad_accumulate"
+    # Backward's host thread blocked for a free accumulation staging buffer (lent until its copy,
+    # which waits for the GPU to produce the gradient, and the add are done): mostly the host
+    # running ahead of the GPU; exposed only where the GPU's queue ran dry.
+    ACCUMULATE_WAIT = "accumulate_wait"
 
 
 _KIND_ORDER = {kind: i for i, kind in enumerate(SpanKind)}

@@ -175,7 +175,11 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         # disk-backed state would be written back before it is known); its numeric GPU share is
         # this tier's too ([Note: spill]).
         cpu_options = CpuTierOptions(
-            pin_memory=options.pin_memory, speculate="never", gpu_share=options.gpu_share, staging_buffers=options.staging_buffers
+            pin_memory=options.pin_memory,
+            speculate="never",
+            gpu_share=options.gpu_share,
+            staging_buffers=options.staging_buffers,
+            grad_dtype=options.grad_dtype,
         )
         super().__init__(attrs.evolve(context, options=cpu_options))
         self.nvme_options = options
@@ -203,7 +207,8 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         disk = int(image * max(0.0, 1.0 - gpu - host))
         pool = (self.nvme_options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)) if disk else 0
         self._layout.plan(disk)
-        need = {Resource.HOST: int(numel * (1 - gpu)) * 4 + int(image * host) + pool, Resource.DISK: disk}
+        landing = torch.empty((), dtype=self._landing_dtype).element_size()
+        need = {Resource.HOST: int(numel * (1 - gpu)) * landing + int(image * host) + pool, Resource.DISK: disk}
         if gpu:
             need[Resource.DEVICE] = int(numel * gpu) * 16  # master, two moments and the gradient
         return need

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from zkernel.aio import ALIGNMENT, DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
-from zkernel.config import ConfigError, OptionValidator, integer, number
+from zkernel.config import ConfigError, OptionValidator, choice, integer, number
 
 
 def _block_size(value) -> bool:
@@ -40,6 +40,9 @@ class NvmeTierOptions:
     # upload (the cpu tier's option: shared by all groups, each as large as the largest; as many
     # again carry later micro-batches' gradients down for accumulation on the host).
     staging_buffers: int = attrs.field(default=4, validator=integer(minimum=1))
+    # Dtype gradients cross to the host in (the cpu tier's option): "fp32", or "bf16" (half the
+    # bytes over the link; with accumulation the host still adds into an fp32 landing buffer).
+    grad_dtype: str = attrs.field(default="fp32", validator=choice("fp32", "bf16"))
 
     def __attrs_post_init__(self) -> None:
         if self.gpu_share + self.host_share > 1.0:

@@ -38,11 +38,21 @@ class StagingPool:
         self._numel = max(self._numel, numel)
 
     def take(self, numel: int) -> torch.Tensor:
+        """A free buffer's first ``numel`` elements, waiting for one to be given back if need be."""
+        return self._take(numel, wait=True)
+
+    def try_take(self, numel: int) -> torch.Tensor | None:
+        """As `take`, or None at once when every buffer is lent."""
+        return self._take(numel, wait=False)
+
+    def _take(self, numel: int, wait: bool) -> torch.Tensor | None:
         with self._cond:
             if not self.buffers:
                 self.buffers = [host_empty(self._numel, self.dtype, pin=self.pin) for _ in range(self.count)]
                 self._free.extend((b, None) for b in self.buffers)
             while not self._free:
+                if not wait:
+                    return None
                 self._cond.wait()
             buffer, event = self._free.popleft()
         if event is not None:

@@ -47,6 +47,7 @@ gradient).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -266,14 +267,21 @@ class CpuTier(OptimizerTier):
             return
         d2h = self.streams.d2h
         tensor = reduced.tensor
-        nbytes = tensor.numel() * tensor.element_size()
+        staging = None if first else self._take_accumulation_buffer(group, tensor.numel())
+        nbytes = tensor.numel() * (slot.landing.element_size() if first else staging.element_size())
+        # [Note: wait for the producer] The stream that produced the gradient is taken before
+        # entering the d2h context: inside it the current stream *is* d2h, and waiting on it
+        # would order nothing. Without this wait the copy read the gradient buffer before the
+        # backward had written it whenever the GPU lagged the host (one GPU, host-stepped
+        # groups: stale or uninitialised memory, seen as a rare NaN in bf16 runs).
+        producer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(d2h):
             if reduced.work is not None:
                 reduced.work.wait()
             else:
-                d2h.wait_stream(torch.cuda.current_stream(self.device))
+                d2h.wait_stream(producer)
             with self.timeline.span(SpanKind.D2H, stream=d2h, label=group.name, nbytes=nbytes):
-                self._download(slot, tensor, first, final)
+                self._download(slot, tensor, final, staging)
             # [Note: collective buffers on a side stream] The collective's output and inputs were
             # allocated on the compute stream, and only this stream waited for the collective:
             # without these marks the allocator could hand their memory to the next compute-stream
@@ -283,20 +291,29 @@ class CpuTier(OptimizerTier):
             if isinstance(reduced.keepalive, torch.Tensor) and reduced.keepalive.is_cuda:
                 reduced.keepalive.record_stream(d2h)
 
-    def _download(self, slot: _Slot, tensor: torch.Tensor, first: bool, final: bool) -> None:
+    def _take_accumulation_buffer(self, group, numel: int) -> torch.Tensor:
+        """A free staging buffer for a later micro-batch's gradient; the wait for one is timed."""
+        buffer = self._accumulation.try_take(numel)
+        if buffer is None:
+            with self.timeline.span(SpanKind.ACCUMULATE_WAIT, label=group.name):
+                buffer = self._accumulation.take(numel)
+        return buffer
+
+    def _download(self, slot: _Slot, tensor: torch.Tensor, final: bool, staging: torch.Tensor | None) -> None:
         """On the d2h stream: the window's first gradient straight into the landing buffer, a later
-        one through pinned staging and a host-side add (worker thread)."""
+        one through the pinned ``staging`` buffer and a host-side add (worker thread)."""
         d2h = self.streams.d2h
-        if first:
+        if staging is None:
             slot.sq_norm = tensor.pow(2).sum() if final else None
             slot.landing.copy_(tensor.to(slot.landing.dtype), non_blocking=True)
             slot.landed_event = record_event(d2h)
             return
-        staging = self._accumulation.take(tensor.numel())
         staging.copy_(tensor.to(self._transfer_dtype), non_blocking=True)
         slot.landed_event = None
         copied = record_event(d2h)
-        slot.accumulation = self.worker.submit(_accumulate, slot.landing, staging, copied, final, self._accumulation)
+        slot.accumulation = self.worker.submit(
+            _accumulate, slot.landing, staging, copied, final, self._accumulation, self.timeline
+        )
         slot.sq_norm = slot.accumulation if final else None
 
     @staticmethod
@@ -410,13 +427,38 @@ class CpuTier(OptimizerTier):
         }
 
 
-def _accumulate(landing: torch.Tensor, staging: torch.Tensor, copied: Any, final: bool, pool: StagingPool) -> float | None:
+def _accumulate(
+    landing: torch.Tensor, staging: torch.Tensor, copied: Any, final: bool, pool: StagingPool, timeline
+) -> float | None:
     """Host worker: add a later micro-batch's gradient once its copy arrived, give the staging buffer
     back; the norm when final."""
     copied.synchronize()
-    landing.add_(staging)
+    with timeline.span(SpanKind.GRAD_ACCUMULATE, nbytes=staging.numel() * staging.element_size()):
+        if staging.dtype == landing.dtype:
+            landing.add_(staging)
+        else:
+            _widening_add(landing, staging)
     pool.give(staging, None)
     return float(landing.pow(2).sum()) if final else None
+
+
+# Elements per piece of a widening add: its fp32 copy stays in the core's cache.
+_WIDEN_CHUNK = 1 << 20
+_widen_scratch = threading.local()
+
+
+def _widening_add(landing: torch.Tensor, staging: torch.Tensor) -> None:
+    """``landing += staging`` for a narrower ``staging`` (bf16 gradients into an fp32 buffer), piece by
+    piece through a cache-sized fp32 scratch: torch's mixed-dtype add runs 4-7x slower than an fp32
+    one (2.3 vs 10.7 G elements/s measured on a 16-core host), the widened pieces at the fp32 add's rate."""
+    scratch = getattr(_widen_scratch, "buffer", None)
+    if scratch is None or scratch.dtype != landing.dtype:
+        scratch = _widen_scratch.buffer = torch.empty(_WIDEN_CHUNK, dtype=landing.dtype)
+    for start in range(0, landing.numel(), _WIDEN_CHUNK):
+        n = min(_WIDEN_CHUNK, landing.numel() - start)
+        piece = scratch[:n]
+        piece.copy_(staging[start : start + n])
+        landing[start : start + n].add_(piece)
 
 
 def cpu_tier(context, role: str):

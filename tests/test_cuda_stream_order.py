@@ -1,0 +1,124 @@
+"""Side-stream transfers wait for the work that produced their data, however far the GPU lags the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zkernel
+
+pytestmark = pytest.mark.cuda
+
+STEPS, SEED, LR = 4, 7, 1e-2
+SLEEP_CYCLES = 300_000_000  # ~0.2 s of GPU time per backward: the host runs far ahead meanwhile
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward keeps the compute stream busy before the gradient flows on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return grad
+
+
+class LaggingNet(nn.Module):
+    """The first layer's gradients are produced only after the GPU has slept: their reduce, landing and
+    download are queued by the host long before the GPU gets to them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(32, 64)
+        self.second = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x, y):
+        h = _SlowBackward.apply(torch.tanh(self.first(x)))
+        return F.cross_entropy(self.head(torch.tanh(self.second(h))), y)
+
+
+def _data():
+    gen = torch.Generator().manual_seed(SEED + 1)
+    return [(torch.randn(16, 32, generator=gen), torch.randint(0, 5, (16,), generator=gen)) for _ in range(STEPS)]
+
+
+def _reference():
+    torch.manual_seed(SEED)
+    model = LaggingNet().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _data():
+        loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("offload", [{"optimizer": "cpu"}, {"optimizer": "cpu", "params": "cpu"}, {"optimizer": "nvme", "params": "cpu"}])
+def test_gradient_download_waits_for_a_lagging_backward(offload, tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    expected_losses, expected_params = _reference()
+    torch.manual_seed(SEED)
+    model = LaggingNet().cuda()
+    offload = dict(offload)
+    if offload["optimizer"] == "nvme":
+        offload["nvme_path"] = str(tmp_path)
+    config = {
+        "partitioner": "zero3",
+        "partitioner_options": {"persistence_threshold": 0},
+        "optimizer": {"name": "cpu_adam", "lr": LR, "weight_decay": 0.01},
+        "offload": offload,
+    }
+    engine = zkernel.initialize(model, config)
+    losses = []
+    for x, y in _data():
+        loss = engine(x.cuda(), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    for i, (a, b) in enumerate(zip(losses, expected_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+    for p, q in zip(model.parameters(), expected_params):
+        torch.testing.assert_close(p.detach().cpu(), q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_dtype", ["fp32", "bf16"])
+def test_host_accumulation_is_timed(grad_dtype):
+    """Later micro-batches' gradients are added on the host: the timeline shows those adds with their bytes."""
+    from zkernel.timeline import SpanKind
+
+    accum = 3
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)).cuda()
+    numel = sum(p.numel() for p in model.parameters())
+    config = {
+        "partitioner": "zero2",
+        "gradient_accumulation_steps": accum,
+        "timeline": True,
+        "optimizer": {"name": "cpu_adam", "lr": 1e-3},
+        "offload": {"optimizer": "cpu", "optimizer_options": {"grad_dtype": grad_dtype}},
+    }
+    engine = zkernel.initialize(model, config)
+    x = torch.randn(32, 64, device="cuda")
+    losses = []
+    for _ in range(3 * accum):
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    assert losses[-1] < losses[0]
+    last = engine.timeline.summaries[-1]
+    width = 4 if grad_dtype == "fp32" else 2
+    assert last.count[SpanKind.GRAD_ACCUMULATE] >= accum - 1
+    added = last.nbytes[SpanKind.GRAD_ACCUMULATE]
+    assert (accum - 1) * numel * width <= added <= (accum - 1) * (numel + 4096) * width
