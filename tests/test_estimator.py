@@ -11,7 +11,8 @@ from tests.harness import run_ranks
 from tests.models import TrickyNet
 from tests.scenarios import memory_after_step, small_gpt
 from zkernel.config import ConfigError
-from zkernel.estimator import TransformerShape, estimate_activations, totals
+from zkernel.estimator import totals
+from zkernel.model_shape import TransformerShape, estimate_activations
 
 GPT_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "sequence": 32}  # = small_gpt()
 

@@ -16,7 +16,8 @@ from tests.planner_scenarios import auto_placement
 from tests.scenarios import small_gpt
 from tests.test_partitioners import ACCUM, MICRO, SEED, STEPS, assert_matches, reference
 from zkernel.config import ConfigError, load_config
-from zkernel.estimator import TransformerShape, estimate_activations, installed_tiers, totals
+from zkernel.estimator import installed_tiers, totals
+from zkernel.model_shape import TransformerShape, estimate_activations
 from zkernel.hookspecs import hookimpl
 from zkernel.machine import format_bytes
 from zkernel.planning import Plan, PlacementError, Planner, plan

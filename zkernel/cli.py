@@ -248,7 +248,7 @@ def format_size(nbytes: int | None) -> str:
 def _estimate_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """(what to estimate, the transformer shape or None) from the command line."""
     from zkernel.config import ConfigError
-    from zkernel.estimator import TransformerShape
+    from zkernel.model_shape import TransformerShape
 
     numbers = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "sequence")}
     given = [k for k, v in numbers.items() if v is not None]
@@ -276,14 +276,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import attrs
 
     from zkernel.config import load_config
-    from zkernel.estimator import (
-        as_module,
-        detect_capacity,
-        estimate_activations,
-        estimate_table,
-        shortfalls,
-        totals,
-    )
+    from zkernel.estimator import detect_capacity, estimate_table, shortfalls, totals
+    from zkernel.model_shape import as_module, estimate_activations
 
     config = load_config(args.config)
     if args.precision:

@@ -312,14 +312,14 @@ def plan(
     """What the planner would choose for ``model`` on ``world_size`` ranks of this machine, without training.
 
     ``model``: a module (shapes only), an import path ``"pkg.mod:factory"``, or
-    a transformer's numbers (`zkernel.estimator.TransformerShape` or a dict).
+    a transformer's numbers (`zkernel.model_shape.TransformerShape` or a dict).
     The keys of ``config`` that are ``"auto"`` are planned; when none is, all
     three are. ``gpus`` overrides how many GPUs this machine has (0: train on
     the CPU). Capacities come from this machine, replaced by ``[planner]``
     ``gpu_memory``/``ram``/``disk``.
     """
     from zkernel.distributed import DistInfo
-    from zkernel.estimator import TransformerShape, as_module, as_shape
+    from zkernel.model_shape import TransformerShape, as_module, as_shape
     from zkernel.plugin_manager import collect_components, get_plugin_manager, resolve_components
     from zkernel.registry import Family
 

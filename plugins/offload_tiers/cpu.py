@@ -47,7 +47,6 @@ gradient).
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -444,16 +443,13 @@ def _accumulate(
 
 # Elements per piece of a widening add: its fp32 copy stays in the core's cache.
 _WIDEN_CHUNK = 1 << 20
-_widen_scratch = threading.local()
 
 
 def _widening_add(landing: torch.Tensor, staging: torch.Tensor) -> None:
     """``landing += staging`` for a narrower ``staging`` (bf16 gradients into an fp32 buffer), piece by
     piece through a cache-sized fp32 scratch: torch's mixed-dtype add runs 4-7x slower than an fp32
-    one (2.3 vs 10.7 G elements/s measured on a 16-core host), the widened pieces at the fp32 add's rate."""
-    scratch = getattr(_widen_scratch, "buffer", None)
-    if scratch is None or scratch.dtype != landing.dtype:
-        scratch = _widen_scratch.buffer = torch.empty(_WIDEN_CHUNK, dtype=landing.dtype)
+    one, the widened pieces at the fp32 add's rate (`bench/host_accumulate.py`)."""
+    scratch = torch.empty(min(_WIDEN_CHUNK, landing.numel()), dtype=landing.dtype)
     for start in range(0, landing.numel(), _WIDEN_CHUNK):
         n = min(_WIDEN_CHUNK, landing.numel() - start)
         piece = scratch[:n]
