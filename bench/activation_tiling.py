@@ -48,12 +48,19 @@ def _config(args, mode: str) -> dict:
     config = {
         "partitioner": args.partitioner,
         "precision": args.precision,
-        "optimizer": {"name": "adamw", "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
+        "optimizer": {
+            "name": "cpu_adam" if args.offload_optimizer in ("cpu", "nvme") else "adamw",
+            "lr": ADAMW["lr"],
+            "betas": list(ADAMW["betas"]),
+            "weight_decay": ADAMW["weight_decay"],
+        },
         "offload": {"optimizer": args.offload_optimizer},
         "gradient_accumulation_steps": args.accum,
     }
     if args.options:
         config["partitioner_options"] = json.loads(args.options)
+    if args.tier_options:
+        config["offload"]["optimizer_options"] = json.loads(args.tier_options)
     if args.prefetch_mb is not None:
         config["prefetch_bytes"] = int(args.prefetch_mb * 2**20)
     if mode in ("ckpt", "ckpt_offload"):
@@ -203,7 +210,7 @@ def _worker(args) -> None:
 def _run_mode(args, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--mode", mode]
     for key in ("model", "micro_batch", "seq", "steps", "warmup", "accum", "partitioner", "precision",
-                "offload_optimizer", "options", "tiles", "linear", "linear_tiles", "linear_rows", "budget_gib",
+                "offload_optimizer", "options", "tier_options", "tiles", "linear", "linear_tiles", "linear_rows", "budget_gib",
                 "prefetch_mb"):
         value = getattr(args, key)
         if value is not None and value != "":
@@ -235,8 +242,10 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps (tokens/s counts every micro-batch)")
     parser.add_argument("--partitioner", default="zero3")
     parser.add_argument("--precision", default=None, help="bf16 with CUDA, else fp32 (bf16 backward is slow on CPU)")
-    parser.add_argument("--offload-optimizer", default="none", help="offload.optimizer tier (cpu for GPT-6.7B on one H100)")
+    parser.add_argument("--offload-optimizer", default="none",
+                        help="offload.optimizer tier (cpu for GPT-6.7B on one H100; offloaded runs use cpu_adam)")
     parser.add_argument("--options", default="", help="partitioner_options as JSON")
+    parser.add_argument("--tier-options", default="", help="offload.optimizer_options as JSON (gpu_share, say)")
     parser.add_argument("--prefetch-mb", type=float, default=None)
     parser.add_argument("--tiles", type=int, default=4, help="tiles per MLP Linear in tiled_mlp")
     parser.add_argument("--linear", default="16384,65536", help="IN,OUT features of the huge Linear")

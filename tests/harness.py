@@ -17,7 +17,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, out: str, fn, args) -> None:
+def gpus_hidden_if_short(world: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for ``world`` launched ranks: with fewer GPUs than ranks,
+    none visible, so the ranks form a gloo group on the CPU instead of sharing one GPU under NCCL."""
+    import torch
+
+    env = dict(os.environ if env is None else env)
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _child(rank: int, world: int, port: int, out: str, fn, args, hide_gpus: bool) -> None:
+    if hide_gpus:  # before anything touches CUDA: zkernel then forms a gloo group on the CPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -45,13 +58,16 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     """``fn(*args)`` on ``world`` spawned processes forming a gloo group; results by rank.
 
     A rank that raises fails the call with its traceback; a hang is killed
-    after ``timeout`` seconds and reported, never left behind.
+    after ``timeout`` seconds and reported, never left behind. With a GPU per
+    rank the ranks use them (zkernel picks NCCL); on a machine with fewer GPUs
+    than ranks they see none and run on the CPU, as on a machine without one.
     """
+    hide_gpus = gpus_hidden_if_short(world).get("CUDA_VISIBLE_DEVICES") == ""
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [ctx.Process(target=_child, args=(r, world, port, outs[r], fn, args)) for r in range(world)]
+        procs = [ctx.Process(target=_child, args=(r, world, port, outs[r], fn, args, hide_gpus)) for r in range(world)]
         # Fixed mmap threshold: freed large blocks go back to the OS, so RSS tracks live memory.
         saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"

@@ -38,7 +38,8 @@ def close_and_reuse(first: dict, second: dict, steps: int = 3) -> dict:
     grad_hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
     # The module trains on its own now ...
     tokens, targets = data[steps][0][_rank()]
-    plain = model(tokens, targets)
+    home = next(model.parameters()).device  # the compute device where the model fits there, else the host
+    plain = model(tokens.to(home), targets.to(home))
     plain.backward()
     plain_grads = all(p.grad is not None for p in model.parameters() if p.requires_grad)
     model.zero_grad(set_to_none=True)
@@ -65,16 +66,18 @@ def close_and_reuse(first: dict, second: dict, steps: int = 3) -> dict:
 
 
 def reference_two_phases(steps: int, lr: float) -> list[float]:
-    """The same 2 x ``steps`` of plain AdamW on one process (world 1 data)."""
+    """The same 2 x ``steps`` of plain AdamW on one process (world 1 data), on the device zkernel picks."""
     torch.manual_seed(0)
     model = TrickyNet()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model.to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     losses = []
     for i, step in enumerate(batches(5, 2 * steps, 1, 1, 2)):
         if i == steps:
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         tokens, targets = step[0][0]
-        loss = model(tokens, targets)
+        loss = model(tokens.to(device), targets.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.branch_scenarios import deferred_statements, deferred_statements_then_close, diverge, reference_branching, train_branching
-from tests.harness import _free_port, run_ranks
+from tests.harness import _free_port, gpus_hidden_if_short, run_ranks
 
 STEPS, LR = 6, 2e-2
 
@@ -85,6 +85,7 @@ def test_deferred_path_check_reports_while_a_thread_holds_the_interpreter_lock()
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
          "--no-python", sys.executable, "-c", code],
         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+        env=gpus_hidden_if_short(2),
     )
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "no error" not in proc.stdout
@@ -93,3 +94,37 @@ def test_deferred_path_check_reports_while_a_thread_holds_the_interpreter_lock()
                 "'layers.0', rank 1 was about to gather for forward 'layers.2'")
     assert expected in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 25  # not the 30 s the lock was held
+
+
+def test_prefetcher_starts_each_gather_once_per_pass():
+    """A look-ahead spanning many units does not revisit the gathers it already started
+    (walking them again cost a hook call per unit ahead, per unit: quadratic in the units)."""
+    import torch
+    from torch import nn
+
+    import zkernel
+    from zkernel.hookspecs import hookimpl
+
+    class Counter:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        @hookimpl
+        def zkernel_prefetch_params(self, group, phase):
+            self.calls += 1
+
+    layers = 24
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(layers)))
+    engine = zkernel.initialize(model, _config(prefetch_bytes=2**30))  # every unit fits the look-ahead
+    counter = Counter()
+    x = torch.randn(4, 16)
+    for step in range(3):
+        if step == 2:
+            engine.plugin_manager.register(counter)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    # Forward prefetches every unit after the first once; backward finds them released and does the same.
+    assert counter.calls <= 2 * layers, counter.calls
+    engine.close()

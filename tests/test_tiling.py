@@ -146,6 +146,53 @@ def test_meta_device_model_materialises_tile_by_tile():
     assert weight.shape == (480, 48) and state["big.weight"].shape == (480, 48) and "big.tiles.0.weight" not in state
     assert weight.abs().max() <= 1 / 48**0.5 + 4 * 1e-2  # nn.Linear's init bound, plus a few Adam steps
     assert losses[-1] < losses[0]
+    engine.close()  # the original layer was built on meta: it gets the trained values all the same
+    assert isinstance(model.big, nn.Linear) and not model.big.weight.is_meta
+    assert torch.equal(model.big.weight.detach(), weight)
+
+
+class Narrow(nn.Module):
+    """A wide-input Linear (like a GPT MLP's ``out``) between two small ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 480)
+        self.big = nn.Linear(480, 40)
+        self.head = nn.Linear(40, 1)
+
+    def forward(self, x):
+        return (self.head(torch.tanh(self.big(torch.tanh(self.inp(x))))) - 1).pow(2).mean()
+
+
+@pytest.mark.parametrize(("split", "rows", "cols"), [("auto", 1, 4), ("output", 4, 1), ("input", 1, 4)])
+def test_split_auto_cuts_along_the_larger_side_and_trains_alike(split, rows, cols):
+    def train(tiling: dict | None) -> tuple[list[float], nn.Module, list]:
+        torch.manual_seed(0)
+        model = Narrow()
+        engine = zkernel.initialize(model, _zero3(None, **({"tiling": tiling} if tiling else {})))
+        shape = [len(model.big.row_bounds), len(model.big.col_bounds)] if tiling else None
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(3):
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.close()
+        return losses, model, shape
+
+    untiled, reference, _ = train(None)
+    losses, model, shape = train({"modules": ["big"], "tiles": 4, "split": split})
+    assert shape == [rows, cols]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, untiled)), (losses, untiled)
+    assert _rel(model.big.weight, reference.big.weight) <= 1e-5
+
+
+def test_split_auto_cuts_a_wide_output_layer_along_its_outputs():
+    wide = Wide()
+    engine = zkernel.initialize(wide, {"tiling": {"modules": ["big"], "tiles": 4}})
+    assert (len(wide.big.row_bounds), len(wide.big.col_bounds)) == (4, 1)
+    engine.close()
 
 
 def test_tiling_selection_by_size_and_clear_errors():

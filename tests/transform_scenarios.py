@@ -73,17 +73,23 @@ def stack_batches(seed: int, steps: int, accum: int, micro: int = 3, seq: int = 
 
 
 def train_stack(config: dict | None, steps: int, accum: int, seed: int) -> list[float]:
-    """Train `Stack` (dropout on) through zkernel, or plain torch AdamW when ``config`` is None."""
+    """Train `Stack` (dropout on) through zkernel, or plain torch AdamW when ``config`` is None.
+
+    Plain torch runs on the device zkernel picks (a GPU where there is one): dropout draws its
+    masks from that device's generator."""
     torch.manual_seed(seed)
     model = Stack()
     data = stack_batches(seed + 1, steps, accum)
     torch.manual_seed(seed + 2)  # dropout masks: the same stream for every run
     if config is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         losses = []
         for step in data:
             total = 0.0
             for tokens, targets, mask in step:
+                tokens, targets, mask = (t.to(device) for t in (tokens, targets, mask))
                 loss = model(tokens, targets, mask) / accum
                 loss.backward()
                 total += loss.item()

@@ -37,6 +37,7 @@ from zkernel.groups import ParamGroup, Phase, StepOptions
 from zkernel.log import get_logger
 from zkernel.loss_scale import DynamicLossScaler
 from zkernel.machine import available_host_bytes
+from zkernel.profiling import profiler_range
 from zkernel.released import is_released
 from zkernel.scheduler import Scheduler
 from zkernel.sizes import format_bytes
@@ -189,7 +190,7 @@ class Engine:
         self.scheduler.begin_forward(self.is_accumulation_boundary, self.micro_steps)
         self._enter_guard()
         try:
-            with torch.profiler.record_function("zkernel::forward"), self._compute_span("forward"):
+            with profiler_range("zkernel::forward"), self._compute_span("forward"):
                 out = self._module(*args, **kwargs)
         except BaseException:
             self._exit_guard()
@@ -249,7 +250,7 @@ class Engine:
         self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
         self.scheduler.begin_backward(boundary)
         try:
-            with torch.profiler.record_function("zkernel::backward"), self._compute_span("backward"):
+            with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
             norm = self.pipeline.end_backward(boundary, need_norm=self._needs_norm())
@@ -271,7 +272,7 @@ class Engine:
             self.pipeline.begin_backward(True, known=None, speculative=None)
             self._coefficient = (self._coefficient_from(self.pipeline.end_backward(True, self._needs_norm())),)
         (coefficient,), self._coefficient = self._coefficient, None
-        with torch.profiler.record_function("zkernel::step"), log_context(self.dist.rank, self.global_steps):
+        with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
             if coefficient is None:
                 self.skipped_steps += 1
                 if self.loss_scaler is not None:

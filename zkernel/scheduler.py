@@ -71,6 +71,7 @@ from torch.utils._pytree import tree_flatten
 from zkernel.divergence import PathCheck
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
+from zkernel.profiling import profiler_range
 from zkernel.trace import ModuleTrace
 
 log = get_logger()
@@ -92,15 +93,20 @@ class _ReleasedParamGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.scheduler.in_hook:  # the plugins' own tensor work
             return func(*args, **kwargs)
+        # Runs for every op of the forward: keys are ids of live parameters, so a lookup by id
+        # (no isinstance through Parameter's metaclass) identifies them.
         owner = self.scheduler.group_of_param
-        for arg in (*args, *kwargs.values()):
-            leaves = tree_flatten(arg)[0] if isinstance(arg, (list, tuple, dict)) else (arg,)
-            for leaf in leaves:
-                if isinstance(leaf, nn.Parameter):
-                    group = owner.get(id(leaf))
-                    if group is not None and not group.gathered:
-                        self.scheduler.fetch_external(group)
+        for arg in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(arg, (list, tuple, dict)):
+                for leaf in tree_flatten(arg)[0]:
+                    self._fetch_released(owner.get(id(leaf)))
+            else:
+                self._fetch_released(owner.get(id(arg)))
         return func(*args, **kwargs)
+
+    def _fetch_released(self, group: ParamGroup | None) -> None:
+        if group is not None and not group.gathered:
+            self.scheduler.fetch_external(group)
 
 
 class Scheduler:
@@ -205,7 +211,7 @@ class Scheduler:
         return self.tracer.trace
 
     def _fetch(self, group: ParamGroup, phase: Phase) -> None:
-        with torch.profiler.record_function("zkernel::fetch"), self.plugin_call():
+        with profiler_range("zkernel::fetch"), self.plugin_call():
             self.fetch_now(group, phase)
 
     def fetch_now(self, group: ParamGroup, phase: Phase) -> None:
@@ -248,23 +254,27 @@ class Scheduler:
         step = 1 if phase is Phase.FORWARD else -1
         ahead = 0
         i = pos + step
+        # Runs before every unit, over every unit within the look-ahead: kept to set and dict lookups
+        # for units already under way.
+        reduced = self._reduced if phase is Phase.BACKWARD else ()
+        prefetched, group_bytes = self._prefetched, self._group_bytes
         with self.plugin_call():
             trace = self.tracer.trace
             while 0 <= i < len(trace) and ahead < host_bytes:
                 nxt = trace[i]
                 i += step
-                if phase is Phase.BACKWARD and nxt.index in self._reduced:
-                    continue  # its gradients are done: nothing in this backward reads it again
-                if nxt.gathered:
+                if nxt.gathered or nxt.index in reduced:
+                    continue  # in use, or its gradients are done (nothing in this backward reads it again)
+                if nxt.index in prefetched:  # its gather is in flight already
+                    ahead += group_bytes[nxt.index]
                     continue
                 if ahead < gather_bytes:
                     # A prefetched gather is a collective: whether it is issued must not depend on
                     # timing (every rank issues the same gathers in the same order), so it waits
                     # for the group's update and its upload rather than skip it.
                     self._wait_update(nxt)
-                    if nxt.index not in self._prefetched:
-                        self.paths.before(nxt, phase.value, self.micro_step)
-                        self._prefetched.add(nxt.index)
+                    self.paths.before(nxt, phase.value, self.micro_step)
+                    prefetched.add(nxt.index)
                     on_device = tier.on_compute_device
                     with contextlib.nullcontext() if on_device else self.streams.prefetch_context():
                         tier.to_device(nxt, consume=True, block=True)
@@ -275,7 +285,7 @@ class Scheduler:
                         tier.to_device(nxt, consume=False, block=False)
                     else:
                         tier.prefetch_host(nxt)
-                ahead += self._group_bytes[nxt.index]
+                ahead += group_bytes[nxt.index]
 
     # -- backward ---------------------------------------------------------------
 
@@ -310,7 +320,7 @@ class Scheduler:
     def _group_grads_ready(self, group: ParamGroup) -> None:
         if group.module is not None and group.index not in self.external:
             self._release(group, Phase.BACKWARD)
-        with torch.profiler.record_function("zkernel::reduce"), self.plugin_call():
+        with profiler_range("zkernel::reduce"), self.plugin_call():
             self.paths.before(group, "reduce", self.micro_step)
             reduced = self.hook.zkernel_reduce_gradients(group=group, boundary=self._boundary)
             if reduced is not None:

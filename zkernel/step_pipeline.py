@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from zkernel.groups import ParamGroup, ReducedGradient, StepOptions
 from zkernel.log import get_logger
+from zkernel.profiling import profiler_range
 from zkernel.tiers import OptimizerTier, ParamsTier
 from zkernel.timeline import SpanKind, Timeline
 
@@ -354,7 +355,7 @@ class StepPipeline:
         return event
 
     def _optimizer_step(self, group: ParamGroup, options: StepOptions) -> None:
-        with torch.profiler.record_function("zkernel::optimizer_step"):
+        with profiler_range("zkernel::optimizer_step"):
             stepped = self.hook.zkernel_step_optimizer(group=group, options=options)
         if not stepped:
             raise RuntimeError(

@@ -28,12 +28,28 @@ class Streams:
     h2d: Any = None  # torch.cuda.Stream: host-to-device copies
     d2h: Any = None  # torch.cuda.Stream: device-to-host copies
     gather: Any = None  # torch.cuda.Stream: prefetched gathers and the uploads they wait for
+    # Offloaded activations, out and back (see [Note: activation streams]).
+    activation_h2d: Any = None
+    activation_d2h: Any = None
 
     @classmethod
     def for_device(cls, device: torch.device) -> Streams:
+        """[Note: activation streams] Saved activations move on streams of their own. Backward
+        waits for each one's return, so those copies are on the compute stream's critical path,
+        while parameter uploads and gradient downloads have slack (an update is needed only by
+        the next forward). On one FIFO stream a restore queued behind a host step's uploads
+        (gigabytes per step with an offloaded optimizer) waits for all of them; on its own
+        stream it shares the link with them instead.
+        """
         if device.type != "cuda":
             return cls()
-        return cls(h2d=torch.cuda.Stream(device), d2h=torch.cuda.Stream(device), gather=torch.cuda.Stream(device))
+        return cls(
+            h2d=torch.cuda.Stream(device),
+            d2h=torch.cuda.Stream(device),
+            gather=torch.cuda.Stream(device),
+            activation_h2d=torch.cuda.Stream(device),
+            activation_d2h=torch.cuda.Stream(device),
+        )
 
     def prefetch_context(self):
         """Run a prefetch on the gather stream, after the compute work queued so far.

@@ -8,17 +8,18 @@ installs hooks there, so for each region:
 
 * pack (when the region starts, on the forward's stream): copy each input
   into a fresh host tensor (page-locked where CUDA is available) on the
-  engine's device-to-host stream, after the work that produced it; the
-  device tensor is marked as used by that stream, so the caching allocator
-  hands its memory out again only after the copy, and the offloader keeps no
-  reference to it: once the forward drops it, its memory is free.
+  engine's activation device-to-host stream ([Note: activation streams] in
+  `zkernel.streams`), after the work that produced it; the device tensor is
+  marked as used by that stream, so the caching allocator hands its memory
+  out again only after the copy, and the offloader keeps no reference to it:
+  once the forward drops it, its memory is free.
 * unpack (in backward, when the region's recomputation begins): first start
   bringing back the ``prefetch`` regions that ran just before this one in
   the forward (the order backward visits them next), then wait for this
   region's own copies (started by an earlier prefetch, else now). Copies in
-  run on the host-to-device stream into memory allocated on the compute
-  stream, after the compute stream's work so far; the compute stream waits
-  on the copy's event before it reads, never the host.
+  run on the activation host-to-device stream into memory allocated on the
+  compute stream, after the compute stream's work so far; the compute stream
+  waits on the copy's event before it reads, never the host.
 
 So the compute device holds one region's inputs being recomputed plus
 ``prefetch`` regions arriving, instead of every region's. Tensors that are
@@ -50,6 +51,7 @@ import torch
 from torch import nn
 
 from zkernel.config import ConfigError
+from zkernel.profiling import profiler_range
 from zkernel.streams import record_event
 
 
@@ -112,8 +114,8 @@ class SavedInputOffloader:
     def __init__(self, device: torch.device, streams, *, prefetch: int, pin_memory: bool | None, record_events: bool = False) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.d2h = streams.d2h if self.cuda else None
-        self.h2d = streams.h2d if self.cuda else None
+        self.d2h = streams.activation_d2h if self.cuda else None
+        self.h2d = streams.activation_h2d if self.cuda else None
         self.prefetch = prefetch
         if pin_memory and not torch.cuda.is_available():
             raise ConfigError("activation_checkpointing.pin_memory = true needs CUDA (page-locked memory); valid here: false or unset")
@@ -161,7 +163,7 @@ class SavedInputOffloader:
         if not self._offloadable(tensor) or self._shared(tensor):
             self.stats.kept_tensors += 1
             return tensor
-        with torch.no_grad(), torch.profiler.record_function("zkernel::activation_offload"):
+        with torch.no_grad(), profiler_range("zkernel::activation_offload"):
             source = tensor.detach()
             host = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=self.pin)
             if self.cuda:
@@ -217,7 +219,7 @@ class SavedInputOffloader:
         pending = [s for s in region.alive() if s.host is not None and s.device_copy is None]
         if not pending:
             return
-        with torch.profiler.record_function("zkernel::activation_restore"):
+        with profiler_range("zkernel::activation_restore"):
             copies, event = self._copy_in(pending)
         for saved, copy in zip(pending, copies):
             saved.device_copy, saved.h2d_event = copy, event

@@ -57,8 +57,9 @@ from torch import nn
 from zkernel import hookimpl
 from zkernel.config import choice, integer
 from zkernel.groups import ParamGroup, Phase
-from zkernel.streams import record_event
+from zkernel.profiling import profiler_range
 from zkernel.released import mark_gathered, mark_released
+from zkernel.streams import record_event
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
 from ._reduce import reduce_every_micro_batch
@@ -245,7 +246,7 @@ class Zero3:
     def zkernel_prefetch_params(self, group, phase):
         state = group.layout
         if not group.gathered and state.gathering is None:
-            with torch.profiler.record_function("zkernel::prefetch"):
+            with profiler_range("zkernel::prefetch"):
                 self._start_gather(group)
 
     @hookimpl

@@ -101,11 +101,14 @@ class TiledLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cols = len(self.col_bounds)
+        # split, not slicing: its backward is one cat of the pieces' gradients, where each slice's
+        # would be a zero-filled tensor of the whole input, summed with the others.
+        pieces = (x,) if cols == 1 else x.split([c1 - c0 for c0, c1 in self.col_bounds], dim=-1)
         outputs = []
         for i in range(len(self.row_bounds)):
             acc = None
-            for j, (c0, c1) in enumerate(self.col_bounds):
-                y = self.tiles[i * cols + j](x if cols == 1 else x[..., c0:c1])
+            for j, piece in enumerate(pieces):
+                y = self.tiles[i * cols + j](piece)
                 acc = y if acc is None else acc + y
             outputs.append(acc)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)

@@ -4,8 +4,9 @@ Algorithm. Every ``nn.Linear`` that ``[tiling] modules`` names (fnmatch
 patterns of module names) or whose weight has at least ``min_numel``
 elements is replaced, at `zkernel.initialize` before partitioning, by a
 `TiledLinear` of ``tiles`` tiles along its output features (``split =
-"output"``, the default: tile outputs are concatenated, no extra arithmetic)
-or its input features (``split = "input"``: partial products are summed).
+"output"``: tile outputs are concatenated) or its input features (``split =
+"input"``: partial products are summed). ``split = "auto"`` (the default)
+cuts along the larger of the two ([Note: which side to cut]).
 Each tile is a module with parameters of its own, so zero3 makes each one a
 unit, gathered before the tile runs and released after it (forward and
 backward alike): the layer's gathered working memory falls from the whole
@@ -39,15 +40,16 @@ from ._tiled_linear import TiledLinear
 
 log = get_logger()
 
-SPLITS = ("output", "input")
+SPLITS = ("auto", "output", "input")
 
 
 @attrs.frozen(kw_only=True)
 class LinearTilingOptions:
     """``[tiling]`` options of the ``linear`` component."""
 
-    # Along which features a layer is cut: "output" (rows of the weight) or "input" (columns).
-    split: str = attrs.field(default="output", validator=attrs.validators.in_(SPLITS))
+    # Along which features a layer is cut: "output" (rows of the weight), "input" (columns), or
+    # "auto": output features when there are at least as many as input features, else input.
+    split: str = attrs.field(default="auto", validator=attrs.validators.in_(SPLITS))
 
 
 @attrs.frozen
@@ -80,9 +82,9 @@ class LinearTiling:
             tiled = module.get_submodule(entry.name)
             original = entry.original
             with torch.no_grad():
-                original.weight.data = tiled.weight.detach().clone()
+                _put_back(original.weight, tiled.weight.detach().clone())
                 if original.bias is not None:
-                    original.bias.data = tiled.bias.detach().clone()
+                    _put_back(original.bias, tiled.bias.detach().clone())
             _set_submodule(module, entry.name, original)
         self.tiled.clear()
 
@@ -121,8 +123,9 @@ class LinearTiling:
 
     def _tile(self, model: nn.Module, name: str, linear: nn.Linear) -> None:
         tiles = self.section.tiles
-        rows = min(tiles, linear.out_features) if self.options.split == "output" else 1
-        cols = min(tiles, linear.in_features) if self.options.split == "input" else 1
+        split = self._split_of(linear)
+        rows = min(tiles, linear.out_features) if split == "output" else 1
+        cols = min(tiles, linear.in_features) if split == "input" else 1
         tiled = TiledLinear.from_linear(linear, rows=max(rows, 1), cols=max(cols, 1))
         _set_submodule(model, name, tiled)
         # The original keeps its Parameter objects (restored at close) but not their storage.
@@ -130,6 +133,35 @@ class LinearTiling:
             if param is not None and not param.is_meta:
                 param.data = param.data.new_empty(0)
         self.tiled.append(_Tiled(name, linear))
+
+    def _split_of(self, linear: nn.Linear) -> str:
+        """The side ``linear`` is cut along.
+
+        [Note: which side to cut] Cut along the outputs, the tiles share the
+        whole input, so backward sums ``tiles`` input gradients of the whole
+        input's size; cut along the inputs, forward sums ``tiles`` partial
+        outputs of the whole output's size, and backward joins the input
+        pieces' gradients in one copy. Either way the extra arithmetic is
+        ``tiles - 1`` additions of the smaller side, when the layer is cut
+        along its larger side (a GPT MLP: ``fc`` along its outputs, ``out``
+        along its inputs).
+        """
+        if self.options.split != "auto":
+            return self.options.split
+        return "output" if linear.out_features >= linear.in_features else "input"
+
+
+def _put_back(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Give ``param`` (the original layer's, kept at tiling) the trained ``value``, same object.
+
+    ``.data`` cannot move a tensor between the meta device and real storage (a
+    layer built on meta, or a closed model left on meta), so there the whole
+    tensor is swapped in place.
+    """
+    if param.is_meta != value.is_meta:
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    else:
+        param.data = value
 
 
 def _untileable(name: str, linear: nn.Linear, names_of: dict, owners_of: dict) -> str:
