@@ -17,13 +17,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def too_few_gpus(world: int) -> bool:
+    """Whether ``world`` ranks would have to share GPUs here (then they are shown none and use gloo)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() < world
+
+
 def gpus_hidden_if_short(world: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for ``world`` launched ranks: with fewer GPUs than ranks,
     none visible, so the ranks form a gloo group on the CPU instead of sharing one GPU under NCCL."""
-    import torch
-
     env = dict(os.environ if env is None else env)
-    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+    if too_few_gpus(world):
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
@@ -62,7 +67,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     rank the ranks use them (zkernel picks NCCL); on a machine with fewer GPUs
     than ranks they see none and run on the CPU, as on a machine without one.
     """
-    hide_gpus = gpus_hidden_if_short(world).get("CUDA_VISIBLE_DEVICES") == ""
+    hide_gpus = too_few_gpus(world)
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
