@@ -34,7 +34,7 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.config import AUTO, Config, ConfigError, PlannerConfig, auto_keys, load_config
+from zkernel.config import AUTO, AUTO_KEYS, Config, ConfigError, PlannerConfig, auto_keys, load_config
 from zkernel.log import get_logger
 from zkernel.machine import LocalCapacity, Probe, local_capacity
 
@@ -308,15 +308,18 @@ def plan(
     *,
     gpus: int | None = None,
     plugins: Sequence[Any] = (),
+    keys: Sequence[str] | None = None,
 ) -> Plan:
     """What the planner would choose for ``model`` on ``world_size`` ranks of this machine, without training.
 
     ``model``: a module (shapes only), an import path ``"pkg.mod:factory"``, or
     a transformer's numbers (`zkernel.model_shape.TransformerShape` or a dict).
     The keys of ``config`` that are ``"auto"`` are planned; when none is, all
-    three are. ``gpus`` overrides how many GPUs this machine has (0: train on
-    the CPU). Capacities come from this machine, replaced by ``[planner]``
-    ``gpu_memory``/``ram``/``disk``.
+    three are. ``keys`` names the keys to plan instead (of `AUTO_KEYS`; ``()``:
+    none, so the planner only sizes and checks the placement ``config`` fixes,
+    and raises `PlacementError` when it does not fit). ``gpus`` overrides how
+    many GPUs this machine has (0: train on the CPU). Capacities come from this
+    machine, replaced by ``[planner]`` ``gpu_memory``/``ram``/``disk``.
     """
     from zkernel.distributed import DistInfo
     from zkernel.model_shape import TransformerShape, as_module, as_shape
@@ -326,7 +329,18 @@ def plan(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     cfg = load_config(config)
-    if not auto_keys(cfg):
+    if keys is not None:
+        unknown = sorted(set(keys) - set(AUTO_KEYS))
+        if unknown:
+            raise ConfigError(f"keys {unknown} cannot be planned; the planner chooses {', '.join(AUTO_KEYS)}")
+        values = {"partitioner": cfg.partitioner, "offload.optimizer": cfg.offload.optimizer, "offload.params": cfg.offload.params}
+        for key in AUTO_KEYS:
+            if key not in keys and values[key] == AUTO:
+                raise ConfigError(f"{key} is 'auto' in the config but not among keys {list(keys)}: give it a value or plan it")
+        values.update({key: AUTO for key in keys})
+        offload = attrs.evolve(cfg.offload, optimizer=values["offload.optimizer"], params=values["offload.params"])
+        cfg = attrs.evolve(cfg, partitioner=values["partitioner"], offload=offload)
+    elif not auto_keys(cfg):
         cfg = attrs.evolve(
             cfg, partitioner=AUTO, offload=attrs.evolve(cfg.offload, optimizer=AUTO, params=AUTO, optimizer_options={}, params_options={})
         )

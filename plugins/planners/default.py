@@ -335,22 +335,29 @@ class _Planning:
 
     # -- the optimizer tier's spill ([Note: sizing the spill]) -----------------------------------
 
-    def _spill_options(self, tier: str) -> set[str]:
-        """The spill fractions of ``tier`` the planner counts: declared in `TIER_PLACEMENT`, taken by
-        its installed options class, and placed as the tier adopts its groups (the cpu tier's
-        gpu_share moves groups after the first step, so it does not lower what that step needs)."""
+    def _spill_options(self, candidate: _Candidate) -> set[str]:
+        """The spill fractions of the candidate's optimizer tier the planner counts: declared in
+        `TIER_PLACEMENT`, taken by its installed options class, and placed as the tier adopts its
+        groups. A spill that is not ``at_adopt`` (the cpu tier's gpu_share) still places zero3's
+        module-bound groups at adopt, so it counts under zero3; under the other partitioners it
+        moves groups after the first step and does not lower what that step needs."""
         from zkernel.registry import Family
 
+        tier = candidate.optimizer
         component = self.request.components.get(Family.OFFLOAD_TIER, tier) if self.request.components else None
         options_cls = component.options_for(Family.OFFLOAD_TIER.slots[0]) if component is not None else None
         taken = {a.name for a in attrs.fields(options_cls)} if options_cls is not None else set()
-        return {s.option for s in TIER_PLACEMENT[tier].spills if s.option in taken and s.at_adopt}
+        return {
+            s.option
+            for s in TIER_PLACEMENT[tier].spills
+            if s.option in taken and (s.at_adopt or candidate.partitioner == "zero3")
+        }
 
     def _given_shares(self, candidate: _Candidate) -> dict[str, float]:
         """The counted spill fractions the config gives (numbers only), as the tier takes them here."""
         given = self.config.offload.optimizer_options
         out = {}
-        for option in sorted(self._spill_options(candidate.optimizer)):
+        for option in sorted(self._spill_options(candidate)):
             value = given.get(option)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[option] = float(value)
@@ -365,7 +372,7 @@ class _Planning:
         """The spills the planner sizes: the tier is its choice and the config gives no fraction."""
         if "offload.optimizer" not in self.request.auto:
             return []
-        options = self._spill_options(candidate.optimizer) - set(self.config.offload.optimizer_options)
+        options = self._spill_options(candidate) - set(self.config.offload.optimizer_options)
         return [
             s
             for s in TIER_PLACEMENT[candidate.optimizer].spills
@@ -661,7 +668,10 @@ class _Planning:
         if dropped:
             notes.append(f"partitioner_options {dropped} dropped: {candidate.partitioner} does not take them")
         share = outcome.shares.get("gpu_share", 0.0)
-        if candidate.optimizer == "cpu" and "offload.optimizer" in auto and self.separate and "gpu_share" not in optimizer_options:
+        # The cpu tier's share where it was not sized as a spill (not zero3: moved after the first
+        # step, into what that step left of the device).
+        leftover_share = "gpu_share" not in optimizer_options and "gpu_share" not in outcome.shares
+        if candidate.optimizer == "cpu" and "offload.optimizer" in auto and self.separate and leftover_share:
             share = self._gpu_share(outcome)
             if share > 0:
                 optimizer_options["gpu_share"] = share
