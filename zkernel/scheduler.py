@@ -31,6 +31,14 @@ caught by a `TorchFunctionMode` active during the engine's forward: the first
 op touching a released parameter fetches its group, which is then kept whole
 until the end of backward, in this and every later step.
 
+[Note: guard off in plugin calls] The guard sees every op of the thread,
+including the plugins' own (views, copies, ``.data`` reads and writes: about
+six in seven of its calls on a GPT). Those pass straight through, but each still
+costs a call into Python. So a plugin call takes the guard off the torch-function
+mode stack while it runs and puts it back after, when the guard is the innermost
+mode; under a mode the user entered inside the forward it stays, and the
+``in_hook`` flag lets the plugins' ops through as before.
+
 The prefetcher follows the order groups ran in earlier passes, relearnt from
 every pass (see [Note: trace] in `zkernel.trace`). Forward post-hooks run even
 when the forward raises (``always_call``), and the engine then releases every
@@ -88,6 +96,14 @@ class _ReleasedParamGuard(TorchFunctionMode):
     def __init__(self, scheduler: Scheduler) -> None:
         super().__init__()
         self.scheduler = scheduler
+
+    def __enter__(self):
+        self.scheduler.active_guard = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.scheduler.active_guard = None
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -151,6 +167,7 @@ class Scheduler:
         self._reduced: set[int] = set()
         self._boundary = True
         self.in_hook = False
+        self.active_guard: _ReleasedParamGuard | None = None
         self.handles: list = []
         self._install()
 
@@ -191,11 +208,12 @@ class Scheduler:
             if group.index not in self.external:
                 self._release(group, Phase.FORWARD)
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda _grads, groups=groups: self._pre_backward(groups), mode="any"
-                )
+            with self.plugin_call():  # the scheduler's own reads of the output
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda _grads, groups=groups: self._pre_backward(groups), mode="any"
+                    )
         return output
 
     def fetch_external(self, group: ParamGroup) -> None:
@@ -236,10 +254,24 @@ class Scheduler:
     def plugin_call(self):
         """Mark plugin work: the guard lets the plugins' own tensor operations through."""
         outer, self.in_hook = self.in_hook, True
+        guard = self._pop_guard()
         try:
             yield
         finally:
+            if guard is not None:
+                torch._C._push_on_torch_function_stack(guard)
             self.in_hook = outer
+
+    def _pop_guard(self) -> _ReleasedParamGuard | None:
+        """Take the guard off this thread's mode stack if it is on top (see [Note: guard off in plugin calls])."""
+        guard = self.active_guard
+        if guard is None:
+            return None
+        depth = torch._C._len_torch_function_stack()
+        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not guard:
+            return None  # another thread, inside the guard's own handler, or under a user's mode
+        torch._C._pop_torch_function_stack()
+        return guard
 
     def _prefetch_after(self, group: ParamGroup, phase: Phase, pos: int) -> None:
         """Start each stage of the groups ahead of trace position ``pos``, each within its own
