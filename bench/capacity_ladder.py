@@ -32,8 +32,9 @@ import json
 import sys
 import tempfile
 
+from zkernel.model_shape import TransformerShape
 from zkernel.planning import PlacementError, plan
-from zkernel.cli import format_size
+from zkernel.sizes import format_bytes
 
 VOCAB = 50304
 SEQ = 1024
@@ -67,8 +68,12 @@ def _config(args, name: str, nvme_path: str, gpu_share: float) -> dict:
     return config
 
 
+def _shape(width: int, layers: int) -> dict:
+    return {"layers": layers, "hidden": width, "heads": width // HEAD_DIM, "vocab": VOCAB, "sequence": SEQ}
+
+
 def _fits(args, name: str, width: int, layers: int, nvme_path: str, gpu_share: float):
-    shape = {"layers": layers, "hidden": width, "heads": width // HEAD_DIM, "vocab": VOCAB, "sequence": SEQ}
+    shape = _shape(width, layers)
     try:
         return plan(shape, _config(args, name, nvme_path, gpu_share), 1, gpus=1, keys=PLACEMENTS[name][3])
     except PlacementError:
@@ -96,8 +101,8 @@ def _largest_layers(args, name: str, width: int, nvme_path: str, gpu_share: floa
 
 
 def _params(width: int, layers: int) -> int:
-    per_block = 12 * width * width + 13 * width  # qkv, proj, fc, out with biases; two LayerNorms
-    return layers * per_block + (VOCAB + SEQ) * width + 2 * width
+    """Parameters of the model, counted on its meta-device build (`bench/gpt_model.py`'s layout)."""
+    return sum(p.numel() for p in TransformerShape(**_shape(width, layers)).build().parameters())
 
 
 def _command(args, name: str, width: int, layers: int, decision) -> str:
@@ -139,8 +144,8 @@ def main() -> int:
             for width in (int(w) for w in args.widths.split(",")):
                 for share in shares:
                     found = _largest_layers(args, name, width, nvme_path, share)
-                    if found is not None and (best is None or _params(width, found[0]) > _params(*best[:2])):
-                        best = (width, found[0], found[1])
+                    if found is not None and (best is None or _params(width, found[0]) > best[3]):
+                        best = (width, found[0], found[1], _params(width, found[0]))
             rows.append((name, best))
     print(f"capacities: GPU {args.gpu_memory}, RAM {args.ram}, disk {args.disk}; micro-batch {args.micro_batch} x {SEQ}")
     print("| placement | model | parameters | planned as | GPU | host | disk |")
@@ -150,11 +155,11 @@ def main() -> int:
         if best is None:
             print(f"| {name} | none fits | | | | | |")
             continue
-        width, layers, decision = best
-        used = {where: sum(kinds.values()) for where, kinds in decision.bytes.items()}
+        width, layers, decision, params = best
+        used = {where: format_bytes(sum(kinds.values())) for where, kinds in decision.bytes.items()}
         print(
-            f"| {name} | {layers}x{width}x{width // HEAD_DIM} | {_params(width, layers) / 1e9:.2f} B | {decision.placement} "
-            f"| {format_size(used.get('device', 0))} | {format_size(used.get('cpu', 0))} | {format_size(used.get('nvme', 0))} |"
+            f"| {name} | {layers}x{width}x{width // HEAD_DIM} | {params / 1e9:.2f} B | {decision.placement} "
+            f"| {used.get('device', '-')} | {used.get('cpu', '-')} | {used.get('nvme', '-')} |"
         )
         commands.append(_command(args, name, width, layers, decision))
     print()

@@ -34,7 +34,7 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.config import AUTO, AUTO_KEYS, Config, ConfigError, PlannerConfig, auto_keys, load_config
+from zkernel.config import AUTO, AUTO_KEYS, Config, ConfigError, PlannerConfig, auto_keys, config_value, load_config
 from zkernel.log import get_logger
 from zkernel.machine import LocalCapacity, Probe, local_capacity
 
@@ -333,7 +333,7 @@ def plan(
         unknown = sorted(set(keys) - set(AUTO_KEYS))
         if unknown:
             raise ConfigError(f"keys {unknown} cannot be planned; the planner chooses {', '.join(AUTO_KEYS)}")
-        values = {"partitioner": cfg.partitioner, "offload.optimizer": cfg.offload.optimizer, "offload.params": cfg.offload.params}
+        values = {key: config_value(cfg, key) for key in AUTO_KEYS}
         for key in AUTO_KEYS:
             if key not in keys and values[key] == AUTO:
                 raise ConfigError(f"{key} is 'auto' in the config but not among keys {list(keys)}: give it a value or plan it")

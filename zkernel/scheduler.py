@@ -33,7 +33,7 @@ until the end of backward, in this and every later step.
 
 [Note: guard off in plugin calls] The guard sees every op of the thread,
 including the plugins' own (views, copies, ``.data`` reads and writes: about
-six in seven of its calls on a GPT). Those pass straight through, but each still
+four in five of its calls on a GPT). Those pass straight through, but each still
 costs a call into Python. So a plugin call takes the guard off the torch-function
 mode stack while it runs and puts it back after, when the guard is the innermost
 mode; under a mode the user entered inside the forward it stays, and the

@@ -11,7 +11,7 @@ and each keeping less on the compute device:
 4. the optimizer on NVMe (zero1 to zero3, then zero3 with parameters on the
    CPU), with the ``nvme`` tier's ``gpu_share`` and ``host_share`` sized from
    the device and host memory the placement leaves free, so that only the
-   rest of the optimizer is on disk ([Note: sizing the spill]);
+   rest of the optimizer is on disk;
 5. the parameters on NVMe too (the spill sized likewise).
 
 Within a stage, when the activations are known (`_activations`) and the
@@ -29,32 +29,7 @@ placement that fits with the least on disk. A zero3 placement that fails on
 the device because a layer is too large to gather gets the Linear layers
 that are split into tiles small enough to gather.
 
-[Note: sizing the spill] A box holds what its GPUs, its RAM and its disk hold
-together, and every byte of optimizer state on disk is read and written
-every step (at 1-3 GB/s, against tens to hundreds of GB/s for host memory
-and the GPU), so the nvme tier keeps the optimizer of the first
-``gpu_share`` of the trainable elements (in module order, the next
-forward's) on the GPU and of the next ``host_share`` in host memory
-([Note: optimizer spill] in `zkernel.estimator`). For a candidate with the
-optimizer on NVMe whose other needs fit the device, the planner, when the
-tier is its choice and the config gives no fraction: gives ``gpu_share`` the
-largest fraction (in thousandths) whose groups fit the device with
-everything else the placement keeps there, then ``host_share`` the largest
-that fits host memory likewise (the host budget is already per rank; the
-optimizer pool shrinks as files leave the disk); each is judged by
-estimating the placement at that fraction (groups are placed whole, the
-bytes per element differ by placement), starting from the bytes per
-element the largest fraction adds, then bisecting; then lowers each to the
-least thousandth that places the same groups (so the next one has room).
-The candidate fits if what is left fits the disk. A fraction of 0 places
-nothing, so where neither has room the plan is the tier without fractions:
-every master and state in swap files. Within the stage, the fitting candidate with the least on disk wins
-(ties keep the order): a step moves that many bytes over the disk twice,
-which costs more than checkpointing's recompute or parameters crossing
-PCIe from host memory. The cpu tier's ``gpu_share`` is not sized this way:
-it moves groups after the first step, so host memory must hold all of them
-first; it is sized after the choice from the device memory left
-(`_gpu_share`).
+The spill fractions are sized as [Note: sizing the spill] in `_spill` says.
 
 Keys the config sets are kept; offload tiers that are not installed (nvme,
 before its plugin is) or that would need ``offload.nvme_path`` without one
@@ -68,23 +43,19 @@ transfers per optimizer step, in the decision.
 
 from __future__ import annotations
 
-import enum
 import math
 
 import attrs
 from torch import nn
 
 from zkernel import hookimpl
-from zkernel.config import AUTO, boolean, number
+from zkernel.config import boolean, number
 from zkernel.estimator import (
-    DEVICE,
     PARTITIONERS,
     TIER_PLACEMENT,
     Buffer,
     Role,
-    Spill,
     group_buffers,
-    spill_numel,
     tally,
     totals,
 )
@@ -93,19 +64,17 @@ from zkernel.planning import Plan, PlacementError, Planner, PlanRequest
 from zkernel.tiers import HOST_MARGIN
 
 from ._activations import Activations, activations_of
+from ._spill import SpillSizing
+from ._types import Candidate, Mode, Outcome, States
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _MAX_TILES = 64
-# Bytes per element of the optimizer a gpu_share keeps on the GPU: master, two moments, gradient.
-_SHARE_BYTES = 16
 # How the nvme tiers size their page-locked pools when buffer_bytes is not given: the optimizer
 # role's DEFAULT_BUFFER_BYTES (plugins/offload_tiers/_nvme_optimizer.py) and the params role's
 # default lookahead_host_bytes (_nvme_options.py); files are on O_DIRECT alignment.
 _NVME_OPTIMIZER_POOL = 2 << 30
 _NVME_PARAMS_LOOKAHEAD = 2 << 30
 _ALIGNMENT = 4096
-# The nvme tier's spill fractions are sized in steps of 1/_STEPS of the trainable elements.
-_STEPS = 1000
 
 
 def _aligned(nbytes: int) -> int:
@@ -140,58 +109,6 @@ class DefaultPlannerOptions:
             raise ValueError(f"device_reserve must be below 1, got {self.device_reserve}")
 
 
-class Mode(enum.Enum):
-    """How the blocks' activations are kept."""
-
-    AS_CONFIGURED = "as configured"
-    PLAIN = "no checkpointing"
-    CHECKPOINT = "every block checkpointed"
-    OFFLOAD = "every block checkpointed, inputs in host memory"
-
-
-@attrs.frozen
-class _Candidate:
-    partitioner: str
-    optimizer: str
-    params: str
-    mode: Mode
-
-    def text(self) -> str:
-        where = {"none": "device"}
-        text = f"{self.partitioner} optimizer@{where.get(self.optimizer, self.optimizer)} params@{where.get(self.params, self.params)}"
-        return text if self.mode is Mode.AS_CONFIGURED else f"{text} ({self.mode.value})"
-
-
-@attrs.frozen
-class _Outcome:
-    """One candidate judged: bytes by place and kind, what is short, and what was added to make it fit."""
-
-    need: dict[str, dict[str, int]]
-    report: dict[str, dict[str, int]]
-    short: list[str]
-    tiling: tuple[int, int] | None = None
-    # The optimizer tier's spill fractions the bytes were counted with (given, or sized here).
-    shares: dict[str, float] = attrs.field(factory=dict)
-
-    @property
-    def disk(self) -> int:
-        """Bytes per rank in swap files: what every step moves over the disk."""
-        return sum(self.need.get("nvme", {}).values())
-
-    def shares_text(self) -> str:
-        return ", ".join(f"{k} {v:g}" for k, v in self.shares.items() if v > 0)
-
-
-@attrs.frozen
-class _States:
-    """A candidate's model states at given spill fractions, and what they need beside them."""
-
-    report: dict[str, dict[str, int]]
-    largest: int  # bytes of the largest group while gathered or reduced
-    prefetch: int  # zero3's prefetch window
-    pools: int  # page-locked host pools the nvme tiers stream swap files through
-
-
 class DefaultPlanner(Planner):
     """See the module docstring."""
 
@@ -202,7 +119,7 @@ class DefaultPlanner(Planner):
         return _Planning(request, self.options).run()
 
 
-class _Planning:
+class _Planning(SpillSizing):
     """One `DefaultPlanner.plan` call: the request, the budgets, and what was found."""
 
     def __init__(self, request: PlanRequest, options: DefaultPlannerOptions) -> None:
@@ -244,7 +161,7 @@ class _Planning:
 
         return None if key in self.request.auto else config_value(self.config, key)
 
-    def _candidates(self) -> list[list[_Candidate]]:
+    def _candidates(self) -> list[list[Candidate]]:
         fixed = {key: self._fixed(key) for key in ("partitioner", "offload.optimizer", "offload.params")}
         if fixed["partitioner"] is not None and fixed["partitioner"] not in PARTITIONERS:
             raise PlacementError(
@@ -280,7 +197,7 @@ class _Planning:
                 seen.add((p, o, q))
                 chosen.append((p, o, q))
             if chosen:
-                stages.append([_Candidate(p, o, q, mode) for mode in modes for p, o, q in chosen])
+                stages.append([Candidate(p, o, q, mode) for mode in modes for p, o, q in chosen])
         return stages
 
     # -- measurements --------------------------------------------------------------------------
@@ -299,7 +216,7 @@ class _Planning:
 
     # -- a candidate as a config -----------------------------------------------------------------
 
-    def _variant(self, candidate: _Candidate, shares: dict[str, float] | None = None):
+    def _variant(self, candidate: Candidate, shares: dict[str, float] | None = None):
         config = self.config
         return attrs.evolve(
             config,
@@ -333,114 +250,6 @@ class _Planning:
         component = self.request.components.get(Family.PARTITIONER, variant.partitioner)
         return build_options("partitioner_options", component.options_cls, variant.partitioner_options)
 
-    # -- the optimizer tier's spill ([Note: sizing the spill]) -----------------------------------
-
-    def _spill_options(self, candidate: _Candidate) -> set[str]:
-        """The spill fractions of the candidate's optimizer tier the planner counts: declared in
-        `TIER_PLACEMENT`, taken by its installed options class, and placed as the tier adopts its
-        groups. A spill that is not ``at_adopt`` (the cpu tier's gpu_share) still places zero3's
-        module-bound groups at adopt, so it counts under zero3; under the other partitioners it
-        moves groups after the first step and does not lower what that step needs."""
-        from zkernel.registry import Family
-
-        tier = candidate.optimizer
-        component = self.request.components.get(Family.OFFLOAD_TIER, tier) if self.request.components else None
-        options_cls = component.options_for(Family.OFFLOAD_TIER.slots[0]) if component is not None else None
-        taken = {a.name for a in attrs.fields(options_cls)} if options_cls is not None else set()
-        return {
-            s.option
-            for s in TIER_PLACEMENT[tier].spills
-            if s.option in taken and (s.at_adopt or candidate.partitioner == "zero3")
-        }
-
-    def _given_shares(self, candidate: _Candidate) -> dict[str, float]:
-        """The counted spill fractions the config gives (numbers only), as the tier takes them here."""
-        given = self.config.offload.optimizer_options
-        out = {}
-        for option in sorted(self._spill_options(candidate)):
-            value = given.get(option)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[option] = float(value)
-        return self._effective(candidate, out)
-
-    def _effective(self, candidate: _Candidate, shares: dict[str, float]) -> dict[str, float]:
-        """``shares`` the tier acts on: positive, and a CUDA-only one only where the plan has a GPU."""
-        cuda_only = {s.option for s in TIER_PLACEMENT[candidate.optimizer].spills if s.cuda_only}
-        return {k: v for k, v in shares.items() if v > 0 and (self.separate or k not in cuda_only)}
-
-    def _sizable(self, candidate: _Candidate) -> list[Spill]:
-        """The spills the planner sizes: the tier is its choice and the config gives no fraction."""
-        if "offload.optimizer" not in self.request.auto:
-            return []
-        options = self._spill_options(candidate) - set(self.config.offload.optimizer_options)
-        return [
-            s
-            for s in TIER_PLACEMENT[candidate.optimizer].spills
-            if s.option in options and (self.separate or not s.cuda_only)
-        ]
-
-    def _size_spills(self, candidate: _Candidate, options, base: _Outcome, spills: list[Spill]) -> _Outcome:
-        """``base`` with each spill in turn given the largest fraction (in 1/_STEPS) that its place holds."""
-        working = base.need[self.label]["working"]
-        outcome = base
-        for spill in spills:
-            row = TIER_PLACEMENT[spill.row].where[Role.MASTER]
-            place = self.label if row == DEVICE else row
-            budget = self.budgets.get(place)
-            cap = math.floor((1 - sum(outcome.shares.values())) * _STEPS + 1e-9)
-            if budget is None or cap <= 0 or sum(outcome.need[place].values()) > budget:
-                continue
-            shares = dict(outcome.shares)
-
-            def judged(steps: int, shares=shares, option=spill.option) -> _Outcome:
-                return self._outcome(candidate, options, {**shares, option: steps / _STEPS}, working, base.tiling)
-
-            def fits(judged_outcome: _Outcome, place=place, budget=budget) -> bool:
-                return sum(judged_outcome.need[place].values()) <= budget
-
-            whole = judged(cap)
-            if fits(whole):
-                outcome = self._trimmed(candidate, options, whole, spill.option)
-                continue
-            # The largest fraction that fits, in (0, cap): first where the bytes per element the
-            # whole of it added say, then its neighbour, then bisection (groups are placed whole).
-            low = sum(outcome.need[place].values())
-            added = sum(whole.need[place].values()) - low
-            guess = int((budget - low) / added * cap) if added > 0 else 0
-            lo, hi, best = 0, cap, outcome  # fits at lo, not at hi
-            probe, first = min(max(guess, 1), cap - 1), True
-            while hi - lo > 1:
-                tried = judged(probe)
-                if fits(tried):
-                    lo, best = probe, tried
-                else:
-                    hi = probe
-                after = (probe + 1 if probe == lo else probe - 1) if first else (lo + hi) // 2
-                probe, first = (after if lo < after < hi else (lo + hi) // 2), False
-            outcome = self._trimmed(candidate, options, best, spill.option)
-        return outcome
-
-    def _trimmed(self, candidate: _Candidate, options, outcome: _Outcome, option: str) -> _Outcome:
-        """``outcome`` with fraction ``option`` lowered to the least step that still takes the same
-        groups (from what they take up, a fraction places the same whole groups), or dropped if it
-        takes none; so the next spill may take the rest. One element per group of slack: the tier
-        may count its trainable elements without the groups' padding."""
-        shares = dict(outcome.shares)
-        variant = self._variant(candidate, shares)
-        count = spill_numel(self.request.model, variant, self.request.world_size, options, shares=shares)
-        placed = count.taken.get(option, 0)
-        if not placed:
-            shares.pop(option, None)
-            return attrs.evolve(outcome, shares=shares)
-        least = math.ceil(placed * _STEPS / count.total)
-        while int(least / _STEPS * (count.total - count.groups)) < placed and least < round(shares[option] * _STEPS):
-            least += 1
-        # The fractions must not sum past 1 (rounding each up could); at exactly 1 the tier keeps
-        # every group off the disk.
-        room = math.floor((1 - sum(v for k, v in shares.items() if k != option)) * _STEPS + 1e-9)
-        shares[option] = min(least, room) / _STEPS
-        return attrs.evolve(outcome, shares=shares)
-
     # -- judging one candidate -------------------------------------------------------------------
 
     def _activation_bytes(self, mode: Mode) -> tuple[int, int]:
@@ -457,11 +266,11 @@ class _Planning:
             return acts.checkpointed, 0
         return acts.checkpointed - acts.block_inputs, acts.block_inputs
 
-    def _states(self, candidate: _Candidate, options, shares: dict[str, float]) -> _States:
+    def _states(self, candidate: Candidate, options, shares: dict[str, float]) -> States:
         variant = self._variant(candidate, shares)
         groups = group_buffers(self.request.model, variant, self.request.world_size, options, shares=shares)
         largest, prefetch = self._transients(variant.partitioner, groups)
-        return _States(tally(groups, variant, self.label), largest, prefetch, self._pools(candidate, groups))
+        return States(tally(groups, variant, self.label), largest, prefetch, self._pools(candidate, groups))
 
     def _transients(self, partitioner: str, groups: list[list[Buffer]]) -> tuple[int, int]:
         """(largest bytes one group needs while gathered or reduced, zero3's prefetch window)."""
@@ -483,7 +292,7 @@ class _Planning:
         prefetch = min(self.config.prefetch_bytes, gathered) if partitioner == "zero3" else 0
         return largest, prefetch
 
-    def _pools(self, candidate: _Candidate, groups: list[list[Buffer]]) -> int:
+    def _pools(self, candidate: Candidate, groups: list[list[Buffer]]) -> int:
         """Page-locked host bytes the nvme tiers stream their swap files through, sized as they size
         them (their ``buffer_bytes`` where the config gives it for the tier it fixes)."""
         total = 0
@@ -504,7 +313,7 @@ class _Planning:
                 total += given.get("buffer_bytes") or min(2 * sum(shards), lookahead + 4 * max(shards))
         return total
 
-    def _need(self, candidate: _Candidate, states: _States, working: int) -> dict[str, dict[str, int]]:
+    def _need(self, candidate: Candidate, states: States, working: int) -> dict[str, dict[str, int]]:
         """Bytes per rank by place and kind: model states, the device's working memory, activations, pools."""
         need: dict[str, dict[str, int]] = {place: {"model_states": n} for place, n in totals(states.report).items()}
         need.setdefault(self.label, {"model_states": 0})
@@ -519,14 +328,14 @@ class _Planning:
             need["cpu"]["swap_pools"] = states.pools
         return need
 
-    def _outcome(self, candidate: _Candidate, options, shares: dict[str, float], working: int, tiling) -> _Outcome:
+    def _outcome(self, candidate: Candidate, options, shares: dict[str, float], working: int, tiling) -> Outcome:
         """The candidate at spill fractions ``shares``, its device working memory (and tiling) known."""
         shares = self._effective(candidate, shares)
         states = self._states(candidate, options, shares)
         need = self._need(candidate, states, working)
-        return _Outcome(need, states.report, self._short(need), tiling, shares)
+        return Outcome(need, states.report, self._short(need), tiling, shares)
 
-    def _judge(self, candidate: _Candidate) -> _Outcome:
+    def _judge(self, candidate: Candidate) -> Outcome:
         options = self._built_options(self._variant(candidate))
         given = self._given_shares(candidate)
         states = self._states(candidate, options, given)
@@ -541,7 +350,7 @@ class _Planning:
                     need[self.label]["working"] = working
                 else:
                     working, tiling = tiled, tiles
-        outcome = _Outcome(need, states.report, self._short(need), tiling, given)
+        outcome = Outcome(need, states.report, self._short(need), tiling, given)
         spills = self._sizable(candidate)
         if spills and self.label not in outcome.short:
             outcome = self._size_spills(candidate, options, outcome, spills)
@@ -601,9 +410,9 @@ class _Planning:
     def run(self) -> Plan:
         # Per placement, the activation mode that came closest (least excess), for the decision and the error.
         rejected: dict[tuple[str, str, str], tuple[int, str]] = {}
-        last: tuple[_Candidate, _Outcome] | None = None
+        last: tuple[Candidate, Outcome] | None = None
         for stage in self._candidates():
-            fitting: list[tuple[_Candidate, _Outcome]] = []
+            fitting: list[tuple[Candidate, Outcome]] = []
             for candidate in stage:
                 outcome = self._judge(candidate)
                 if not outcome.short:
@@ -632,11 +441,11 @@ class _Planning:
         raise self._nothing_fits([line for _, line in rejected.values()], last)
 
     @staticmethod
-    def _text(candidate: _Candidate, outcome: _Outcome) -> str:
+    def _text(candidate: Candidate, outcome: Outcome) -> str:
         shares = outcome.shares_text()
         return f"{candidate.text()} with {shares}" if shares else candidate.text()
 
-    def _excess(self, outcome: _Outcome) -> int:
+    def _excess(self, outcome: Outcome) -> int:
         """Bytes over budget, summed over the places that are short (unknown disk counts fully)."""
         total = 0
         for place in outcome.short:
@@ -644,7 +453,7 @@ class _Planning:
             total += need - (self.budgets.get(place) or 0)
         return total
 
-    def _shortfall(self, outcome: _Outcome) -> str:
+    def _shortfall(self, outcome: Outcome) -> str:
         parts = []
         for place in outcome.short:
             total = sum(outcome.need[place].values())
@@ -653,7 +462,7 @@ class _Planning:
             parts.append(f"{place} needs {format_bytes(total)} per rank ({kinds}), {format_bytes(budget)} usable")
         return "; ".join(parts)
 
-    def _plan(self, candidate: _Candidate, outcome: _Outcome, rejected: list[str]) -> Plan:
+    def _plan(self, candidate: Candidate, outcome: Outcome, rejected: list[str]) -> Plan:
         config = self.config
         auto = self.request.auto
         optimizer_options = dict(config.offload.optimizer_options)
@@ -672,7 +481,7 @@ class _Planning:
         # step, into what that step left of the device).
         leftover_share = "gpu_share" not in optimizer_options and "gpu_share" not in outcome.shares
         if candidate.optimizer == "cpu" and "offload.optimizer" in auto and self.separate and leftover_share:
-            share = self._gpu_share(outcome)
+            share = self.leftover_gpu_share(outcome)
             if share > 0:
                 optimizer_options["gpu_share"] = share
                 if self.request.device.type != "cuda":
@@ -706,36 +515,7 @@ class _Planning:
             notes=tuple(n for n in notes if n),
         )
 
-    def _spill_note(self, candidate: _Candidate, outcome: _Outcome) -> str:
-        """Where the optimizer tier keeps what, in words (``outcome.shares`` are its fractions)."""
-        words = {DEVICE: "on the GPU", "cpu": "in host memory", "nvme": "in swap files"}
-        row = TIER_PLACEMENT[candidate.optimizer]
-        parts = [
-            f"{s.option} {outcome.shares[s.option]:g} {words[TIER_PLACEMENT[s.row].where[Role.MASTER]]}"
-            for s in row.spills
-            if s.option in outcome.shares
-        ]
-        home = row.where[Role.MASTER]
-        rest = sum(outcome.report[c].get(home, 0) for c in ("master_weights", "optimizer_state"))
-        return (
-            f"optimizer tier {candidate.optimizer!r} keeps the master and optimizer state of the first "
-            f"trainable elements in module order: {', '.join(parts)}, the rest {words[home]} "
-            f"({format_bytes(rest)} per rank)"
-        )
-
-    def _trainable_numel(self, outcome: _Outcome) -> int:
-        """Elements of the fp32 master one rank keeps (its shard of the trainable parameters)."""
-        return sum(outcome.report["master_weights"].values()) // 4
-
-    def _gpu_share(self, outcome: _Outcome) -> float:
-        numel = self._trainable_numel(outcome)
-        if not numel:
-            return 0.0
-        leftover = self.budgets["device"] - sum(outcome.need["device"].values())
-        fraction = min(1.0, max(0, leftover) / (_SHARE_BYTES * numel))
-        return math.floor(fraction * 100) / 100
-
-    def _seconds(self, candidate: _Candidate, outcome: _Outcome, share: float) -> dict[str, float]:
+    def _seconds(self, candidate: Candidate, outcome: Outcome, share: float) -> dict[str, float]:
         """Predicted seconds per optimizer step of what the placement adds, from the measured rates."""
         rate = {name: probe.rate for name, probe in self.measurements.items()}
         numel = self._trainable_numel(outcome)
