@@ -113,10 +113,12 @@ def zero3_config(lr: float, clip: float = 0.0) -> dict:
     }
 
 
-def tie_report(engine) -> dict:
-    """Whether the output head and the input embedding are one parameter, and where it sits in the groups."""
+def tie_report(engine, lm: torch.nn.Module | None = None) -> dict:
+    """Whether the output head and the input embedding of ``lm`` (by default the engine's module)
+    are one parameter, and where it sits in the groups."""
     model = engine.module
-    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    lm = model if lm is None else lm
+    head, embed = lm.get_output_embeddings().weight, lm.get_input_embeddings().weight
     grouped = [p for g in engine.groups for p in g.params]
     return {
         "same_object": head is embed,
@@ -179,6 +181,40 @@ def parity(arch: str, width: int, depth: int, steps: int) -> dict:
     return result
 
 
+class TiledLossLM(torch.nn.Module):
+    """A causal LM whose head and shifted next-token loss go through `zkernel.tiled_cross_entropy`
+    (the logits never whole), as a user writes it around a Hugging Face model."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.lm.base_model(input_ids=input_ids).last_hidden_state
+        head = self.lm.get_output_embeddings().weight
+        return zkernel.tiled_cross_entropy(hidden[:, :-1], head, input_ids[:, 1:], tiles=3)
+
+
+def tiled_loss_parity(arch: str, width: int, depth: int, steps: int) -> dict:
+    """`parity`'s run with the loss through `TiledLossLM`: its oracle is `parity`'s reference."""
+    lr, clip = 1e-2, 1.0
+    world, rank = _world_rank()
+    data = token_batches(11, steps, world, 2)
+    lm = build_on_meta(arch, width, depth)
+    engine = zkernel.initialize(TiledLossLM(lm), zero3_config(lr, clip), init_fn=lm._init_weights)
+    losses = []
+    for step in data:
+        loss = engine(step[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return {"losses": losses, "ties": tie_report(engine, lm)}
+
+
 def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
     """Everything the Hugging Face tests check, in one spawn (importing transformers costs seconds per process)."""
     torch.manual_seed(0)
@@ -187,4 +223,5 @@ def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
         out[f"{arch}:build"] = meta_build(arch, *big, first=i == 0)
     for arch in ARCHS:
         out[f"{arch}:parity"] = parity(arch, *small, steps)
+        out[f"{arch}:tiled loss"] = tiled_loss_parity(arch, *small, steps)
     return out

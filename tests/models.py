@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import zkernel
+
 VOCAB = 29
 
 
@@ -22,13 +24,22 @@ class TrickyNet(nn.Module):
         self.gain = nn.Parameter(torch.tensor(0.75))
         self.register_buffer("shift", torch.linspace(-0.1, 0.1, dim))
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         h = h + self.block(h)
         h = h + self.block(h)  # the same module twice
-        h = self.frozen_proj(self.norm(h)) * self.gain + self.shift
-        logits = F.linear(h, self.embed.weight)  # tied head, outside the embedding's forward
+        return self.frozen_proj(self.norm(h)) * self.gain + self.shift
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.features(tokens), self.embed.weight)  # tied head, outside the embedding's forward
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+class TiledLossNet(TrickyNet):
+    """TrickyNet whose tied head and loss go through `zkernel.tiled_cross_entropy` in 3 tiles."""
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return zkernel.tiled_cross_entropy(self.features(tokens), self.embed.weight, targets, tiles=3)
 
 
 def batches(seed: int, steps: int, accum: int, world: int, micro: int, seq: int = 6):

@@ -71,6 +71,20 @@ def test_zero3_matches_torch_on_the_same_materialised_model(suite, arch):
             assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {arch} step {i}: zero3 {a!r} vs torch {b!r}"
 
 
+@pytest.mark.parametrize("arch", hf.ARCHS)
+def test_tiled_loss_around_a_hugging_face_model_matches_its_own_loss(suite, arch):
+    """The base model's hidden states through zkernel.tiled_cross_entropy with the tied head:
+    the same losses as the model's own ``labels=`` loss in torch, one tied parameter."""
+    expected = suite[0][f"{arch}:parity"]["reference"]
+    embedding = {"gpt2": "lm.transformer.wte", "llama": "lm.model.embed_tokens"}[arch]
+    for rank, results in enumerate(suite):
+        r = results[f"{arch}:tiled loss"]
+        for i, (a, b) in enumerate(zip(r["losses"], expected, strict=True)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {arch} step {i}: tiled {a!r} vs torch {b!r}"
+        assert r["ties"]["same_object"] and r["ties"]["groups_holding_it"] == 1
+        assert r["ties"]["external"] == [embedding]
+
+
 def _init_stats(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     return {n: (p.mean().item(), p.std().item()) for n, p in model.named_parameters()}
 

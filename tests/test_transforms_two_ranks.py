@@ -20,12 +20,15 @@ BASE = {
 }
 # block (a Sequential) runs twice per forward; frozen_proj has a frozen weight and a trainable bias.
 TILED = {"modules": ["block.*", "frozen_proj"], "tiles": 3}
-CONFIGS = {
-    "plain": BASE,
-    "tiled by output": {**BASE, "tiling": TILED},
-    "tiled by input": {**BASE, "tiling": {**TILED, "split": "input"}},
-    "checkpointed, offloaded": {**BASE, "activation_checkpointing": {"modules": ["block", "frozen_proj"], "offload": "cpu"}},
-    "tiled and checkpointed": {**BASE, "tiling": TILED, "activation_checkpointing": {"modules": ["Sequential"]}},
+RUNS = {
+    "plain": ("tricky", BASE),
+    "tiled by output": ("tricky", {**BASE, "tiling": TILED}),
+    "tiled by input": ("tricky", {**BASE, "tiling": {**TILED, "split": "input"}}),
+    "checkpointed, offloaded": ("tricky", {**BASE, "activation_checkpointing": {"modules": ["block", "frozen_proj"], "offload": "cpu"}}),
+    "tiled and checkpointed": ("tricky", {**BASE, "tiling": TILED, "activation_checkpointing": {"modules": ["Sequential"]}}),
+    # The tied head and its loss in tiles (zkernel.tiled_cross_entropy), with the blocks
+    # checkpointed and offloaded: the reference is TrickyNet's untiled loss all the same.
+    "tiled loss": ("tiled loss", {**BASE, "activation_checkpointing": {"modules": ["block"], "offload": "cpu"}}),
 }
 
 
@@ -34,8 +37,8 @@ def two_ranks():
     torch.manual_seed(SEED)
     reference = TrickyNet()
     expected = reference_losses(reference, batches(SEED + 1, STEPS, ACCUM, 2, MICRO), LR, WD, CLIP)
-    results = run_ranks(2, train_tricky_transformed, list(CONFIGS.values()), STEPS, ACCUM, MICRO, SEED)
-    return expected, reference, [dict(zip(CONFIGS, rank)) for rank in results]
+    results = run_ranks(2, train_tricky_transformed, list(RUNS.values()), STEPS, ACCUM, MICRO, SEED)
+    return expected, reference, [dict(zip(RUNS, rank)) for rank in results]
 
 
 def _assert_losses(losses, expected, rel, label):
@@ -72,3 +75,14 @@ def test_checkpointed_training_equals_training_without_it(two_ranks):
         assert checkpointed["trace"] == plain["trace"], "recomputations stay out of the trace"
         for name, value in plain["state"].items():
             assert torch.allclose(checkpointed["state"][name], value, rtol=1e-6, atol=1e-7), name
+
+
+def test_tiled_loss_trains_like_the_untiled_head_under_zero3(two_ranks):
+    expected, reference, ranks = two_ranks
+    for rank in ranks:
+        r = rank["tiled loss"]
+        _assert_losses(r["losses"], expected, 1e-5, "tiled loss")
+        _assert_losses(r["losses"], rank["plain"]["losses"], 1e-6, "tiled loss vs plain")
+        assert r["held"] == rank["plain"]["held"], "one tied parameter, as in the plain run"
+        for name, value in reference.state_dict().items():
+            assert torch.allclose(r["state"][name], value, rtol=1e-4, atol=1e-6), name

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zkernel
-from tests.models import TrickyNet
+from tests.models import TiledLossNet, TrickyNet
 from tests.scenarios import _train_steps
 from zkernel.hookspecs import hookimpl
 
@@ -146,16 +146,20 @@ class GatheredBytes:
         return result
 
 
-def train_tricky_transformed(configs: list[dict], steps: int, accum: int, micro: int, seed: int) -> list[dict]:
-    """Train TrickyNet under each config on this rank's share; losses, user-visible state, restored module."""
+MODELS = {"tricky": TrickyNet, "tiled loss": TiledLossNet}
+
+
+def train_tricky_transformed(runs: list[tuple[str, dict]], steps: int, accum: int, micro: int, seed: int) -> list[dict]:
+    """Train each run's model (a name in MODELS) under its config on this rank's share; losses,
+    user-visible state, restored module."""
     if not dist.is_initialized():
         # Ours, so that closing each engine leaves it up: re-creating the default group over and
         # over on the same port can hang in init_process_group.
         dist.init_process_group("gloo")
     out = []
-    for config in configs:
+    for model_name, config in runs:
         torch.manual_seed(seed)
-        model = TrickyNet()
+        model = MODELS[model_name]()
         engine = zkernel.initialize(model, config)
         losses = _train_steps(engine, steps, accum, micro, seed)
         with engine.gathered_parameters() as gathered:

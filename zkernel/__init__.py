@@ -1,7 +1,8 @@
 """zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
 
 Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`,
-`from_deepspeed_config`, `estimate`, `CheckpointError`, `RankDivergenceError`.
+`from_deepspeed_config`, `estimate`, `tiled_cross_entropy`, `CheckpointError`,
+`RankDivergenceError`.
 Nothing is loaded at import time; `initialize` builds the plugin managers.
 """
 
@@ -22,6 +23,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "initialize",
+    "tiled_cross_entropy",
 ]
 
 
@@ -47,6 +49,10 @@ def __getattr__(name):
         from zkernel.checkpoint.format import CheckpointError
 
         return CheckpointError
+    if name == "tiled_cross_entropy":
+        from zkernel.tiled_loss import tiled_cross_entropy
+
+        return tiled_cross_entropy
     if name == "Engine":
         from zkernel.engine import Engine
 
