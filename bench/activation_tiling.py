@@ -18,9 +18,15 @@ Each mode runs in its own process, one after another, on one device:
   ``torch.cuda.set_per_process_memory_fraction``): whole, the layer and its gradient cannot be
   held at once (OOM expected); tiled (``--linear-tiles``), it trains.
 
+With ``--tiled-loss`` every GPT mode computes the tied head and the loss through
+``zkernel.tiled_cross_entropy``: the logits (the largest activation: 16 x 1024 x 50,304 in bf16, in
+fp32 again for the loss, and their gradient) are never whole.
+
 Reported per mode: tokens/s (median step), peak device memory over the timed steps, and the peak
-of forward+backward above what was allocated before the forward ("activation" memory: saved
-activations, recomputation, gathered parameters and gradients in flight). Targets (issue 10):
+of forward+backward above what was allocated before the forward, less the gradient shards that
+backward allocates and the step frees ("act GiB": saved activations, recomputation, gathered
+parameters and gradients in flight; the gradient shards are model state, shown apart as "grads
+GiB": 4 bytes per parameter under zero3 with the optimizer on the device). Targets (issue 10):
 ``ckpt_offload`` activation memory >= 5x below ``none`` at <= 5% tokens/s below ``ckpt``;
 ``tiled_mlp`` <= 5% tokens/s below ``none``; ``linear_tiled`` trains where ``linear_whole`` cannot.
 Without CUDA the same runs go on the CPU: no device memory columns, no budget; the linear modes
@@ -137,6 +143,7 @@ def _worker(args) -> None:
         meta = config["partitioner"] == "zero3"
         with torch.device("meta") if meta else device:
             model = GPT(**preset, seq=seq)
+        model.tiled_loss = args.tiled_loss
         with torch.device("meta"):
             fpt = flops_per_token(GPT(**preset, seq=seq), seq)
 
@@ -164,23 +171,31 @@ def _worker(args) -> None:
         budget = int(args.budget_gib * 2**30) if args.budget_gib else torch.cuda.memory_allocated() + int(1.5 * layer_bytes) + 2**30
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
 
+    def device_grads() -> int:
+        return engine.memory_report()["grads"].get(str(device), 0)
+
     g = torch.Generator(device=device).manual_seed(1)
     times, act_peaks = [], []
     overall = 0
+    grads_made: dict[int, int] = {}  # micro-batch -> gradient bytes its backward allocated (a warm-up step)
     for i in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         act = 0
-        for _ in range(args.accum):
+        for micro in range(args.accum):
             inputs = batch(g)
+            measure = cuda and i == 0
+            grads_before = device_grads() if measure else 0
             if cuda:
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             loss = engine(*inputs)
             engine.backward(loss)
+            if measure:
+                grads_made[micro] = device_grads() - grads_before
             if cuda:
-                act = max(act, torch.cuda.max_memory_allocated() - base)
+                act = max(act, torch.cuda.max_memory_allocated() - base - grads_made.get(micro, 0))
                 overall = max(overall, torch.cuda.max_memory_allocated())
             engine.step()
         loss.item()
@@ -199,6 +214,7 @@ def _worker(args) -> None:
         "tflops": fpt * per_micro * args.accum / step / 1e12,
         "peak_gib": overall / 2**30 if cuda else None,
         "act_gib": max(act_peaks) / 2**30 if cuda else None,
+        "grads_gib": max(grads_made.values(), default=0) / 2**30 if cuda else None,
         "gathered_mib": meter.peak / 2**20 if meter else None,
         "budget_gib": budget / 2**30 if budget else None,
         "loss": float(loss),
@@ -215,6 +231,8 @@ def _run_mode(args, mode: str) -> dict:
         value = getattr(args, key)
         if value is not None and value != "":
             cmd += ["--" + key.replace("_", "-"), str(value)]
+    if args.tiled_loss:
+        cmd.append("--tiled-loss")
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -248,6 +266,7 @@ def main() -> None:
     parser.add_argument("--tier-options", default="", help="offload.optimizer_options as JSON (gpu_share, say)")
     parser.add_argument("--prefetch-mb", type=float, default=None)
     parser.add_argument("--tiles", type=int, default=4, help="tiles per MLP Linear in tiled_mlp")
+    parser.add_argument("--tiled-loss", action="store_true", help="head and loss through zkernel.tiled_cross_entropy")
     parser.add_argument("--linear", default="16384,65536", help="IN,OUT features of the huge Linear")
     parser.add_argument("--linear-tiles", type=int, default=8)
     parser.add_argument("--linear-rows", type=int, default=2048, help="rows (tokens) per step of the linear modes")
@@ -270,9 +289,11 @@ def main() -> None:
         parser.error(f"unknown mode {unknown[0]!r}; valid: {', '.join(GPT_MODES + LINEAR_MODES)}")
     results = {m: _run_mode(args, m) for m in modes}
     print(f"\nGPT-{args.model}, seq {args.seq}, micro-batch {args.micro_batch} x accum {args.accum}, "
-          f"{args.partitioner}, {args.precision}, optimizer tier {args.offload_optimizer}; "
+          f"{args.partitioner}, {args.precision}, optimizer tier {args.offload_optimizer}, "
+          f"loss {'tiled' if args.tiled_loss else 'whole logits'}; "
           f"huge Linear {args.linear} ({args.linear_tiles} tiles), MLP tiles {args.tiles}")
-    print(f"{'mode':13} {'tokens/s':>10} {'TFLOP/s':>8} {'peak GiB':>9} {'act GiB':>8} {'gathered MiB':>13} {'budget GiB':>10}  vs")
+    print(f"{'mode':13} {'tokens/s':>10} {'TFLOP/s':>8} {'peak GiB':>9} {'act GiB':>8} {'grads GiB':>9} "
+          f"{'gathered MiB':>13} {'budget GiB':>10}  vs")
     for mode, r in results.items():
         if "error" in r:
             print(f"{mode:13} {r['error']:>10}" + ("  (expected under the budget)" if mode == "linear_whole" and r["error"] == "OOM" else ""))
@@ -286,7 +307,8 @@ def main() -> None:
                     ratio += f", act 1/{ref['act_gib'] / r['act_gib']:.1f}"
                 comparisons.append(f"{label}: {ratio}")
         print(f"{mode:13} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} {_fmt(r['peak_gib'], '9.1f')} "
-              f"{_fmt(r['act_gib'], '8.2f')} {_fmt(r['gathered_mib'], '13.1f')} {_fmt(r['budget_gib'], '10.1f')}  "
+              f"{_fmt(r['act_gib'], '8.2f')} {_fmt(r.get('grads_gib'), '9.2f')} {_fmt(r['gathered_mib'], '13.1f')} "
+              f"{_fmt(r['budget_gib'], '10.1f')}  "
               + "; ".join(comparisons))
 
 

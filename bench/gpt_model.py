@@ -47,12 +47,17 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.checkpoint = False  # plain torch: recompute every block in backward
+        self.tiled_loss = False  # head and loss through zkernel.tiled_cross_entropy: no whole logits
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
+        if self.tiled_loss:
+            import zkernel
+
+            return zkernel.tiled_cross_entropy(self.ln_f(x), self.wte.weight, targets)
         logits = F.linear(self.ln_f(x), self.wte.weight)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 

@@ -10,7 +10,8 @@ Placement: ``--plain`` is torch alone (fp32 parameters, bf16 autocast, fused
 AdamW on the GPU); otherwise ``--zkernel`` is a zkernel config (JSON) that the
 bench completes with the recipe (bf16, AdamW lr 1e-4 betas 0.9/0.95 wd 0.1,
 ``--clip``, ``--accum`` as ``gradient_accumulation_steps``, ``--checkpoint``
-as activation checkpointing of every ``Block``, ``--nvme-path``); "auto"
+as activation checkpointing of every ``Block``, ``--nvme-path``; ``--tiled-loss``
+for the head and loss through ``zkernel.tiled_cross_entropy``, in both); "auto"
 placements are the planner's. The model starts from GPT-2's initialisation and
 trains on sequences it can learn (`_sequences`), so a falling loss shows the
 updates land. Each step's loss, seconds, tokens/s and
@@ -107,6 +108,7 @@ def _worker(args) -> None:
             model = GPT(**spec, seq=SEQ)
         model.apply(gpt2_init)
         model.checkpoint = args.checkpoint
+        model.tiled_loss = args.tiled_loss
         opt = torch.optim.AdamW(model.parameters(), fused=cuda, **ADAMW)
 
         def train_step(micro_batches):
@@ -125,6 +127,7 @@ def _worker(args) -> None:
         config = _config(args)
         with torch.device("meta"):
             model = GPT(**spec, seq=SEQ)
+        model.tiled_loss = args.tiled_loss
         engine = zkernel.initialize(model, config, init_fn=gpt2_init)
 
         def train_step(micro_batches):
@@ -231,6 +234,8 @@ def main() -> None:
     placement.add_argument("--zkernel", help="a zkernel config as JSON (partitioner, offload, ...)")
     parser.add_argument("--checkpoint", action="store_true", help="recompute every Block in backward")
     parser.add_argument("--checkpoint-offload", default="none", choices=("none", "cpu"))
+    parser.add_argument("--tiled-loss", action="store_true",
+                        help="the head and loss through zkernel.tiled_cross_entropy (no whole logits)")
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme")
     parser.add_argument("--timeline", action="store_true")
