@@ -70,13 +70,19 @@ def test_only_the_inputs_that_want_a_gradient_get_one_and_no_grad_gives_the_loss
     assert value.grad_fn is None and _rel(value, loss) <= REL
 
 
-def test_every_row_ignored_gives_nan_and_zero_gradients_as_torch_does():
+def test_every_row_ignored_or_none_at_all_gives_what_torch_gives():
     hidden, weight, _, target = _inputs(bias=False)
     target.fill_(-100)
     loss = zkernel.tiled_cross_entropy(hidden, weight, target, tiles=3)
     loss.backward()
     assert torch.isnan(loss)
     assert not hidden.grad.any() and not weight.grad.any()
+    empty = torch.zeros(0, FEATURES, requires_grad=True)
+    for reduction in ("mean", "sum"):
+        loss = zkernel.tiled_cross_entropy(empty, weight, torch.zeros(0, dtype=torch.long), reduction=reduction)
+        expected = _untiled(empty, weight, None, torch.zeros(0, dtype=torch.long), reduction)
+        assert torch.equal(loss, expected) or (loss.isnan() and expected.isnan()), (reduction, loss, expected)
+        loss.backward()
 
 
 class _LargestTensor(TorchDispatchMode):

@@ -154,7 +154,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_bias else None
         total = torch.zeros((), dtype=torch.float32, device=flat.device)
-        step = -(-flat.shape[0] // tiles)
+        step = max(1, -(-flat.shape[0] // tiles))  # an empty batch: no tile, a mean of NaN as in torch
         # The head in autocast's dtype, cast once (autocast would cast it again for every tile).
         with torch.autocast(flat.device.type, enabled=False):
             w = weight.to(dtype)
