@@ -73,12 +73,17 @@ def _world_rank() -> tuple[int, int]:
     return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
 
 
-def train_engine(engine, data) -> list[float]:
-    """This rank's share of each step through ``engine``; the global mean loss per step."""
+def _labels_loss(engine, ids: torch.Tensor) -> torch.Tensor:
+    return engine(input_ids=ids, labels=ids).loss
+
+
+def train_engine(engine, data, loss_of=_labels_loss) -> list[float]:
+    """This rank's share of each step through ``engine`` (``loss_of(engine, ids)``: the model's own
+    ``labels=`` loss by default); the global mean loss per step."""
     world, rank = _world_rank()
     losses = []
     for step in data:
-        loss = engine(input_ids=step[rank], labels=step[rank]).loss
+        loss = loss_of(engine, step[rank])
         engine.backward(loss)
         engine.step()
         total = loss.detach().clone()
@@ -198,20 +203,11 @@ class TiledLossLM(torch.nn.Module):
 def tiled_loss_parity(arch: str, width: int, depth: int, steps: int) -> dict:
     """`parity`'s run with the loss through `TiledLossLM`: its oracle is `parity`'s reference."""
     lr, clip = 1e-2, 1.0
-    world, rank = _world_rank()
+    world, _ = _world_rank()
     data = token_batches(11, steps, world, 2)
     lm = build_on_meta(arch, width, depth)
     engine = zkernel.initialize(TiledLossLM(lm), zero3_config(lr, clip), init_fn=lm._init_weights)
-    losses = []
-    for step in data:
-        loss = engine(step[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-            total /= world
-        losses.append(total.item())
+    losses = train_engine(engine, data, loss_of=lambda engine, ids: engine(ids))
     return {"losses": losses, "ties": tie_report(engine, lm)}
 
 
