@@ -16,6 +16,15 @@ zero3's unit policy and ``#32`` a micro-batch for that mode alone
 (``fsdp2_offload#32``). ``fsdp2_offload`` is FSDP2
 with ``CPUOffloadPolicy(pin_memory=True)``. ``--clip`` applies global-norm
 clipping in every mode (torch's ``clip_grad_norm_`` for the anchors).
+``--data learnable`` trains on sequences a model can learn (each counts up from a
+random start by a random stride), so the loss and the gradient norm fall as in
+real training; the default, ``random``, is the anchors' uniform random tokens,
+whose gradient norm stays above a clipping threshold of 1.0 at every step (the
+worst case for an optimizer step that needs the norm first). ``--init gpt2``
+initialises every mode's weights as GPT-2 does (normal, std 0.02) instead of
+the modules' defaults, whose unit-variance tied embeddings start the loss near
+100 and the gradient norm in the hundreds. Each mode reports how many timed
+steps clipped.
 
 The driver runs each mode in its own process group (torchrun for --nproc > 1)
 one after another on the same GPUs, then prints tokens/s, TFLOP/s per GPU,
@@ -40,12 +49,24 @@ SEQ = 1024
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def _batch(data: str, micro_batch: int, vocab: int, device, generator):
+    """One micro-batch of token ids: uniform random, or sequences that count up from a random
+    start by a random stride (mod ``vocab``), which a model learns from context."""
+    import torch
+
+    if data == "random":
+        return torch.randint(0, vocab, (micro_batch, SEQ), device=device, generator=generator)
+    start = torch.randint(0, vocab, (micro_batch, 1), device=device, generator=generator)
+    stride = torch.randint(1, 64, (micro_batch, 1), device=device, generator=generator)
+    return (start + stride * torch.arange(SEQ, device=device)) % vocab
+
+
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
-    from gpt_model import GPT, PRESETS, VOCAB, flops_per_token
+    from gpt_model import GPT, PRESETS, VOCAB, flops_per_token, gpt2_init
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -62,6 +83,8 @@ def _worker(args) -> None:
             dist.init_process_group(backend, device_id=device)
         with device:
             model = GPT(**preset, seq=SEQ)
+        if args.init == "gpt2":
+            model.apply(gpt2_init)
         if mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
         if mode.startswith("fsdp2"):
@@ -80,11 +103,13 @@ def _worker(args) -> None:
             with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 loss = model(idx, tgt)
             loss.backward()
+            norm = None
             if args.clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss
+            return loss, norm
 
         flop_model = model.module if mode == "ddp" else model
     else:
@@ -98,6 +123,8 @@ def _worker(args) -> None:
         else:
             with device:
                 model = GPT(**preset, seq=SEQ)
+            if args.init == "gpt2":
+                model.apply(gpt2_init)
         optimizer = args.zk_optimizer or ("cpu_adam" if tier in ("cpu", "nvme") else "adamw")
         config = {
             "partitioner": partitioner,
@@ -122,13 +149,14 @@ def _worker(args) -> None:
             config["partitioner_options"] = {**config.get("partitioner_options", {}), "units": units}
         if args.prefetch_mb is not None:
             config["prefetch_bytes"] = int(args.prefetch_mb * 2**20)
-        engine = zkernel.initialize(model, config)
+        meta_init = gpt2_init if args.init == "gpt2" and partitioner == "zero3" else None
+        engine = zkernel.initialize(model, config, init_fn=meta_init)
 
         def train_step(idx, tgt):
             loss = engine(idx, tgt)
             engine.backward(loss)
             engine.step()
-            return loss
+            return loss, engine.last_grad_norm
 
         flop_model = model
     fpt = flops_per_token(flop_model, SEQ) if not mode.startswith("zero3") else None
@@ -138,17 +166,19 @@ def _worker(args) -> None:
 
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator(device=device).manual_seed(1 + local)
-    times = []
+    times, norms = [], []
     disk = _disk_counters(engine) if mode.startswith("zero") else None
     for i in range(args.warmup + args.steps):
         if i == args.warmup and disk is not None:
             disk = _disk_counters(engine)
-        idx = torch.randint(0, VOCAB, (micro_batch, SEQ), device=device, generator=g)
+        idx = _batch(args.data, micro_batch, VOCAB, device, g)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = train_step(idx, torch.roll(idx, -1, 1))
+        loss, norm = train_step(idx, torch.roll(idx, -1, 1))
         loss.item()
         torch.cuda.synchronize()
+        if norm is not None:
+            norms.append(float(norm))
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
@@ -163,6 +193,11 @@ def _worker(args) -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss": float(loss),
     }
+    if norms:
+        timed = norms[args.warmup :]
+        result["clipped_steps"] = sum(n > args.clip for n in timed)
+        result["grad_norm_median"] = statistics.median(timed)
+        result["grad_norms"] = [round(n, 3) for n in norms]
     if mode.startswith("zero"):
         report = engine.memory_report()
         result["host_gib"] = sum(report[c].get("cpu", 0) for c in report) / 2**30
@@ -202,7 +237,7 @@ def _run_mode(args, mode: str) -> dict | None:
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29533"]
     cmd += [__file__, "--worker", "--mode", mode, "--model", args.model, "--micro-batch", str(args.micro_batch),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options,
-            "--clip", str(args.clip), "--tier-options", args.tier_options,
+            "--clip", str(args.clip), "--data", args.data, "--init", args.init, "--tier-options", args.tier_options,
             "--params-tier-options", args.params_tier_options, "--nvme-path", args.nvme_path]
     if args.zk_optimizer:
         cmd += ["--zk-optimizer", args.zk_optimizer]
@@ -238,6 +273,10 @@ def main() -> None:
     parser.add_argument("--options", default="", help="zkernel partitioner_options as JSON, e.g. '{\"units\": \"blocks\"}'")
     parser.add_argument("--prefetch-mb", type=float, default=None, help="zkernel prefetch_bytes in MiB")
     parser.add_argument("--clip", type=float, default=0.0, help="global-norm gradient clipping in every mode (0 = off)")
+    parser.add_argument("--data", default="random", choices=("random", "learnable"),
+                        help="uniform random tokens (the anchors') or sequences the model learns (see above)")
+    parser.add_argument("--init", default="default", choices=("default", "gpt2"),
+                        help="the modules' default initialisation (the anchors') or GPT-2's (see above)")
     parser.add_argument("--zk-optimizer", default=None, help="zkernel optimizer (default: cpu_adam when offloaded, else adamw)")
     parser.add_argument("--tier-options", default="", help="offload.optimizer_options as JSON")
     parser.add_argument("--params-tier-options", default="", help="offload.params_options as JSON")
@@ -264,7 +303,9 @@ def main() -> None:
     anchor = first("fsdp2")
     extra = f", zkernel options {args.options}" if args.options else ""
     extra += f", prefetch {args.prefetch_mb} MiB" if args.prefetch_mb is not None else ""
-    print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16{extra}")
+    extra += f", clipping {args.clip:g}" if args.clip > 0 else ""
+    print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16, "
+          f"{args.data} data, {args.init} init{extra}")
     print(f"{'mode':22} {'mb':>3} {'tokens/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13} {'vs plain':>9} {'vs FSDP2+off':>13}")
     plain = first("plain", "ddp")
     offload = first("fsdp2_offload")
@@ -278,6 +319,9 @@ def main() -> None:
         vs_off = f"{r['tokens_per_s'] / offload['tokens_per_s']:.3f}" if offload else "-"
         print(f"{r['mode']:22} {r['micro_batch']:>3} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / r['world']:>10.0f} {r['tflops_per_gpu']:>12.1f} {r['peak_gib']:>9.1f} {r['step_s']:>7.3f} {ratio:>15} {mem:>13} {vs_plain:>9} {vs_off:>13}")
     for r in results:
+        if "clipped_steps" in r:
+            print(f"  {r['mode']}: {r['clipped_steps']} of {args.steps} timed steps clipped "
+                  f"(median gradient norm {r['grad_norm_median']:.3f}), last loss {r['loss']:.3f}")
         if "disk_gbps_over_step" in r:
             print(f"  {r['mode']} disk: {r['nvme_gib']:.1f} GiB on NVMe, per step {r['disk_read_gb_per_step']:.2f} GB read + "
                   f"{r['disk_written_gb_per_step']:.2f} GB written = {r['disk_gbps_over_step']:.2f} GB/s over the whole step")

@@ -122,3 +122,46 @@ def test_host_accumulation_is_timed(grad_dtype):
     assert last.count[SpanKind.GRAD_ACCUMULATE] >= accum - 1
     added = last.nbytes[SpanKind.GRAD_ACCUMULATE]
     assert (accum - 1) * numel * width <= added <= (accum - 1) * (numel + 4096) * width
+
+
+def test_speculative_early_steps_run_while_the_backward_still_runs():
+    """A speculative step started during backward checks its own group's gradient norm without
+    waiting for the compute stream: the second layer's host step finishes while the
+    GPU still sleeps in the first layer's backward (each used to wait for the whole queued
+    backward, which left the whole CPU step exposed), and training still matches torch."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    expected_losses, _ = _reference()
+    torch.manual_seed(SEED)
+    model = LaggingNet().cuda()
+    config = {
+        "partitioner": "zero3",
+        "partitioner_options": {"persistence_threshold": 0},
+        "gradient_clipping": 1e6,  # on, so the coefficient waits for the norm; never reached
+        "optimizer": {"name": "cpu_adam", "lr": LR, "weight_decay": 0.01},
+        "offload": {"optimizer": "cpu", "optimizer_options": {"speculate": "always"}},
+    }
+    engine = zkernel.initialize(model, config)
+    pipeline = engine.pipeline
+    compute = torch.cuda.current_stream()
+    gpu_busy_after_early_step = []
+    early_step = pipeline._early_step
+
+    def recording_early_step(*args, **kwargs):
+        result = early_step(*args, **kwargs)
+        gpu_busy_after_early_step.append(not compute.query())
+        return result
+
+    pipeline._early_step = recording_early_step
+    losses = []
+    for x, y in _data():
+        loss = engine(x.cuda(), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    for i, (a, b) in enumerate(zip(losses, expected_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+    assert pipeline.early_steps == 3 * STEPS and pipeline.rollbacks == 0
+    # Per step, the second layer's gradient lands just before the host queues the sleep: its step
+    # ends while the GPU sleeps (the head's may end before the sleep is queued, the first's after it).
+    assert sum(gpu_busy_after_early_step) >= STEPS, gpu_busy_after_early_step

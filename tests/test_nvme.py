@@ -482,6 +482,8 @@ def test_nvme_step_bench_runs_one_tiny_step_on_the_cpu(tmp_path, monkeypatch, ca
     assert "fio is not installed" in out and "tokens/s" in out
     rows = {line.split()[1]: line.split()[-3:] for line in out.splitlines() if line.startswith("NVMe ")}
     assert set(rows) == {"read", "write"} and all(float(x) > 0 for row in rows.values() for x in row)
+    mixed = next(line for line in out.splitlines() if line.startswith("optimizer phase GB/s"))
+    assert "read + write at once" in mixed and all(float(x) > 0 for x in mixed.split()[3:6])
     assert not list((tmp_path / "disk").iterdir())  # the engine's run directory and the disk's file are gone
 
 

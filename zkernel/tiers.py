@@ -14,7 +14,8 @@ one tier per role), and the tier object also joins the runtime plugin manager
 so it can implement hooks such as ``zkernel_memory_tensors``.
 
 [Note: tier threads] `OptimizerTier.land` is called from autograd's thread
-during backward, `grad_sq_norm` from the main thread at the end of backward,
+during backward, `grad_sq_norm` from the main thread at the end of backward
+(and from the worker for a group a speculative early step acquired),
 the step stages (`acquire`, `release`) from whichever thread steps the group:
 the main thread for groups the tier steps on the compute device, the engine's
 host worker thread for groups it steps on the host (`steps_on_host`). The
@@ -106,10 +107,15 @@ class OptimizerTier(abc.ABC):
         """Complete every landing started so far (called at the end of every backward)."""
 
     @abc.abstractmethod
-    def grad_sq_norm(self, group: ParamGroup) -> torch.Tensor | Future:
-        """The squared L2 norm of ``group``'s landed gradient for the window, as a 0-dim fp32
-        tensor on the compute device (no synchronisation) or a `Future` of a float computed on
-        the host. Called at an accumulation boundary after `flush`."""
+    def grad_sq_norm(self, groups: Sequence[ParamGroup]) -> list[torch.Tensor | Future | float]:
+        """Parts of the squared L2 norm of ``groups``' landed gradients for the window, which the
+        caller sums: 0-dim tensors on the compute device (no synchronisation), `Future`s of
+        floats computed on the host, or floats; a group without a landed gradient adds nothing.
+
+        Called by the step pipeline at an accumulation boundary after `flush` (main thread), and
+        from the host worker for the one group a speculative early step has just acquired, to see
+        whether its own gradient already shows the window will clip: that call must not wait for
+        the compute stream, which still runs the rest of backward (return a host value)."""
 
     @abc.abstractmethod
     def steps_on_host(self, group: ParamGroup) -> bool:

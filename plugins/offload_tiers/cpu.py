@@ -20,7 +20,9 @@ buckets and activations.
   copied straight into the landing buffer; later ones go through a pinned
   staging buffer and are added on the host worker thread. The squared norm
   of a window's gradient is computed on the device from a gradient landed in
-  one piece, and on the host (worker thread) from an accumulated one.
+  one piece (and copied to a page-locked scalar behind the landing, see
+  [Note: a group's own norm]), and on the host (worker thread) from an
+  accumulated one.
 * Step: the optimizer runs on the host (the engine's worker thread), reading
   the landing buffer, and writes rounded parameters into the staging copy (or
   straight into the parameter shard when the params tier keeps it in host
@@ -107,6 +109,7 @@ class _Slot:
     landed: bool = False  # a gradient landed in this window
     landed_event: Any = None  # CUDA event of the last device-to-host copy
     sq_norm: torch.Tensor | Future | None = None
+    sq_norm_host: torch.Tensor | None = None  # page-locked copy of a device ``sq_norm``, ready with the landing
     accumulation: Future | None = None  # host-side add of a later micro-batch
     on_device: bool = False  # moved to the GPU share: the inner device tier holds it
     pooled: bool = False  # its rounded update goes through a shared staging buffer
@@ -304,6 +307,10 @@ class CpuTier(OptimizerTier):
         d2h = self.streams.d2h
         if staging is None:
             slot.sq_norm = tensor.pow(2).sum() if final else None
+            if final:
+                if slot.sq_norm_host is None:
+                    slot.sq_norm_host = torch.empty((), dtype=torch.float32, pin_memory=True)
+                slot.sq_norm_host.copy_(slot.sq_norm, non_blocking=True)
             slot.landing.copy_(tensor.to(slot.landing.dtype), non_blocking=True)
             slot.landed_event = record_event(d2h)
             return
@@ -330,14 +337,29 @@ class CpuTier(OptimizerTier):
         self._device_tier.flush()
 
     def grad_sq_norm(self, groups):
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)
+        # [Note: a group's own norm] A speculative step started during backward asks, from the
+        # host worker after `acquire`, whether its group's own gradient already shows the window
+        # will clip. Reading the device scalar there (`float`) would wait for the compute stream
+        # to drain everything the host has queued so far, nearly the whole backward, and made
+        # every early step start after backward (measured: the whole CPU step exposed). The
+        # landing copies the scalar to page-locked memory behind the gradient, so once `acquire`
+        # has waited for the landing the value is on the host; only the device scalars returned
+        # here are ordered after the d2h stream.
         out = self._device_tier.grad_sq_norm([g for g in groups if self._on_device(g)])
+        ordered = False
         for group in groups:
             slot = self._slots[group.index]
             if slot.on_device or not slot.landed:
                 continue
-            if self.cuda and slot.sq_norm is not None:
+            if self.cuda and isinstance(slot.sq_norm, torch.Tensor):
+                if slot.landed_event is None and slot.sq_norm_host is not None:  # acquired: the copy is done
+                    out.append(float(slot.sq_norm_host))
+                    continue
+                if not ordered:
+                    torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)
+                    ordered = True
+                out.append(slot.sq_norm)
+            elif self.cuda and slot.sq_norm is not None:
                 out.append(slot.sq_norm)
             else:
                 out.append(float(slot.landing.pow(2).sum()))
