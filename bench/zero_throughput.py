@@ -16,6 +16,9 @@ zero3's unit policy and ``#32`` a micro-batch for that mode alone
 (``fsdp2_offload#32``). ``fsdp2_offload`` is FSDP2
 with ``CPUOffloadPolicy(pin_memory=True)``. ``--clip`` applies global-norm
 clipping in every mode (torch's ``clip_grad_norm_`` for the anchors).
+``--accum N`` runs N micro-batches per optimizer step in every mode (the
+anchors divide each loss by N and step once; zkernel sets
+``gradient_accumulation_steps``); tokens/s counts them all.
 ``--data learnable`` trains on sequences a model can learn (each counts up from a
 random start by a random stride), so the loss and the gradient norm fall as in
 real training; the default, ``random``, is the anchors' uniform random tokens,
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -99,10 +103,11 @@ def _worker(args) -> None:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
         autocast = not mode.startswith("fsdp2")
 
-        def train_step(idx, tgt):
-            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-                loss = model(idx, tgt)
-            loss.backward()
+        def train_step(batches):
+            for idx in batches:
+                with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                    loss = model(idx, torch.roll(idx, -1, 1))
+                (loss / len(batches)).backward()
             norm = None
             if args.clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -130,6 +135,7 @@ def _worker(args) -> None:
             "partitioner": partitioner,
             "precision": "bf16",
             "gradient_clipping": args.clip,
+            "gradient_accumulation_steps": args.accum,
             "timeline": args.timeline,
             "optimizer": {"name": optimizer, "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
         }
@@ -152,10 +158,11 @@ def _worker(args) -> None:
         meta_init = gpt2_init if args.init == "gpt2" and partitioner == "zero3" else None
         engine = zkernel.initialize(model, config, init_fn=meta_init)
 
-        def train_step(idx, tgt):
-            loss = engine(idx, tgt)
-            engine.backward(loss)
-            engine.step()
+        def train_step(batches):
+            for idx in batches:  # step() counts micro-batches: it applies the optimizer at the last
+                loss = engine(idx, torch.roll(idx, -1, 1))
+                engine.backward(loss)
+                engine.step()
             return loss, engine.last_grad_norm
 
         flop_model = model
@@ -171,10 +178,10 @@ def _worker(args) -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup and disk is not None:
             disk = _disk_counters(engine)
-        idx = _batch(args.data, micro_batch, VOCAB, device, g)
+        batches = [_batch(args.data, micro_batch, VOCAB, device, g) for _ in range(args.accum)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss, norm = train_step(idx, torch.roll(idx, -1, 1))
+        loss, norm = train_step(batches)
         loss.item()
         torch.cuda.synchronize()
         if norm is not None:
@@ -182,14 +189,15 @@ def _worker(args) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    tokens = micro_batch * SEQ * world / step
+    tokens = micro_batch * args.accum * SEQ * world / step
     result = {
         "mode": args.mode,
         "world": world,
         "micro_batch": micro_batch,
         "step_s": step,
         "tokens_per_s": tokens,
-        "tflops_per_gpu": fpt * micro_batch * SEQ / step / 1e12,
+        "accum": args.accum,
+        "tflops_per_gpu": fpt * micro_batch * args.accum * SEQ / step / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss": float(loss),
     }
@@ -231,12 +239,12 @@ def _disk_counters(engine) -> list[int]:
     return [sum(getattr(t, name, 0) for t in tiers) for name in ("bytes_read", "bytes_written")]
 
 
-def _run_mode(args, mode: str) -> dict | None:
+def _run_mode(args, mode: str) -> dict:
     cmd = [sys.executable]
     if args.nproc > 1 or mode.startswith("fsdp2"):
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_port=29533"]
     cmd += [__file__, "--worker", "--mode", mode, "--model", args.model, "--micro-batch", str(args.micro_batch),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--options", args.options,
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--accum", str(args.accum), "--options", args.options,
             "--clip", str(args.clip), "--data", args.data, "--init", args.init, "--tier-options", args.tier_options,
             "--params-tier-options", args.params_tier_options, "--nvme-path", args.nvme_path]
     if args.zk_optimizer:
@@ -249,11 +257,20 @@ def _run_mode(args, mode: str) -> dict | None:
     # instead, so the anchors' CPU AdamW (FSDP2 offload) is not starved.
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // args.nproc)))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    for line in proc.stdout.splitlines():
+    # In a session of its own, so a timeout kills torchrun's workers too: an orphaned worker
+    # would keep its GPU and host memory from every later mode.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        print(f"[{mode}] did not finish in --timeout {args.timeout:g} s", flush=True)
+        return {"mode": mode, "error": "timeout"}
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    lines = (stdout + stderr).strip().splitlines()
     tail = [t for t in lines if "Error" in t][:3] + lines[-4:]
     oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
     print(f"[{mode}] {'OOM' if oom else 'failed'} (exit {proc.returncode}): " + " | ".join(tail)[-600:], flush=True)
@@ -267,6 +284,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, in every mode")
     parser.add_argument("--modes", default=None, help="comma list of plain, ddp, fsdp2, fsdp2_offload, zero1, zero2, zero3 "
                         "(zkernel: +optimizer_tier[/params_tier], @units, #micro_batch; see above)")
     parser.add_argument("--timeout", type=float, default=400)
@@ -292,11 +310,12 @@ def main() -> None:
     modes = args.modes.split(",") if args.modes else (
         ["plain", "fsdp2", "zero1", "zero2", "zero3"] if args.nproc == 1 else ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
     )
-    results = [r for r in (_run_mode(args, m) for m in modes) if r]
-    if args.json_out:
-        with open(args.json_out, "a") as out:
-            for r in results:
-                out.write(json.dumps({"model": args.model, "nproc": args.nproc, **r}) + "\n")
+    results = []
+    for mode in modes:  # each result is kept as it comes, so a later failure loses none
+        results.append(_run_mode(args, mode))
+        if args.json_out:
+            with open(args.json_out, "a") as out:
+                out.write(json.dumps({"model": args.model, "nproc": args.nproc, **results[-1]}) + "\n")
     def first(*names):
         return next((r for r in results if _parse_mode(r["mode"], 0)[0] in names and "error" not in r), None)
 
@@ -304,6 +323,7 @@ def main() -> None:
     extra = f", zkernel options {args.options}" if args.options else ""
     extra += f", prefetch {args.prefetch_mb} MiB" if args.prefetch_mb is not None else ""
     extra += f", clipping {args.clip:g}" if args.clip > 0 else ""
+    extra += f", {args.accum} micro-batches per step" if args.accum > 1 else ""
     print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16, "
           f"{args.data} data, {args.init} init{extra}")
     print(f"{'mode':22} {'mb':>3} {'tokens/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13} {'vs plain':>9} {'vs FSDP2+off':>13}")
