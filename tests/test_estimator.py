@@ -367,3 +367,34 @@ def test_nvme_spill_is_what_memory_report_measures_on_cuda(tmp_path):
         wanted["grads"] = peak([{"grads": by_place(r["grads"])} for r in measured["backward"]], "grads")
         for category, value in wanted.items():
             assert_close(predicted[category], value, f"{cfg['partitioner']}/{cfg['offload']['params']} {category}")
+
+
+def test_tiled_loss_head_estimate_is_what_autograd_saves():
+    """With the loss taken by zkernel.tiled_cross_entropy the head keeps the final norm's input,
+    its output's gradient and the head weight's fp32 gradient, not the fp32 log-softmax: the
+    estimate's head is what autograd saves, and far below the untiled head's."""
+    from zkernel import tiled_cross_entropy
+
+    b, s, h, vocab = 2, 64, 32, 1000
+    norm = torch.nn.LayerNorm(h)
+    weight = torch.nn.Parameter(torch.randn(vocab, h) * 0.02)
+    params = {p.untyped_storage().data_ptr() for p in (*norm.parameters(), weight)}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(b, s, h, requires_grad=True)
+    target = torch.randint(0, vocab, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tiled_cross_entropy(norm(x), weight, target, tiles=4)
+    measured = sum(saved.values())
+    shape = {"layers": 1, "hidden": h, "heads": 4, "vocab": vocab, "sequence": s}
+    tiled = estimate_activations(shape, b, precision="fp32", tiled_loss=True)
+    untiled = estimate_activations(shape, b, precision="fp32")
+    assert abs(tiled["head"] - measured) <= 0.05 * measured, (tiled["head"], measured)
+    assert tiled["blocks"] == untiled["blocks"] and tiled["head"] * 3 < untiled["head"]
+    assert estimate_activations(shape, b, precision="fp32", checkpointing=True, tiled_loss=True)["head"] == tiled["head"]

@@ -207,6 +207,12 @@ def test_activations_decide_checkpointing_from_the_models_own_structure():
     assert any("recognised as a gpt-like decoder: 8 x Block" in note for note in decision.notes)
     applied = decision.apply(load_config(cfg))
     assert applied.activation_checkpointing.modules == ("Block",)
+    # A tiled loss keeps no logits: the planner counts the smaller head ([planner] tiled_loss).
+    tiled = estimate_activations(numbers, micro, precision="bf16", checkpointing=True, tiled_loss=True)["total"]
+    assert tiled < acts[True]
+    decision = plan(deep_gpt(), {**cfg, "planner": {**cfg["planner"], "tiled_loss": True}}, 2)
+    assert decision.bytes["device"]["activations"] == tiled
+    assert any("the loss tiled" in note for note in decision.notes)
     # Without a micro-batch the plan covers model states only and says so.
     decision = plan(small_gpt(), settings(gpu_memory="8GiB", ram="16GiB"), 2)
     assert decision.activation_checkpointing is None

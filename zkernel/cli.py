@@ -306,9 +306,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(f"machine: {gpu_text}, RAM {format_size(capacity.ram_bytes)} available, disk {disk_text}; {per_machine} rank(s) on it")
 
     activations = ckpt = None
+    tiled = args.tiled_loss or config.planner.tiled_loss
     if shape is not None and args.micro_batch:
-        activations = estimate_activations(shape, args.micro_batch, precision=config.precision)["total"]
-        ckpt = estimate_activations(shape, args.micro_batch, precision=config.precision, checkpointing=True)["total"]
+        activations = estimate_activations(shape, args.micro_batch, precision=config.precision, tiled_loss=tiled)["total"]
+        ckpt = estimate_activations(
+            shape, args.micro_batch, precision=config.precision, checkpointing=True, tiled_loss=tiled
+        )["total"]
 
     rows = estimate_table(module, config, world, device=device)
     places = [device] + [p for p in ("cpu", "nvme") if p != device and any(p in totals(r.report) for r in rows)]
@@ -342,7 +345,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if activations is not None:
         print(
             f"\nactivations per rank, ESTIMATE (saved for backward; micro-batch {args.micro_batch} x sequence "
-            f"{shape.sequence}, {config.precision}): {format_size(activations)} without checkpointing, "
+            f"{shape.sequence}, {config.precision}{', the loss tiled' if tiled else ''}): "
+            f"{format_size(activations)} without checkpointing, "
             f"{format_size(ckpt)} with every block checkpointed; FITS adds them to {device}"
         )
     else:
@@ -362,6 +366,7 @@ def _print_plan(model: Any, config: Any, world: int, args: argparse.Namespace) -
     planner = attrs.evolve(
         config.planner,
         micro_batch=args.micro_batch if args.micro_batch is not None else config.planner.micro_batch,
+        tiled_loss=args.tiled_loss or config.planner.tiled_loss,
         gpu_memory=args.gpu_memory if args.gpu_memory is not None else config.planner.gpu_memory,
         ram=args.ram if args.ram is not None else config.planner.ram,
         disk=args.disk if args.disk is not None else config.planner.disk,
@@ -462,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 4 x hidden for gpt, 8/3 x hidden rounded to 256 for llama)")
     shape.add_argument("--untied", action="store_true", help="the output head has its own weight (default: tied to the embedding)")
     shape.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-batch: also estimate activations")
+    shape.add_argument(
+        "--tiled-loss",
+        action="store_true",
+        help="the model takes its loss with zkernel.tiled_cross_entropy: the head keeps no logits ([planner] tiled_loss)",
+    )
     machine = est.add_argument_group("machine (detected; these override)")
     machine.add_argument("--gpus", type=int, default=None, help="GPUs on this machine")
     machine.add_argument("--gpu-memory", type=parse_size, default=None, metavar="SIZE", help="memory per GPU, e.g. 80GiB")

@@ -37,6 +37,14 @@ def _positive_int(key: str):
     return check
 
 
+def _bool(key: str):
+    def check(_inst, _attr, value):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+    return check
+
+
 def _non_negative_number(key: str):
     def check(_inst, _attr, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -216,6 +224,8 @@ class PlannerConfig:
     # the planner places model states only (and says so in its decision).
     micro_batch: int | None = attrs.field(default=None, validator=_optional_positive_int("planner.micro_batch"))
     sequence: int | None = attrs.field(default=None, validator=_optional_positive_int("planner.sequence"))
+    # The model takes its loss with `zkernel.tiled_cross_entropy`: its head keeps no logits.
+    tiled_loss: bool = attrs.field(default=False, validator=_bool("planner.tiled_loss"))
     # What the planner takes as this machine's capacities instead of what it detects (bytes, or
     # a string with a unit): free memory per GPU, available host memory, free disk at nvme_path.
     gpu_memory: int | None = attrs.field(default=None, converter=_size("planner.gpu_memory"))
@@ -255,13 +265,13 @@ class Config:
     blocked_plugins: tuple[str, ...] = attrs.field(
         default=(), converter=_str_tuple("blocked_plugins")
     )
-    trace_hooks: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    trace_hooks: bool = attrs.field(default=False, validator=_bool("trace_hooks"))
     log_format: str = attrs.field(default="console", validator=_one_of("log_format", LOG_FORMATS))
     seed: int | None = None
     # Seconds a collective may take before the process group gives up (when zkernel creates it).
     collective_timeout: float = attrs.field(default=600.0, validator=_non_negative_number("collective_timeout"))
     # Per-step timeline of compute and transfers, logged as `zkernel.step.timeline` (INFO).
-    timeline: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    timeline: bool = attrs.field(default=False, validator=_bool("timeline"))
     # Chrome-trace JSON of the timeline (Perfetto opens it); "{rank}" is replaced by the rank.
     timeline_path: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
 

@@ -169,7 +169,12 @@ def as_shape(raw: Mapping[str, Any]) -> TransformerShape:
 
 
 def estimate_activations(
-    shape: TransformerShape | Mapping[str, Any], micro_batch: int, *, precision: str = "bf16", checkpointing: bool = False
+    shape: TransformerShape | Mapping[str, Any],
+    micro_batch: int,
+    *,
+    precision: str = "bf16",
+    checkpointing: bool = False,
+    tiled_loss: bool = False,
 ) -> dict[str, int]:
     """ESTIMATE of the bytes one rank's forward saves for backward, for ``micro_batch`` sequences.
 
@@ -178,7 +183,10 @@ def estimate_activations(
     a fused (flash / memory-efficient) attention that keeps no sequence x
     sequence matrix (its output is the output projection's input); plus the
     head: the final norm's input and output and the fp32 ``log_softmax`` of
-    the logits for the loss. With ``checkpointing`` every block keeps only its
+    the logits for the loss. With ``tiled_loss`` (the loss taken by
+    `zkernel.tiled_cross_entropy`) the head keeps instead the final norm's
+    input, the gradient of its output (the compute dtype) and the head
+    weight's fp32 gradient. With ``checkpointing`` every block keeps only its
     input, and one block's activations are recomputed at a time. Not counted:
     the logits themselves (alive only at the end of forward), gradients in
     flight, allocator fragmentation, attention kernels that materialise the
@@ -199,6 +207,6 @@ def estimate_activations(
         # norm in and out, gate out (SiLU in), SiLU out, up out, product (down in)
         per_token = 2 * h + 2 * (h + kv) + kv + h + 2 * h + 4 * m
     block = tokens * per_token * c
-    head = tokens * (2 * h * c + 4 * s.vocab)
+    head = tokens * 2 * h * c + s.vocab * h * 4 if tiled_loss else tokens * (2 * h * c + 4 * s.vocab)
     blocks = (s.layers * tokens * h * c + block) if checkpointing else s.layers * block
     return {"blocks": blocks, "head": head, "total": blocks + head}

@@ -101,8 +101,12 @@ def activations_of(request, micro_batch: int | None) -> tuple[Activations | None
         shape, block_class, what = infer_shape(request.model, config.planner.sequence)
         if shape is None:
             return None, f"activations not planned (model states only): {what}"
-    full = estimate_activations(shape, micro_batch, precision=config.precision)["total"]
-    checkpointed = estimate_activations(shape, micro_batch, precision=config.precision, checkpointing=True)["total"]
+    tiled = config.planner.tiled_loss
+    full = estimate_activations(shape, micro_batch, precision=config.precision, tiled_loss=tiled)["total"]
+    checkpointed = estimate_activations(
+        shape, micro_batch, precision=config.precision, checkpointing=True, tiled_loss=tiled
+    )["total"]
     inputs = shape.layers * micro_batch * shape.sequence * shape.hidden * _DTYPE_BYTES[config.precision]
-    source = f"activations ESTIMATED for micro-batch {micro_batch} x sequence {shape.sequence} from {what}"
+    loss = ", the loss tiled" if tiled else ""
+    source = f"activations ESTIMATED for micro-batch {micro_batch} x sequence {shape.sequence}{loss} from {what}"
     return Activations(full=full, checkpointed=checkpointed, block_inputs=inputs, block_class=block_class, source=source), source
