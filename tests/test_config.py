@@ -34,6 +34,8 @@ def tiny():
         ({"offload": {"params": "cpu"}}, ["offload.params 'cpu' needs partitioner 'zero3'"]),
         ({"partitioner": "zero3", "offload": {"optimizer": "nvme"}}, ["offload.nvme_path is required"]),
         ({"plugins": "mypkg"}, ["plugins must be a list of strings"]),
+        ({"timeline": "yes"}, ["timeline must be true or false, got 'yes'"]),
+        ({"planner": {"tiled_loss": 1}}, ["planner.tiled_loss must be true or false, got 1"]),
         ({"plugins": ["no_such_module_zk"]}, ["plugin 'no_such_module_zk' from config key `plugins` cannot be imported"]),
     ],
 )
