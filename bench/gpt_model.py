@@ -62,6 +62,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def learnable_sequences(batch: int, seq: int, vocab: int, device, generator) -> torch.Tensor:
+    """Token sequences a model can learn from context: each counts up from a random start by a
+    random stride (mod ``vocab``), so after two tokens the rest follow; the loss falls from
+    ln(vocab) as the model learns it, where uniform random tokens would leave it flat."""
+    start = torch.randint(0, vocab, (batch, 1), device=device, generator=generator)
+    stride = torch.randint(1, 64, (batch, 1), device=device, generator=generator)
+    return (start + stride * torch.arange(seq, device=device)) % vocab
+
+
 def gpt2_init(module: nn.Module) -> None:
     """GPT-2's initialisation of one module's own parameters (normal, std 0.02; zero biases): a
     loss near ln(vocab) at the start, where the modules' defaults (unit-variance tied embeddings)

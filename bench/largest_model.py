@@ -13,7 +13,7 @@ bench completes with the recipe (bf16, AdamW lr 1e-4 betas 0.9/0.95 wd 0.1,
 as activation checkpointing of every ``Block``, ``--nvme-path``; ``--tiled-loss``
 for the head and loss through ``zkernel.tiled_cross_entropy``, in both); "auto"
 placements are the planner's. The model starts from GPT-2's initialisation and
-trains on sequences it can learn (`_sequences`), so a falling loss shows the
+trains on sequences it can learn (`gpt_model.learnable_sequences`), so a falling loss shows the
 updates land. Each step's loss, seconds, tokens/s and
 TFLOP/s per GPU are printed as a ``STEP`` JSON line as soon as it ends (a run
 cut short keeps what it measured), then a ``RESULT`` line: initialisation
@@ -85,7 +85,7 @@ def _worker(args) -> None:
         faulthandler.dump_traceback_later(args.dump_stacks, repeat=True)
 
     sys.path.insert(0, str(HERE))
-    from gpt_model import GPT, VOCAB, flops_per_token, gpt2_init
+    from gpt_model import GPT, VOCAB, flops_per_token, gpt2_init, learnable_sequences
 
     start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -151,7 +151,7 @@ def _worker(args) -> None:
             break
         if i == args.warmup:
             disk = _disk_counters(engine)
-        batch = [_sequences(args.micro_batch, VOCAB, device, g) for _ in range(args.accum)]
+        batch = [learnable_sequences(args.micro_batch, SEQ, VOCAB, device, g) for _ in range(args.accum)]
         sync()
         t0 = time.perf_counter()
         loss = train_step(batch).detach().float()
@@ -201,17 +201,6 @@ def _worker(args) -> None:
         engine.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _sequences(batch: int, vocab: int, device, generator):
-    """Token sequences a model can learn from context: each counts up from a random start by a
-    random stride (mod ``vocab``), so after two tokens the rest follow; the loss falls from
-    ln(vocab) as the model learns it, where uniform random tokens would leave it flat."""
-    import torch
-
-    start = torch.randint(0, vocab, (batch, 1), device=device, generator=generator)
-    stride = torch.randint(1, 64, (batch, 1), device=device, generator=generator)
-    return (start + stride * torch.arange(SEQ, device=device)) % vocab
 
 
 def _disk_counters(engine) -> list[int]:

@@ -77,14 +77,24 @@ def _fio(path: str, nbytes: int, rw: str, engine: str) -> float:
     return sum(job[d]["bw_bytes"] for d in directions) / 1e9
 
 
+AIO_DEPTH = 32  # requests in flight, as the nvme tier keeps them
+
+
+def _aio_buffers() -> list:
+    """One aligned 1 MiB buffer per request in flight, filled so that writes carry data."""
+    from zkernel import aio
+
+    buffers = [aio.aligned_empty(MIB) for _ in range(AIO_DEPTH)]
+    for b in buffers:
+        b.fill_(7)
+    return buffers
+
+
 def _aio(path: str, nbytes: int, write: bool) -> float:
     """GB/s of one sequential O_DIRECT pass with zkernel's engine: 1 MiB requests, 32 in flight."""
     from zkernel import aio
 
-    depth = 32
-    buffers = [aio.aligned_empty(MIB) for _ in range(depth)]
-    for b in buffers:
-        b.fill_(7)
+    depth, buffers = AIO_DEPTH, _aio_buffers()
     with aio.AioHandle(queue_depth=depth) as handle:
         start = time.perf_counter()
         for i, offset in enumerate(range(0, nbytes, MIB)):
@@ -101,11 +111,8 @@ def _aio_mixed(path: str, nbytes: int) -> float:
     alternating 1 MiB requests, 32 in flight."""
     from zkernel import aio
 
-    depth = 32
+    depth, buffers = AIO_DEPTH, _aio_buffers()
     half = nbytes // 2 // MIB * MIB
-    buffers = [aio.aligned_empty(MIB) for _ in range(depth)]
-    for b in buffers:
-        b.fill_(7)
     with aio.AioHandle(queue_depth=depth) as handle:
         start = time.perf_counter()
         for i, offset in enumerate(range(0, half, MIB)):

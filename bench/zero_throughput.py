@@ -53,24 +53,12 @@ SEQ = 1024
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _batch(data: str, micro_batch: int, vocab: int, device, generator):
-    """One micro-batch of token ids: uniform random, or sequences that count up from a random
-    start by a random stride (mod ``vocab``), which a model learns from context."""
-    import torch
-
-    if data == "random":
-        return torch.randint(0, vocab, (micro_batch, SEQ), device=device, generator=generator)
-    start = torch.randint(0, vocab, (micro_batch, 1), device=device, generator=generator)
-    stride = torch.randint(1, 64, (micro_batch, 1), device=device, generator=generator)
-    return (start + stride * torch.arange(SEQ, device=device)) % vocab
-
-
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
-    from gpt_model import GPT, PRESETS, VOCAB, flops_per_token, gpt2_init
+    from gpt_model import GPT, PRESETS, VOCAB, flops_per_token, gpt2_init, learnable_sequences
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -178,7 +166,10 @@ def _worker(args) -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup and disk is not None:
             disk = _disk_counters(engine)
-        batches = [_batch(args.data, micro_batch, VOCAB, device, g) for _ in range(args.accum)]
+        if args.data == "random":
+            batches = [torch.randint(0, VOCAB, (micro_batch, SEQ), device=device, generator=g) for _ in range(args.accum)]
+        else:
+            batches = [learnable_sequences(micro_batch, SEQ, VOCAB, device, g) for _ in range(args.accum)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss, norm = train_step(batches)

@@ -62,6 +62,19 @@ def _reference():
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
+def _train_matching(engine, expected_losses) -> None:
+    """Train ``engine`` on `_data`, close it, and check its losses against torch's, step by step."""
+    losses = []
+    for x, y in _data():
+        loss = engine(x.cuda(), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    for i, (a, b) in enumerate(zip(losses, expected_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+
+
 @pytest.mark.parametrize("offload", [{"optimizer": "cpu"}, {"optimizer": "cpu", "params": "cpu"}, {"optimizer": "nvme", "params": "cpu"}])
 def test_gradient_download_waits_for_a_lagging_backward(offload, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -78,15 +91,7 @@ def test_gradient_download_waits_for_a_lagging_backward(offload, tmp_path):
         "offload": offload,
     }
     engine = zkernel.initialize(model, config)
-    losses = []
-    for x, y in _data():
-        loss = engine(x.cuda(), y.cuda())
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    engine.close()
-    for i, (a, b) in enumerate(zip(losses, expected_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+    _train_matching(engine, expected_losses)
     for p, q in zip(model.parameters(), expected_params):
         torch.testing.assert_close(p.detach().cpu(), q, rtol=1e-5, atol=1e-6)
 
@@ -152,15 +157,7 @@ def test_speculative_early_steps_run_while_the_backward_still_runs():
         return result
 
     pipeline._early_step = recording_early_step
-    losses = []
-    for x, y in _data():
-        loss = engine(x.cuda(), y.cuda())
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    engine.close()
-    for i, (a, b) in enumerate(zip(losses, expected_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+    _train_matching(engine, expected_losses)
     assert pipeline.early_steps == 3 * STEPS and pipeline.rollbacks == 0
     # Per step, the second layer's gradient lands just before the host queues the sleep: its step
     # ends while the GPU sleeps (the head's may end before the sleep is queued, the first's after it).
