@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from zkernel_plugins.offload_tiers.cpu import _widening_add
+from zkernel_plugins.offload_tiers._host_grad import _widening_add
 
 
 def main() -> None:

@@ -77,6 +77,7 @@ def _worker(args) -> None:
             model = GPT(**preset, seq=SEQ)
         if args.init == "gpt2":
             model.apply(gpt2_init)
+        model.checkpoint = args.checkpoint
         if mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
         if mode.startswith("fsdp2"):
@@ -124,9 +125,13 @@ def _worker(args) -> None:
             "precision": "bf16",
             "gradient_clipping": args.clip,
             "gradient_accumulation_steps": args.accum,
-            "timeline": args.timeline,
+            "timeline": args.timeline or bool(args.trace),
             "optimizer": {"name": optimizer, "lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": ADAMW["weight_decay"]},
         }
+        if args.trace:
+            config["timeline_path"] = args.trace
+        if args.checkpoint:
+            config["activation_checkpointing"] = {"modules": ["Block"]}
         if tier or params_tier:
             config["offload"] = {
                 "optimizer": tier or "none",
@@ -190,6 +195,9 @@ def _worker(args) -> None:
         "accum": args.accum,
         "tflops_per_gpu": fpt * micro_batch * args.accum * SEQ / step / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        # Times the caching allocator freed its cache and retried a cudaMalloc: each one synchronizes
+        # the device, so a run near the memory limit is slower than its kernels.
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         "loss": float(loss),
     }
     if norms:
@@ -213,6 +221,8 @@ def _worker(args) -> None:
         result["rollbacks"] = engine.pipeline.rollbacks
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    if mode.startswith("zero"):
+        engine.close()  # writes the timeline's Chrome trace when ``timeline_path`` is set
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -242,6 +252,10 @@ def _run_mode(args, mode: str) -> dict:
         cmd += ["--zk-optimizer", args.zk_optimizer]
     if args.timeline:
         cmd += ["--timeline"]
+    if args.trace:
+        cmd += ["--trace", args.trace]
+    if args.checkpoint:
+        cmd += ["--checkpoint"]
     if args.prefetch_mb is not None:
         cmd += ["--prefetch-mb", str(args.prefetch_mb)]
     # torchrun would pin every rank to one OpenMP thread: give each its share of the cores
@@ -290,6 +304,9 @@ def main() -> None:
     parser.add_argument("--tier-options", default="", help="offload.optimizer_options as JSON")
     parser.add_argument("--params-tier-options", default="", help="offload.params_options as JSON")
     parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme", help="offload.nvme_path for +nvme modes")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="recompute every Block in backward, in every mode (torch's checkpoint; zkernel's activation_checkpointing)")
+    parser.add_argument("--trace", default=None, help="zkernel modes: write the timeline's Chrome trace here ({rank} is replaced)")
     parser.add_argument("--timeline", action="store_true", help="zkernel modes: record the step timeline and print its last step")
     parser.add_argument("--json-out", default=None, help="append each mode's result as one JSON line to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -315,6 +332,7 @@ def main() -> None:
     extra += f", prefetch {args.prefetch_mb} MiB" if args.prefetch_mb is not None else ""
     extra += f", clipping {args.clip:g}" if args.clip > 0 else ""
     extra += f", {args.accum} micro-batches per step" if args.accum > 1 else ""
+    extra += ", every block recomputed" if args.checkpoint else ""
     print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16, "
           f"{args.data} data, {args.init} init{extra}")
     print(f"{'mode':22} {'mb':>3} {'tokens/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13} {'vs plain':>9} {'vs FSDP2+off':>13}")

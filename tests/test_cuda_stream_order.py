@@ -110,7 +110,7 @@ def test_host_accumulation_is_timed(grad_dtype):
         "gradient_accumulation_steps": accum,
         "timeline": True,
         "optimizer": {"name": "cpu_adam", "lr": 1e-3},
-        "offload": {"optimizer": "cpu", "optimizer_options": {"grad_dtype": grad_dtype}},
+        "offload": {"optimizer": "cpu", "optimizer_options": {"grad_dtype": grad_dtype, "device_accumulation": 0.0}},
     }
     engine = zkernel.initialize(model, config)
     x = torch.randn(32, 64, device="cuda")
@@ -127,6 +127,71 @@ def test_host_accumulation_is_timed(grad_dtype):
     assert last.count[SpanKind.GRAD_ACCUMULATE] >= accum - 1
     added = last.nbytes[SpanKind.GRAD_ACCUMULATE]
     assert (accum - 1) * numel * width <= added <= (accum - 1) * (numel + 4096) * width
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_device_accumulation_crosses_once_and_adds_as_the_host_does(stage):
+    """[Note: device accumulation] From the second step on, a window's gradient adds up on the GPU
+    and crosses to the host once: a third of the bytes of host accumulation over 3 micro-batches, no
+    host adds, and the same fp32 sums, so without clipping both runs train bit for bit alike, and as
+    torch does. The lagging backward checks that the final add on the d2h stream waits for the
+    compute stream's adds."""
+    from zkernel.timeline import SpanKind
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    accum = 3
+    gen = torch.Generator().manual_seed(SEED + 2)
+    data = [(torch.randn(16, 32, generator=gen), torch.randint(0, 5, (16,), generator=gen)) for _ in range(STEPS * accum)]
+    torch.manual_seed(SEED)
+    model = LaggingNet().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    expected = []
+    for step in range(STEPS):
+        total = 0.0
+        for x, y in data[step * accum : (step + 1) * accum]:
+            loss = model(x.cuda(), y.cuda()) / accum
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        expected.append(total)
+    runs = {}
+    for share in (0.0, 1.0):
+        torch.manual_seed(SEED)
+        model = LaggingNet().cuda()
+        config = {
+            "partitioner": stage,
+            "gradient_accumulation_steps": accum,
+            "timeline": True,
+            "optimizer": {"name": "cpu_adam", "lr": LR, "weight_decay": 0.01},
+            "offload": {"optimizer": "cpu", "optimizer_options": {"device_accumulation": share}},
+        }
+        if stage == "zero3":
+            config["partitioner_options"] = {"persistence_threshold": 0}
+        engine = zkernel.initialize(model, config)
+        losses = []
+        for step in range(STEPS):
+            total = 0.0
+            for x, y in data[step * accum : (step + 1) * accum]:
+                loss = engine(x.cuda(), y.cuda())
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / accum
+            losses.append(total)
+        on_gpu = sum(n for place, n in engine.memory_report()["grads"].items() if place.startswith("cuda"))
+        engine.close()
+        runs[share] = (losses, [p.detach().cpu().clone() for p in model.parameters()], engine.timeline.summaries[-1])
+        if share:  # the arena: one fp32 sum per element, counted as gradients on the GPU
+            assert on_gpu >= 4 * sum(p.numel() for p in model.parameters())
+    (host_losses, host_params, host_last), (device_losses, device_params, device_last) = runs[0.0], runs[1.0]
+    assert device_losses == host_losses
+    for p, q in zip(device_params, host_params):
+        assert torch.equal(p, q)
+    for i, (a, b) in enumerate(zip(device_losses, expected)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+    assert host_last.count.get(SpanKind.GRAD_ACCUMULATE, 0) >= accum - 1
+    assert device_last.count.get(SpanKind.GRAD_ACCUMULATE, 0) == 0
+    assert host_last.nbytes[SpanKind.D2H] == accum * device_last.nbytes[SpanKind.D2H]
 
 
 def test_speculative_early_steps_run_while_the_backward_still_runs():

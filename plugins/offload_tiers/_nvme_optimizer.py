@@ -180,6 +180,7 @@ class NvmeTier(SwapFileTraffic, CpuTier):
             gpu_share=options.gpu_share,
             staging_buffers=options.staging_buffers,
             grad_dtype=options.grad_dtype,
+            device_accumulation=options.device_accumulation,
         )
         super().__init__(attrs.evolve(context, options=cpu_options))
         self.nvme_options = options
@@ -467,7 +468,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
             self._pump()
 
     def after_first_step(self, order):
-        return None
+        # The GPU share was placed at adoption ([Note: spill]); only the accumulation room is left.
+        if self.cuda:
+            self._place_device_accumulation(order, int(0.8 * self._unused_device_bytes()))
 
     # -- reading and replacing state outside a step (close, state dicts, checkpoints) -------------
 

@@ -14,6 +14,7 @@ def _block_size(value) -> bool:
 
 _BLOCK_SIZE = OptionValidator(_block_size, f"a positive multiple of {ALIGNMENT} (bytes)")
 _SHARE = OptionValidator(lambda v: number(minimum=0.0).test(v) and v <= 1.0, "a number in [0, 1] (a fraction of the trainable elements)")
+_SHARE_OR_AUTO = OptionValidator(lambda v: v == "auto" or _SHARE.test(v), 'a number in [0, 1], or "auto"')
 
 
 
@@ -43,6 +44,9 @@ class NvmeTierOptions:
     # Dtype gradients cross to the host in (the cpu tier's option): "fp32", or "bf16" (half the
     # bytes over the link; with accumulation the host still adds into an fp32 landing buffer).
     grad_dtype: str = attrs.field(default="fp32", validator=choice("fp32", "bf16"))
+    # With gradient accumulation (the cpu tier's option): fraction of the groups stepped off the GPU
+    # whose gradient adds up on the GPU over a window and crosses once, or "auto".
+    device_accumulation: float | str = attrs.field(default="auto", validator=_SHARE_OR_AUTO)
 
     def __attrs_post_init__(self) -> None:
         if self.gpu_share + self.host_share > 1.0:

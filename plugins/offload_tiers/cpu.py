@@ -18,10 +18,11 @@ buckets and activations.
   shard is copied device-to-host on the engine's d2h stream, after the
   collective and without blocking the host. The window's first landing is
   copied straight into the landing buffer; later ones go through a pinned
-  staging buffer and are added on the host worker thread. The squared norm
+  staging buffer and are added on the tier's own accumulation thread, or add
+  up on the GPU (see [Note: device accumulation]). The squared norm
   of a window's gradient is computed on the device from a gradient landed in
   one piece (and copied to a page-locked scalar behind the landing, see
-  [Note: a group's own norm]), and on the host (worker thread) from an
+  [Note: a group's own norm]), and on the host (accumulation thread) from an
   accumulated one.
 * Step: the optimizer runs on the host (the engine's worker thread), reading
   the landing buffer, and writes rounded parameters into the staging copy (or
@@ -45,12 +46,32 @@ inner ``none`` tier. ``gpu_share`` is the fraction of trainable
 elements to keep there, or ``"auto"``: as many as fit in 80% of the GPU memory
 the first step left unused, at 16 bytes per element (master, two moments,
 gradient).
+
+[Note: device accumulation] With gradient accumulation, every micro-batch's
+gradient of a host-stepped group crossed to the host and was added there: per
+element and micro-batch, 4 bytes over the link and 16 bytes of host memory
+traffic (the copy's write, the add's two reads and its write). For GPT-6.7B's
+5.4 B host-stepped elements that is 87 GB a micro-batch, longer at the host's
+memory bandwidth than the 0.4 s backward that was meant to hide it: backward
+waited for staging buffers, and 4 micro-batches of 8 ran at 0.6x the speed of
+one. Where the GPU has room the gradient adds up there instead, in one fp32
+arena allocated once (sums kept in the caching allocator's blocks between
+micro-batches fragmented it into an OOM): the window's first reduced shard is
+copied in and later ones added on the compute stream, one landing behind so
+the add never waits for the collective just issued; the final micro-batch
+adds its own on the d2h stream and downloads the sum once. The sum is the
+host's, bit for bit: the same fp32 additions in the same order. The room is known after the first step:
+``device_accumulation`` ``"auto"`` takes 80% of the GPU memory that step left
+unused, less what the GPU share took, at 4 bytes per element; a number is the
+fraction of host-stepped elements. Groups are chosen in backward's landing order.
+With both ``"auto"`` the share is sized so that the arena for what stays on the
+host fits beside it: per GPU byte the arena saves more host traffic.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -65,6 +86,7 @@ from zkernel.tiers import OptimizerTier, Resource, ShardState
 from zkernel.timeline import SpanKind
 
 from ._cpu_params import CpuParamsOptions, CpuParamsTier
+from ._host_grad import accumulate, sq_norm
 from ._staging import POOLED, StagingPool
 from ._state import write_optimizer_state
 from .device import DeviceOptimizerTier, update_target
@@ -91,14 +113,19 @@ class CpuTierOptions:
     # gradient accumulation the landing buffer stays fp32 and the host adds in fp32.
     grad_dtype: str = attrs.field(default="fp32", validator=attrs.validators.in_(("fp32", "bf16")))
     # Fraction of trainable elements whose optimizer stays on the GPU ([Note: GPU share]), or "auto".
-    gpu_share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _check_share(v))
+    gpu_share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _check_share(v, "gpu_share"))
+    # With gradient accumulation: fraction of host-stepped elements whose gradient adds up on the GPU
+    # over a window and crosses once ([Note: device accumulation]), or "auto".
+    device_accumulation: float | str = attrs.field(
+        default="auto", validator=lambda _i, _a, v: _check_share(v, "device_accumulation")
+    )
 
 
-def _check_share(value) -> None:
+def _check_share(value, key: str) -> None:
     if value == "auto":
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"offload.optimizer_options.gpu_share must be a number in [0, 1] or \"auto\", got {value!r}")
+        raise ValueError(f"offload.optimizer_options.{key} must be a number in [0, 1] or \"auto\", got {value!r}")
 
 
 @attrs.define(eq=False)
@@ -111,6 +138,11 @@ class _Slot:
     sq_norm: torch.Tensor | Future | None = None
     sq_norm_host: torch.Tensor | None = None  # page-locked copy of a device ``sq_norm``, ready with the landing
     accumulation: Future | None = None  # host-side add of a later micro-batch
+    # [Note: device accumulation] Its view of the tier's fp32 device arena, or None; whether it
+    # holds this window's sum so far; the d2h event after which the last window's sum was read.
+    device_sum: torch.Tensor | None = None
+    device_sum_live: bool = False
+    device_sum_read: Any = None
     on_device: bool = False  # moved to the GPU share: the inner device tier holds it
     pooled: bool = False  # its rounded update goes through a shared staging buffer
     # Where its rounded update goes when not pooled (the parameters' home, or None): this tier's
@@ -134,6 +166,13 @@ class CpuTier(OptimizerTier):
         self.timeline = context.timeline
         self._slots: dict[int, _Slot] = {}
         self._pending: deque = deque()  # CPU-only landings not completed yet
+        self._held: deque = deque()  # a device-accumulated landing not added yet ([Note: device accumulation])
+        self._accumulating = context.config.gradient_accumulation_steps > 1
+        self._device_arena: torch.Tensor | None = None
+        # Host adds run on their own thread: queued behind host steps on the worker, they held
+        # backward's staging buffers for the whole step (measured: the final micro-batch's backward
+        # of GPT-6.7B took 2.8 s instead of 0.4).
+        self._adder: ThreadPoolExecutor | None = None
         self._state: dict[int, tuple] = {}  # declared optimizer state per group (for the GPU share)
         self._device_tier = DeviceOptimizerTier(context)
         bf16 = self.options.grad_dtype == "bf16" and self.cuda
@@ -221,12 +260,29 @@ class CpuTier(OptimizerTier):
         return slot is not None and slot.on_device
 
     def after_first_step(self, order):
-        if not self.cuda or self.options.gpu_share == 0.0:
+        if not self.cuda:
             return
+        room = int(0.8 * self._unused_device_bytes())
+        moved = self._place_gpu_share(order, room) if self.options.gpu_share != 0.0 else 0
+        self._place_device_accumulation(order, room - 16 * moved)
+
+    def _unused_device_bytes(self) -> int:
+        """GPU memory the steps so far never reserved."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(0, total - torch.cuda.max_memory_reserved(self.device))
+
+    def _place_gpu_share(self, order, room: int) -> int:
+        """Move the first-needed groups within the share to the GPU; returns the elements moved now.
+
+        ``"auto"`` fits the share and the accumulation arena into ``room`` together: an element moved
+        costs 16 bytes and frees its 4 in the arena ([Note: device accumulation]), which pays more per
+        byte (it saves 16 bytes of host traffic per element and micro-batch, the share 30 per step)."""
         total = sum(g.master.numel() for g in order)
+        before = self.gpu_share_numel
         if self.options.gpu_share == "auto":
-            free = torch.cuda.get_device_properties(self.device).total_memory - torch.cuda.max_memory_reserved(self.device)
-            budget = self.gpu_share_numel + int(0.8 * max(0, free)) // 16
+            arena = 4 * self._accumulated_fraction()
+            host = sum(s.landing.numel() for s in self._slots.values() if not s.on_device)
+            budget = self.gpu_share_numel + int(max(0, room - arena * host) // (16 - arena))
         else:
             budget = int(self.options.gpu_share * total)
         for group in order:  # the next forward's order: the first-needed groups first
@@ -240,6 +296,48 @@ class CpuTier(OptimizerTier):
             groups=sum(s.on_device for s in self._slots.values()),
             numel=self.gpu_share_numel,
             fraction=round(self.gpu_share_numel / max(1, total), 4),
+        )
+        return self.gpu_share_numel - before
+
+    def _accumulated_fraction(self) -> float:
+        """The fraction of host-stepped elements meant to add up on the GPU (1 for "auto")."""
+        if not self._accumulating:
+            return 0.0
+        option = self.options.device_accumulation
+        return 1.0 if option == "auto" else float(option)
+
+    def _place_device_accumulation(self, order, room: int) -> None:
+        """Choose the host-stepped groups whose gradient adds up on the GPU ([Note: device accumulation])."""
+        option = self.options.device_accumulation
+        if not self._accumulated_fraction():
+            return
+        slots = [self._slots[g.index] for g in reversed(order) if not self._on_device(g)]
+        total = sum(s.landing.numel() for s in slots)
+        budget = max(0, room) // 4 if option == "auto" else int(option * total)
+        chosen: list[_Slot] = []
+        numel = 0
+        for slot in slots:  # backward's landing order
+            if slot.landing.numel() <= budget - numel:
+                chosen.append(slot)
+                numel += slot.landing.numel()
+        if not chosen:
+            return
+        # One allocation for the run: sums kept in the caching allocator's blocks between micro-batches
+        # fragmented it (an OOM with 7.6 GiB reserved but free, GPT-6.7B).
+        try:
+            self._device_arena = torch.empty(numel, dtype=torch.float32, device=self.device)
+        except torch.OutOfMemoryError:
+            log.warning("zkernel.cpu_tier.device_accumulation_skipped", numel=numel, reason="out of GPU memory")
+            return
+        offset = 0
+        for slot in chosen:
+            slot.device_sum = self._device_arena[offset : offset + slot.landing.numel()]
+            offset += slot.landing.numel()
+        log.info(
+            "zkernel.cpu_tier.device_accumulation",
+            groups=len(chosen),
+            numel=numel,
+            fraction=round(numel / max(1, total), 4),
         )
 
     def _move_to_device(self, group) -> None:
@@ -259,6 +357,11 @@ class CpuTier(OptimizerTier):
         slot = self._slots[group.index]
         if slot.on_device:
             return self._device_tier.land(group, reduced, final)
+        if slot.device_sum is not None and not final:
+            self._held.append((slot, reduced))
+            while len(self._held) > 1:
+                self._add_held(*self._held.popleft())
+            return
         first = not reduced.accumulate or not slot.landed
         slot.landed = True
         if not self.cuda:
@@ -277,13 +380,20 @@ class CpuTier(OptimizerTier):
         # backward had written it whenever the GPU lagged the host (one GPU, host-stepped
         # groups: stale or uninitialised memory, seen as a rare NaN in bf16 runs).
         producer = torch.cuda.current_stream(self.device)
+        summed = self._complete_device_sum(slot)
         with torch.cuda.stream(d2h):
             if reduced.work is not None:
                 reduced.work.wait()
-            else:
+            if reduced.work is None or summed:
                 d2h.wait_stream(producer)
+            if summed:
+                slot.device_sum.add_(tensor)
+                tensor.record_stream(d2h)
+                tensor = slot.device_sum
             with self.timeline.span(SpanKind.D2H, stream=d2h, label=group.name, nbytes=nbytes):
                 self._download(slot, tensor, final, staging)
+            if summed:
+                slot.device_sum_read = record_event(d2h)
             # [Note: collective buffers on a side stream] The collective's output and inputs were
             # allocated on the compute stream, and only this stream waited for the collective:
             # without these marks the allocator could hand their memory to the next compute-stream
@@ -317,10 +427,34 @@ class CpuTier(OptimizerTier):
         staging.copy_(tensor.to(self._transfer_dtype), non_blocking=True)
         slot.landed_event = None
         copied = record_event(d2h)
-        slot.accumulation = self.worker.submit(
-            _accumulate, slot.landing, staging, copied, final, self._accumulation, self.timeline
+        if self._adder is None:
+            self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zkernel-accumulate")
+        slot.accumulation = self._adder.submit(
+            accumulate, slot.landing, staging, copied, final, self._accumulation, self.timeline
         )
         slot.sq_norm = slot.accumulation if final else None
+
+    @staticmethod
+    def _add_held(slot: _Slot, reduced) -> None:
+        """On the compute stream: a non-final landing into its group's device sum."""
+        if reduced.work is not None:
+            reduced.work.wait()
+        if slot.device_sum_live and reduced.accumulate:
+            slot.device_sum.add_(reduced.tensor)
+            return
+        if slot.device_sum_read is not None:  # the last window's sum is downloaded by now; in order
+            torch.cuda.current_stream(slot.device_sum.device).wait_event(slot.device_sum_read)
+            slot.device_sum_read = None
+        slot.device_sum.copy_(reduced.tensor)
+        slot.device_sum_live = True
+
+    def _complete_device_sum(self, slot: _Slot) -> bool:
+        """Add every held landing; whether ``slot``'s device sum holds this window's earlier micro-batches
+        (it is then handed over: the final landing adds to it and downloads it)."""
+        while self._held:
+            self._add_held(*self._held.popleft())
+        live, slot.device_sum_live = slot.device_sum_live, False
+        return live
 
     @staticmethod
     def _complete(slot: _Slot, reduced, first: bool) -> None:
@@ -334,6 +468,8 @@ class CpuTier(OptimizerTier):
     def flush(self):
         while self._pending:
             self._complete(*self._pending.popleft())
+        while self._held:
+            self._add_held(*self._held.popleft())
         self._device_tier.flush()
 
     def grad_sq_norm(self, groups):
@@ -362,7 +498,7 @@ class CpuTier(OptimizerTier):
             elif self.cuda and slot.sq_norm is not None:
                 out.append(slot.sq_norm)
             else:
-                out.append(float(slot.landing.pow(2).sum()))
+                out.append(sq_norm(slot.landing))
         return out
 
     # -- step (host worker thread) ------------------------------------------------------
@@ -427,8 +563,15 @@ class CpuTier(OptimizerTier):
         for slot in self._slots.values():
             if slot.accumulation is not None:
                 slot.accumulation.result()
+            if slot.device_sum_read is not None:
+                slot.device_sum_read.synchronize()
+        if self._adder is not None:
+            self._adder.shutdown(wait=True)
+            self._adder = None
         self._slots.clear()
         self._pending.clear()
+        self._held.clear()
+        self._device_arena = None
         self._state.clear()
         self._staging.close()
         self._accumulation.close()
@@ -442,41 +585,10 @@ class CpuTier(OptimizerTier):
             return self._device_tier.zkernel_memory_tensors(group)
         return {
             "params": self._update_buffers(slot),
-            "grads": [slot.landing],
+            "grads": [slot.landing] + ([slot.device_sum] if slot.device_sum is not None else []),
             "master_weights": [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
         }
-
-
-def _accumulate(
-    landing: torch.Tensor, staging: torch.Tensor, copied: Any, final: bool, pool: StagingPool, timeline
-) -> float | None:
-    """Host worker: add a later micro-batch's gradient once its copy arrived, give the staging buffer
-    back; the norm when final."""
-    copied.synchronize()
-    with timeline.span(SpanKind.GRAD_ACCUMULATE, nbytes=staging.numel() * staging.element_size()):
-        if staging.dtype == landing.dtype:
-            landing.add_(staging)
-        else:
-            _widening_add(landing, staging)
-    pool.give(staging, None)
-    return float(landing.pow(2).sum()) if final else None
-
-
-# Elements per piece of a widening add: its fp32 copy stays in the core's cache.
-_WIDEN_CHUNK = 1 << 20
-
-
-def _widening_add(landing: torch.Tensor, staging: torch.Tensor) -> None:
-    """``landing += staging`` for a narrower ``staging`` (bf16 gradients into an fp32 buffer), piece by
-    piece through a cache-sized fp32 scratch: torch's mixed-dtype add runs 4-7x slower than an fp32
-    one, the widened pieces at the fp32 add's rate (`bench/host_accumulate.py`)."""
-    scratch = torch.empty(min(_WIDEN_CHUNK, landing.numel()), dtype=landing.dtype)
-    for start in range(0, landing.numel(), _WIDEN_CHUNK):
-        n = min(_WIDEN_CHUNK, landing.numel() - start)
-        piece = scratch[:n]
-        piece.copy_(staging[start : start + n])
-        landing[start : start + n].add_(piece)
 
 
 def cpu_tier(context, role: str):
