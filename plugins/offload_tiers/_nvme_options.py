@@ -44,7 +44,7 @@ class NvmeTierOptions:
     # Dtype gradients cross to the host in (the cpu tier's option): "fp32", or "bf16" (half the
     # bytes over the link; with accumulation the host still adds into an fp32 landing buffer).
     grad_dtype: str = attrs.field(default="fp32", validator=choice("fp32", "bf16"))
-    # With gradient accumulation (the cpu tier's option): fraction of the groups stepped off the GPU
+    # With gradient accumulation (the cpu tier's option): fraction of the elements stepped off the GPU
     # whose gradient adds up on the GPU over a window and crosses once, or "auto".
     device_accumulation: float | str = attrs.field(default="auto", validator=_SHARE_OR_AUTO)
 
