@@ -62,6 +62,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def zkernel_train_step(engine, micro_batches):
+    """One optimizer step of a zkernel engine on next-token micro-batches; returns the last one's loss."""
+    for idx in micro_batches:  # step() counts micro-batches: it applies the optimizer at the last
+        loss = engine(idx, torch.roll(idx, -1, 1))
+        engine.backward(loss)
+        engine.step()
+    return loss
+
+
 def learnable_sequences(batch: int, seq: int, vocab: int, device, generator) -> torch.Tensor:
     """Token sequences a model can learn from context: each counts up from a random start by a
     random stride (mod ``vocab``), so after two tokens the rest follow; the loss falls from

@@ -11,6 +11,11 @@ G elements/s and GB/s of gradient read):
 * torch's mixed-dtype add (``landing.add_(bf16)``);
 * zkernel's widening add (`_widening_add`: cache-sized fp32 pieces).
 
+Then the squared norm of the accumulated fp32 gradient (the clip coefficient of
+an accumulated window), in ms and relative error against a float64 sum:
+torch's ``pow(2).sum()`` (anchor), ``linalg.vector_norm`` squared, and
+zkernel's `sq_norm` (fp32 pieces, their sums added in double).
+
     python3 bench/host_accumulate.py --numel 100e6 --rounds 5
 """
 
@@ -22,7 +27,7 @@ import time
 
 import torch
 
-from zkernel_plugins.offload_tiers._host_grad import _widening_add
+from zkernel_plugins.offload_tiers._host_grad import _widening_add, sq_norm
 
 
 def main() -> None:
@@ -55,6 +60,29 @@ def main() -> None:
     for name, (_, width) in cases.items():
         t = statistics.median(times[name])
         print(f"{name:30s} {n / t / 1e9:9.2f} {n * width / t / 1e9:10.2f} {anchor / t:10.2f}")
+    _norms(fp32, args.rounds)
+
+
+def _norms(grad: torch.Tensor, rounds: int) -> None:
+    exact = float(grad.double().pow(2).sum())
+    cases = {
+        "torch pow(2).sum() (anchor)": lambda: float(grad.pow(2).sum()),
+        "torch linalg.vector_norm ** 2": lambda: float(torch.linalg.vector_norm(grad)) ** 2,
+        "zkernel sq_norm": lambda: sq_norm(grad),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    values: dict[str, float] = {}
+    for r in range(rounds + 1):
+        for name, run in cases.items():
+            start = time.perf_counter()
+            values[name] = run()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    anchor = statistics.median(times["torch pow(2).sum() (anchor)"])
+    print(f"{'squared norm':30s} {'ms':>9s} {'rel. error':>10s} {'vs anchor':>10s}")
+    for name in cases:
+        t = statistics.median(times[name])
+        print(f"{name:30s} {t * 1e3:9.1f} {abs(values[name] - exact) / exact:10.1e} {anchor / t:10.2f}")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def _worker(args) -> None:
         faulthandler.dump_traceback_later(args.dump_stacks, repeat=True)
 
     sys.path.insert(0, str(HERE))
-    from gpt_model import GPT, VOCAB, flops_per_token, gpt2_init, learnable_sequences
+    from gpt_model import GPT, VOCAB, flops_per_token, gpt2_init, learnable_sequences, zkernel_train_step
 
     start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -131,11 +131,7 @@ def _worker(args) -> None:
         engine = zkernel.initialize(model, config, init_fn=gpt2_init)
 
         def train_step(micro_batches):
-            for idx in micro_batches:  # step() counts micro-batches: it applies the optimizer at the last
-                loss = engine(idx, torch.roll(idx, -1, 1))
-                engine.backward(loss)
-                engine.step()
-            return loss
+            return zkernel_train_step(engine, micro_batches)
 
     sync()
     init_s = time.perf_counter() - start

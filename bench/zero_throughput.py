@@ -58,7 +58,7 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
-    from gpt_model import GPT, PRESETS, VOCAB, flops_per_token, gpt2_init, learnable_sequences
+    from gpt_model import GPT, PRESETS, VOCAB, flops_per_token, gpt2_init, learnable_sequences, zkernel_train_step
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -152,11 +152,7 @@ def _worker(args) -> None:
         engine = zkernel.initialize(model, config, init_fn=meta_init)
 
         def train_step(batches):
-            for idx in batches:  # step() counts micro-batches: it applies the optimizer at the last
-                loss = engine(idx, torch.roll(idx, -1, 1))
-                engine.backward(loss)
-                engine.step()
-            return loss, engine.last_grad_norm
+            return zkernel_train_step(engine, batches), engine.last_grad_norm
 
         flop_model = model
     fpt = flops_per_token(flop_model, SEQ) if not mode.startswith("zero3") else None

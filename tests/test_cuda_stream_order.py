@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,6 +182,7 @@ def test_device_accumulation_crosses_once_and_adds_as_the_host_does(stage):
             losses.append(total)
         on_gpu = sum(n for place, n in engine.memory_report()["grads"].items() if place.startswith("cuda"))
         engine.close()
+        assert not any(t.name.startswith("zkernel-accumulate") for t in threading.enumerate())
         runs[share] = (losses, [p.detach().cpu().clone() for p in model.parameters()], engine.timeline.summaries[-1])
         if share:  # the arena: one fp32 sum per element, counted as gradients on the GPU
             assert on_gpu >= 4 * sum(p.numel() for p in model.parameters())

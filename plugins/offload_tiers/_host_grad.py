@@ -11,7 +11,7 @@ from zkernel.timeline import SpanKind
 
 from ._staging import StagingPool
 
-# Elements per piece of a widening add: its fp32 copy stays in the core's cache.
+# Elements per fp32 piece of a widening add or a norm: it stays in the core's cache.
 _WIDEN_CHUNK = 1 << 20
 
 
@@ -31,27 +31,26 @@ def accumulate(
 
 
 def sq_norm(tensor: torch.Tensor) -> float:
-    """Squared L2 norm of a host tensor, piece by piece through a cache-sized fp32 scratch, each
-    piece's sum a float added in double. ``pow(2).sum()`` allocated a temporary as large as the
-    gradient (fresh pages, faulted in and zeroed: 7x slower on 67 M elements), and
-    ``linalg.vector_norm`` sums fp32 squares without a cascade (1% low on 67 M elements)."""
-    scratch = torch.empty(min(_WIDEN_CHUNK, tensor.numel()), dtype=torch.float32)
-    total = 0.0
-    for start in range(0, tensor.numel(), _WIDEN_CHUNK):
-        piece = scratch[: min(_WIDEN_CHUNK, tensor.numel() - start)]
-        piece.copy_(tensor[start : start + piece.numel()])
-        total += float(piece.mul_(piece).sum())
-    return total
-
+    """Squared L2 norm of a host tensor, each fp32 piece's sum a float added in double.
+    ``pow(2).sum()`` allocated a temporary as large as the gradient (fresh pages, faulted in and
+    zeroed), and ``linalg.vector_norm`` sums fp32 squares without a cascade, low by a relative 1e-2
+    on 67 M elements (`bench/host_accumulate.py` measures both)."""
+    return sum(float(piece.mul_(piece).sum()) for _, piece in _fp32_pieces(tensor))
 
 
 def _widening_add(landing: torch.Tensor, staging: torch.Tensor) -> None:
-    """``landing += staging`` for a narrower ``staging`` (bf16 gradients into an fp32 buffer), piece by
-    piece through a cache-sized fp32 scratch: torch's mixed-dtype add runs 4-7x slower than an fp32
-    one, the widened pieces at the fp32 add's rate (`bench/host_accumulate.py`)."""
-    scratch = torch.empty(min(_WIDEN_CHUNK, landing.numel()), dtype=landing.dtype)
-    for start in range(0, landing.numel(), _WIDEN_CHUNK):
-        n = min(_WIDEN_CHUNK, landing.numel() - start)
-        piece = scratch[:n]
-        piece.copy_(staging[start : start + n])
-        landing[start : start + n].add_(piece)
+    """``landing += staging`` for a narrower ``staging`` (bf16 gradients into an fp32 buffer): torch's
+    mixed-dtype add runs 4-7x slower than an fp32 one, the widened pieces at the fp32 add's rate
+    (`bench/host_accumulate.py`)."""
+    for start, piece in _fp32_pieces(staging):
+        landing[start : start + piece.numel()].add_(piece)
+
+
+def _fp32_pieces(tensor: torch.Tensor):
+    """``(start, piece)`` over ``tensor``: each piece an fp32 copy of the next `_WIDEN_CHUNK` elements
+    in one cache-sized scratch, valid until the next is taken."""
+    scratch = torch.empty(min(_WIDEN_CHUNK, tensor.numel()), dtype=torch.float32)
+    for start in range(0, tensor.numel(), _WIDEN_CHUNK):
+        piece = scratch[: min(_WIDEN_CHUNK, tensor.numel() - start)]
+        piece.copy_(tensor[start : start + piece.numel()])
+        yield start, piece
