@@ -14,7 +14,12 @@ CPU); modes whose optimizer is offloaded use the ``cpu_adam`` optimizer unless
 their files under ``--nvme-path`` and report the disk bytes moved per step. A suffix ``@blocks`` selects
 zero3's unit policy and ``#32`` a micro-batch for that mode alone
 (``fsdp2_offload#32``). ``fsdp2_offload`` is FSDP2
-with ``CPUOffloadPolicy(pin_memory=True)``. ``--clip`` applies global-norm
+with ``CPUOffloadPolicy(pin_memory=True)``. ``ceiling`` is no engine: the
+model's forward and backward alone with bf16 weights resident on each GPU (no
+collective, cast or optimizer step), the most any data-parallel engine can
+reach at this micro-batch. ``--kernels N`` profiles N more steps on rank 0 and
+prints the GPU time by kernel category and the compute stream's idle time
+(``bench/kernel_profile.py``). ``--clip`` applies global-norm
 clipping in every mode (torch's ``clip_grad_norm_`` for the anchors).
 ``--accum N`` runs N micro-batches per optimizer step in every mode (the
 anchors divide each loss by N and step once; zkernel sets
@@ -68,7 +73,24 @@ def _worker(args) -> None:
     preset = PRESETS[args.model]
     mode, micro_batch, units = _parse_mode(args.mode, args.micro_batch)
 
-    if mode in ("plain", "ddp", "fsdp2", "fsdp2_offload"):
+    if mode == "ceiling":
+        # The ceiling of any data-parallel engine at this micro-batch: the model's own forward and
+        # backward with bf16 weights resident, no collective, no cast, no optimizer step.
+        with device:
+            model = GPT(**preset, seq=SEQ).to(torch.bfloat16)
+        if args.init == "gpt2":
+            model.apply(gpt2_init)
+        model.checkpoint = args.checkpoint
+
+        def train_step(batches):
+            for idx in batches:
+                loss = model(idx, torch.roll(idx, -1, 1))
+                (loss / len(batches)).backward()
+            model.zero_grad(set_to_none=True)
+            return loss, None
+
+        flop_model = model
+    elif mode in ("plain", "ddp", "fsdp2", "fsdp2_offload"):
         if world > 1 or mode.startswith("fsdp2"):
             # Offloaded FSDP2 keeps gradients on the CPU: clip_grad_norm_ reduces their norm there (gloo).
             backend = "cpu:gloo,cuda:nccl" if mode == "fsdp2_offload" else "nccl"
@@ -164,13 +186,16 @@ def _worker(args) -> None:
     g = torch.Generator(device=device).manual_seed(1 + local)
     times, norms = [], []
     disk = _disk_counters(engine) if mode.startswith("zero") else None
+
+    def next_batches():
+        if args.data == "random":
+            return [torch.randint(0, VOCAB, (micro_batch, SEQ), device=device, generator=g) for _ in range(args.accum)]
+        return [learnable_sequences(micro_batch, SEQ, VOCAB, device, g) for _ in range(args.accum)]
+
     for i in range(args.warmup + args.steps):
         if i == args.warmup and disk is not None:
             disk = _disk_counters(engine)
-        if args.data == "random":
-            batches = [torch.randint(0, VOCAB, (micro_batch, SEQ), device=device, generator=g) for _ in range(args.accum)]
-        else:
-            batches = [learnable_sequences(micro_batch, SEQ, VOCAB, device, g) for _ in range(args.accum)]
+        batches = next_batches()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss, norm = train_step(batches)
@@ -180,6 +205,15 @@ def _worker(args) -> None:
             norms.append(float(norm))
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    kernels = None
+    if args.kernels and local == 0:
+        sys.path.insert(0, str(HERE))
+        from kernel_profile import profile_steps
+
+        kernels = profile_steps(lambda: train_step(next_batches())[0].item(), args.kernels, torch.cuda.synchronize)
+    elif args.kernels:  # the other ranks run the same steps, unprofiled, so collectives match
+        for _ in range(args.kernels):
+            train_step(next_batches())[0].item()
     step = statistics.median(times)
     tokens = micro_batch * args.accum * SEQ * world / step
     result = {
@@ -190,12 +224,14 @@ def _worker(args) -> None:
         "tokens_per_s": tokens,
         "accum": args.accum,
         "tflops_per_gpu": fpt * micro_batch * args.accum * SEQ / step / 1e12,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": (torch.cuda.max_memory_allocated() + _symmetric_bytes()) / 2**30,
         # Times the caching allocator freed its cache and retried a cudaMalloc: each one synchronizes
         # the device, so a run near the memory limit is slower than its kernels.
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         "loss": float(loss),
     }
+    if kernels is not None:
+        result["kernels"] = kernels
     if norms:
         timed = norms[args.warmup :]
         result["clipped_steps"] = sum(n > args.clip for n in timed)
@@ -221,6 +257,15 @@ def _worker(args) -> None:
         engine.close()  # writes the timeline's Chrome trace when ``timeline_path`` is set
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _symmetric_bytes() -> int:
+    """zero3's peer-gather pool: symmetric memory, outside the caching allocator's peak."""
+    try:
+        from zkernel_plugins.partitioners import _peer_gather
+    except ImportError:
+        return 0
+    return _peer_gather.pool_bytes
 
 
 def _parse_mode(text: str, default_micro_batch: int) -> tuple[str, int, str]:
@@ -254,6 +299,8 @@ def _run_mode(args, mode: str) -> dict:
         cmd += ["--checkpoint"]
     if args.prefetch_mb is not None:
         cmd += ["--prefetch-mb", str(args.prefetch_mb)]
+    if args.kernels:
+        cmd += ["--kernels", str(args.kernels)]
     # torchrun would pin every rank to one OpenMP thread: give each its share of the cores
     # instead, so the anchors' CPU AdamW (FSDP2 offload) is not starved.
     env = {**os.environ}
@@ -286,7 +333,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, in every mode")
-    parser.add_argument("--modes", default=None, help="comma list of plain, ddp, fsdp2, fsdp2_offload, zero1, zero2, zero3 "
+    parser.add_argument("--modes", default=None, help="comma list of ceiling, plain, ddp, fsdp2, fsdp2_offload, zero1, zero2, zero3 "
                         "(zkernel: +optimizer_tier[/params_tier], @units, #micro_batch; see above)")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--options", default="", help="zkernel partitioner_options as JSON, e.g. '{\"units\": \"blocks\"}'")
@@ -304,6 +351,9 @@ def main() -> None:
                         help="recompute every Block in backward, in every mode (torch's checkpoint; zkernel's activation_checkpointing)")
     parser.add_argument("--trace", default=None, help="zkernel modes: write the timeline's Chrome trace here ({rank} is replaced)")
     parser.add_argument("--timeline", action="store_true", help="zkernel modes: record the step timeline and print its last step")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="after the timed steps, profile this many more on rank 0 and print where the GPU time went "
+                        "(kernel categories, stream busy and idle; bench/kernel_profile.py)")
     parser.add_argument("--json-out", default=None, help="append each mode's result as one JSON line to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -320,6 +370,9 @@ def main() -> None:
         if args.json_out:
             with open(args.json_out, "a") as out:
                 out.write(json.dumps({"model": args.model, "nproc": args.nproc, **results[-1]}) + "\n")
+    sys.path.insert(0, str(HERE))
+    from kernel_profile import format_summary
+
     def first(*names):
         return next((r for r in results if _parse_mode(r["mode"], 0)[0] in names and "error" not in r), None)
 
@@ -350,6 +403,8 @@ def main() -> None:
         if "disk_gbps_over_step" in r:
             print(f"  {r['mode']} disk: {r['nvme_gib']:.1f} GiB on NVMe, per step {r['disk_read_gb_per_step']:.2f} GB read + "
                   f"{r['disk_written_gb_per_step']:.2f} GB written = {r['disk_gbps_over_step']:.2f} GB/s over the whole step")
+        if "kernels" in r:
+            print(format_summary(r["mode"], r["kernels"]))
         if "timeline" in r:
             print(f"  {r['mode']} host {r['host_gib']:.1f} GiB, early steps {r['early_steps']}, rollbacks {r['rollbacks']}: {r['timeline']}")
 

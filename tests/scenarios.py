@@ -47,7 +47,13 @@ def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=(
     engine = zkernel.initialize(TrickyNet(), config, plugins=plugins)
     losses = _train_steps(engine, steps, accum, micro, seed)
     external = sorted(g.name for g in engine.groups if g.index in engine.scheduler.external)
-    return {"losses": losses, "memory": engine.memory_report(), "skipped": engine.skipped_steps, "external": external}
+    return {
+        "losses": losses,
+        "memory": engine.memory_report(),
+        "skipped": engine.skipped_steps,
+        "external": external,
+        "peer_gathers": getattr(engine.plugin_manager.get_plugin(f"partitioner:{engine.config.partitioner}"), "_peer", None) is not None,
+    }
 
 
 def train_many(configs: list[dict], steps: int, accum: int, micro: int, seed: int) -> list[dict]:

@@ -77,6 +77,21 @@ def test_nccl_two_gpus_match_torch():
         _check(rank_results, expected, "nccl world 2", 2e-5)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nccl_two_gpus_peer_gathers_are_the_nccl_gathers(precision):
+    """zero3 gathering through peer memory on the copy engines trains exactly as with NCCL gathers
+    (the same values arrive: the optimizer's rounded copy in the pool is the cast a NCCL gather makes)."""
+    configs = []
+    for policy in ("always", "never"):
+        cfg = _config("zero3", precision)
+        cfg["partitioner_options"] = {**cfg["partitioner_options"], "peer_gathers": policy}
+        configs.append(cfg)
+    for peer, nccl in run_ranks(2, train_many, configs, STEPS, ACCUM, MICRO, SEED):
+        assert peer["peer_gathers"] and not nccl["peer_gathers"]
+        assert peer["losses"] == nccl["losses"], (peer["losses"], nccl["losses"])
+
+
 OFFLOAD_STAGES = ("zero1", "zero2", "zero3")
 
 

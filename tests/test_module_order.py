@@ -206,3 +206,71 @@ def test_the_guard_sees_the_models_ops_not_the_plugins_and_still_fetches_an_outs
     assert calls["user"] > 0  # the user's mode ran above the guard
     _check(losses["Tied"], losses["torch"], "tied head")
     _check(losses["Wrapped"], losses["torch"], "tied head under a user's mode")
+
+
+def test_root_groups_stay_whole_from_forward_into_backward():
+    """The root module's own groups are gathered once per training step, not released at the end
+    of forward and gathered again by the first backward hook ([Note: root kept for backward]); an
+    evaluation forward, or a forward whose backward never comes, still leaves them released, and
+    training matches torch throughout."""
+    import torch
+    from torch import nn
+
+    import zkernel
+    from zkernel.groups import Phase
+    from zkernel.hookspecs import hookimpl
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(40, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, idx):
+            h = self.embed(idx)
+            for block in self.blocks:
+                h = torch.tanh(block(h))
+            return nn.functional.linear(self.norm(h), self.embed.weight).logsumexp(-1).mean()
+
+    class Gathers:
+        def __init__(self) -> None:
+            self.root = []
+
+        @hookimpl
+        def zkernel_fetch_params(self, group, phase):
+            if group.name == "<root>" and not group.gathered:
+                self.root.append(phase)
+
+    idx = torch.randint(0, 40, (4, 5), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = Net()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    engine = zkernel.initialize(Net(), {
+        "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+    })
+    gathers = Gathers()
+    engine.plugin_manager.register(gathers)
+    root = next(g for g in engine.groups if g.name == "<root>")
+    for step in range(4):
+        loss = engine(idx)
+        assert root.gathered  # kept for the backward
+        engine.backward(loss)
+        assert not root.gathered
+        engine.step()
+        expected = reference(idx)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (step, loss.item(), expected.item())
+        with torch.no_grad():
+            engine(idx)
+        assert not root.gathered  # no backward follows an evaluation forward
+    assert gathers.root == [Phase.FORWARD, Phase.FORWARD] * 4  # the training forward's and the evaluation's
+    engine(idx)  # a forward with autograd, then no backward: the step releases what it kept
+    assert root.gathered
+    engine.step()
+    assert not root.gathered
+    engine.close()

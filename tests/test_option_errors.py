@@ -31,6 +31,15 @@ def tiny():
             "partitioner_options.persistence_threshold -1 is not valid; valid: an integer >= 0",
         ),
         (
+            {"partitioner": "zero3", "partitioner_options": {"peer_gathers": "yes"}},
+            "partitioner_options.peer_gathers 'yes' is not valid; valid: auto, always, never",
+        ),
+        (
+            {"partitioner": "zero3", "partitioner_options": {"peer_gathers": "always"}},
+            'partitioner_options.peer_gathers = "always", but it needs CUDA devices and NCCL with more than one rank; '
+            'use "auto" or "never"',
+        ),
+        (
             {"partitioner": "zero3", "partitioner_options": {"init_seed": 1.5}},
             "partitioner_options.init_seed 1.5 is not valid; valid: an integer",
         ),

@@ -127,6 +127,7 @@ class Engine:
             on_reduced=self.pipeline.land,
             wait_update=self.pipeline.wait_update,
             update_pending=self.pipeline.update_pending,
+            root=module,
         )
         scheduler_ref = weakref.ref(self.scheduler)
         self.micro_steps = 0
@@ -268,6 +269,7 @@ class Engine:
         self._backward_done = False
         if not boundary:
             return
+        self.scheduler.release_kept()  # a forward whose backward never came: its values change now
         if self._coefficient is None:  # no backward in this window: step on what landed (zeros)
             self.pipeline.begin_backward(True, known=None, speculative=None)
             self._coefficient = (self._coefficient_from(self.pipeline.end_backward(True, self._needs_norm())),)

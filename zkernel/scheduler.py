@@ -9,7 +9,9 @@ plugins' business. It holds no partitioning or offload logic.
 made whole around that module's forward and backward:
 
 * forward pre-hook -> fetch(FORWARD), plus prefetch of the next groups in the
-  traced order within ``prefetch_bytes``; forward post-hook -> release(FORWARD).
+  traced order within ``prefetch_bytes``; forward post-hook -> release(FORWARD),
+  except for the root module's own groups when a backward can follow (see
+  [Note: root kept for backward]).
 * the first gradient reaching the module's outputs (a multi-grad hook
   registered in the post-hook) -> fetch(BACKWARD), plus prefetch of the groups
   that ran before it.
@@ -24,6 +26,16 @@ made whole around that module's forward and backward:
 Before any fetch the scheduler waits for the group's pending update (a step
 still running on the host, see `zkernel.step_pipeline`); the prefetcher skips
 groups whose update is still running.
+
+[Note: root kept for backward] The root module's post-hook is the last event
+of a forward, and the multi-grad hook on its output the first of the backward:
+releasing its groups there only to gather them again at once put a gather (the
+embedding, for a GPT with block units: 206 MB) and its wait on the compute
+stream between every forward and backward. So while autograd records, they
+stay whole until their backward releases them. A forward that no backward
+follows (evaluation under ``torch.no_grad()``) releases them as before; one
+whose backward never comes (a forward with grad, then ``step()``) has them
+released by `release_kept` before the step changes their values.
 
 [Note: guard] A parameter used outside its own module's forward (a tied
 embedding reused as the output head, a weight read in a parent's forward) is
@@ -139,8 +151,11 @@ class Scheduler:
         on_reduced: Callable[[ParamGroup, ReducedGradient, bool, bool], None],
         wait_update: Callable[[ParamGroup], None],
         update_pending: Callable[[ParamGroup], bool],
+        root: nn.Module | None = None,
     ) -> None:
         self.hook = hook
+        self.root = root
+        self._kept: list[ParamGroup] = []  # root groups left whole for the backward (see [Note: root kept for backward])
         self.params_tier = params_tier
         self.streams = streams
         self._on_reduced = on_reduced
@@ -204,17 +219,30 @@ class Scheduler:
         if _in_backward():  # kept whole until its gradients are ready (see [Note: recompute])
             return output
         groups = self.groups_of_module[id(module)]
-        for group in groups:
-            if group.index not in self.external:
-                self._release(group, Phase.FORWARD)
+        tensors = []
         if torch.is_grad_enabled():
             with self.plugin_call():  # the scheduler's own reads of the output
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda _grads, groups=groups: self._pre_backward(groups), mode="any"
-                    )
+        keep = bool(tensors) and module is self.root
+        for group in groups:
+            if group.index in self.external:
+                continue
+            if keep:
+                self._kept.append(group)
+            else:
+                self._release(group, Phase.FORWARD)
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _grads, groups=groups: self._pre_backward(groups), mode="any"
+            )
         return output
+
+    def release_kept(self) -> None:
+        """Release the root groups a forward left whole for a backward that did not come."""
+        kept, self._kept = self._kept, []
+        for group in kept:
+            if group.gathered:
+                self._release(group, Phase.FORWARD)
 
     def fetch_external(self, group: ParamGroup) -> None:
         """A released parameter is read outside its module: fetch and keep it whole (see [Note: guard])."""
@@ -368,6 +396,7 @@ class Scheduler:
             if group.requires_grad and group.index not in self._reduced:
                 self._group_grads_ready(group)
         self._release_gathered()
+        self._kept.clear()
         self._reduced.clear()
         for index in self._ready_count:
             self._ready_count[index] = 0
@@ -382,10 +411,12 @@ class Scheduler:
         """Called by the engine after a forward without autograd: no backward will release."""
         if not torch.is_grad_enabled():
             self._release_gathered()
+            self._kept.clear()
             self.tracer.end()
 
     def abandon_forward(self) -> None:
         """The forward raised: release every group and drop what was prefetched (nothing stays whole)."""
+        self._kept.clear()
         with contextlib.suppress(Exception):
             self._release_gathered()
         self.tracer.begin(self.tracer.grad)  # the failed pass teaches nothing

@@ -29,8 +29,14 @@ autograd saved.
   compute device the master *is* the shard; in bf16/fp16 runs with master and
   parameters on the compute device no compute-dtype shard is kept: each gather
   casts the master on the way in (2 bytes per parameter and rank saved, for
-  one shard-sized cast per gather). With the master offloaded the shard is
+  one shard-sized cast per gather), unless gathers go through peer memory,
+  whose pool holds the compute-dtype shards. With the master offloaded the shard is
   its own slot, so a gather never reads fp32 over PCIe.
+
+Where every rank's GPU can map the others' memory, the shards live in one
+pool of symmetric memory and a gather copies them on the copy engines instead
+of an NCCL kernel (see [Note: peer gathers] in `_peer_gather`;
+``peer_gathers``).
 
 Units smaller than ``persistence_threshold`` elements stay whole on every rank
 (gathering them costs more in latency than their memory is worth), all in one
@@ -55,13 +61,14 @@ import torch.distributed as dist
 from torch import nn
 
 from zkernel import hookimpl
-from zkernel.config import choice, integer
+from zkernel.config import ConfigError, choice, integer
 from zkernel.groups import ParamGroup, Phase
 from zkernel.profiling import profiler_range
 from zkernel.released import mark_gathered, mark_released
 from zkernel.streams import record_event
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
+from ._peer_gather import AUTO_MIN_SHARD_BYTES, PEER_GATHER_POLICIES, PeerGathers, peer_access_everywhere
 from ._reduce import reduce_every_micro_batch
 from ._materialize import materialized_units
 from ._whole import gather_master
@@ -78,6 +85,10 @@ class Zero3Options:
     # "modules": each module with its own parameters is a unit; "blocks": each element
     # of a ModuleList/Sequential (and the root) is a unit with its whole subtree.
     units: str = attrs.field(default="modules", validator=choice(*UNIT_POLICIES))
+    # Gather shards with peer copies on the copy engines ([Note: peer gathers]): "auto" for shards of
+    # at least 32 MiB, where every rank's GPU can map the others' memory and the shards live on the
+    # GPU; "always" every gathered shard, and fails where that is not so; "never" gathers with NCCL.
+    peer_gathers: str = attrs.field(default="auto", validator=choice(*PEER_GATHER_POLICIES))
 
 
 @attrs.define(eq=False)
@@ -89,6 +100,7 @@ class Zero3State:
     full: torch.Tensor  # flat buffer the parameters are views of; storage freed while released
     gathering: object = None  # all-gather in flight (a Work, or True when done synchronously), or None
     contributed: bool = False  # this window already handed a gradient to the optimizer tier
+    peer_offset: int | None = None  # where the shard sits in the peer-gather pool, when it does
 
     @property
     def numel(self) -> int:
@@ -102,6 +114,7 @@ class Zero3:
         self.context = context
         self.options = context.options or Zero3Options()
         self._empty: dict[tuple, torch.Tensor] = {}
+        self._peer: PeerGathers | None = None
 
     # -- partition ----------------------------------------------------------------
 
@@ -118,13 +131,13 @@ class Zero3:
     def _groups(self, module, context):
         persistent: dict[bool, list] = {True: [], False: []}
         index = 0
-        units = materialized_units(
-            module, module_units(module, self.options.units), context.device, self.options.init_seed, context.init_fn
-        )
+        planned = module_units(module, self.options.units)
+        self._peer = self._peer_pool(planned)
+        units = materialized_units(module, planned, context.device, self.options.init_seed, context.init_fn)
         for unit_name, unit, named in units:
             for trainable in (True, False):
                 part = [(n, p) for n, p in named if p.requires_grad == trainable]
-                if sum(p.numel() for _, p in part) < self.options.persistence_threshold:
+                if self._stays_whole(part):
                     persistent[trainable].extend(part)
                 elif part:
                     yield self._make_group(index, unit_name, unit, part, trainable)
@@ -135,6 +148,36 @@ class Zero3:
             if persistent[trainable]:
                 yield self._make_group(index, "<persistent>", None, persistent[trainable], trainable)
                 index += 1
+
+    def _stays_whole(self, part) -> bool:
+        return sum(p.numel() for _, p in part) < self.options.persistence_threshold
+
+    def _peer_pool(self, planned) -> PeerGathers | None:
+        """The pool of every gathered group's shard, when gathers go through peer memory."""
+        ctx, policy = self.context, self.options.peer_gathers
+        placement = ctx.placement
+        if policy == "never" or ctx.world_size == 1 or ctx.device.type != "cuda" or dist.get_backend() != "nccl":
+            reason = "" if policy != "always" else "it needs CUDA devices and NCCL with more than one rank"
+        elif placement is None or not placement.params_on_compute_device:
+            reason = "the parameter shards are not on the GPU" if policy == "always" else ""
+        else:
+            ok, reason = peer_access_everywhere(ctx.device)
+            if ok:
+                numel = 0
+                for _, _, named in planned:
+                    for trainable in (True, False):
+                        part = [(n, p) for n, p in named if p.requires_grad == trainable]
+                        if part and not self._stays_whole(part):
+                            numel += self._pooled_numel(FlatLayout.of([p for _, p in part], ctx.world_size, ctx.rank))
+                return PeerGathers(numel, ctx.compute_dtype, ctx.device) if numel else None
+        if policy == "always":
+            raise ConfigError(f'partitioner_options.peer_gathers = "always", but {reason}; use "auto" or "never"')
+        return None
+
+    def _pooled_numel(self, flat: FlatLayout) -> int:
+        """Elements of a gathered group's shard the peer-gather pool holds: all of it, or none."""
+        nbytes = flat.shard_size * torch.empty((), dtype=self.context.compute_dtype).element_size()
+        return flat.shard_size if self.options.peer_gathers == "always" or nbytes >= AUTO_MIN_SHARD_BYTES else 0
 
     def _casts_master(self, trainable: bool) -> bool:
         """Whether gathers cast the fp32 master instead of reading a compute-dtype shard."""
@@ -166,7 +209,12 @@ class Zero3:
         if ctx.dist.distributed:
             dist.broadcast(full, src=0)
         persistent = unit is None
-        shard = None if self._casts_master(trainable) else full[flat.own].clone()
+        peer_offset = None
+        if self._peer is not None and not persistent and self._pooled_numel(flat):
+            peer_offset, shard = self._peer.take(flat.shard_size)
+            shard.copy_(full[flat.own])
+        else:
+            shard = None if self._casts_master(trainable) else full[flat.own].clone()
         group = ParamGroup(
             index=index,
             name=unit_name or "<root>",
@@ -176,7 +224,7 @@ class Zero3:
             module=unit,
             grad_is_shard=True,
             param_shard=shard,
-            layout=Zero3State(flat=flat, persistent=persistent, full=full),
+            layout=Zero3State(flat=flat, persistent=persistent, full=full, peer_offset=peer_offset),
         )
         self._point_at(group, full)
         if not persistent:
@@ -221,6 +269,13 @@ class Zero3:
         if self.context.world_size == 1:
             full.copy_(self._gather_source(group))
             return record_event() if async_op and full.is_cuda else True
+        state: Zero3State = group.layout
+        if state.peer_offset is not None:  # the shard is its slice of the pool (params on the GPU)
+            event = self._peer.all_gather(full, state.peer_offset, state.flat.shard_size, reused=full is state.full)
+            if async_op:
+                return event
+            torch.cuda.current_stream(full.device).wait_event(event)
+            return True
         work = all_gather_flat(full, self._gather_source(group), async_op=async_op)
         return work if async_op else True
 
