@@ -263,3 +263,20 @@ def train_with_pipeline_stats(config: dict, steps: int, accum: int, micro: int, 
         "aborted": pipeline.aborted_speculations,
         "groups": len(engine.trainable_groups),
     }
+
+
+def peer_pool_where_it_cannot_map() -> dict:
+    """Open zero3's peer-gather pool where symmetric memory is unavailable (the CPU): under
+    "auto" every rank agrees to gather with NCCL instead; under "always" each rank raises."""
+    from zkernel_plugins.partitioners._peer_gather import open_pool
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    cpu = torch.device("cpu")
+    fallback = open_pool(16, torch.bfloat16, cpu, required=False)
+    try:
+        open_pool(16, torch.bfloat16, cpu, required=True)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"fallback": fallback, "error": error}

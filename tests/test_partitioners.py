@@ -97,3 +97,14 @@ def test_user_code_reads_parameters_between_forward_backward_and_steps():
             assert torch.allclose(r["values"][name], p.detach(), rtol=1e-4, atol=1e-6), name
         assert torch.equal(r["kept"], r["values"]["block.2.weight"]), "a view kept from the block stays valid"
         assert r["released"] == 0
+
+
+def test_peer_gathers_fall_back_together_where_memory_cannot_be_mapped():
+    """Where a rank cannot map the pool (here: the CPU has no symmetric memory), every rank learns it
+    and "auto" gathers with NCCL; "always" raises, naming the key and the way out."""
+    from tests.scenarios import peer_pool_where_it_cannot_map
+
+    for result in run_ranks(2, peer_pool_where_it_cannot_map):
+        assert result["fallback"] is None
+        assert "could not map its parameter shards" in result["error"]
+        assert 'partitioner_options.peer_gathers = "never"' in result["error"]

@@ -83,29 +83,42 @@ def peer_access_everywhere(device: torch.device) -> tuple[bool, str]:
     return not reason, reason
 
 
+def open_pool(numel: int, dtype: torch.dtype, device: torch.device, required: bool) -> PeerGathers | None:
+    """Map a pool of ``numel`` elements into every rank's memory (collective). Where that fails on
+    any rank, every rank gathers with NCCL instead (a WARNING says why), or, when ``required``, raises."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    error = None
+    try:
+        pool = symm_mem.empty(max(numel, 1), dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(pool, dist.group.WORLD.group_name)
+    except Exception as exc:  # noqa: BLE001 - reported below, after every rank has said how it went
+        error, pool, handle = exc, None, None
+    ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if int(ok.item()):
+        return PeerGathers(pool, handle, dtype, device)
+    reason = f"zero3 could not map its parameter shards into every rank's memory ({error or 'it failed on another rank'})"
+    if required:
+        raise RuntimeError(f'{reason}; set partitioner_options.peer_gathers = "never" to gather them with NCCL instead')
+    log.warning("zkernel.zero3.peer_gathers_unavailable", reason=reason, fallback="NCCL all-gathers")
+    return None
+
+
 class PeerGathers:
     """One pool of symmetric memory holding this rank's shards; gathers read every rank's pool."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, pool: torch.Tensor, handle, dtype: torch.dtype, device: torch.device) -> None:
         global pool_bytes
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.world, self.rank, self.dtype = dist.get_world_size(), dist.get_rank(), dtype
-        try:
-            self.pool = symm_mem.empty(max(numel, 1), dtype=dtype, device=device)
-            self.handle = symm_mem.rendezvous(self.pool, dist.group.WORLD.group_name)
-        except Exception as exc:
-            raise RuntimeError(
-                f"zero3 could not map its parameter shards into every rank's memory ({exc}); "
-                'set partitioner_options.peer_gathers = "never" to gather them with NCCL instead'
-            ) from exc
-        pool_bytes += self.pool.numel() * self.pool.element_size()
+        self.pool, self.handle = pool, handle
+        pool_bytes += pool.numel() * pool.element_size()
         self.stream = torch.cuda.Stream(device)
         self._taken = 0
         # (offset, numel) -> [(destination, source)] per rank, for a group's own gathered buffer: views
         # made once (a view stays valid while the buffer's storage is freed and re-allocated).
         self._copies: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        log.info("zkernel.zero3.peer_gathers", pool_bytes=self.pool.numel() * self.pool.element_size())
+        log.info("zkernel.zero3.peer_gathers", pool_bytes=pool.numel() * pool.element_size())
 
     def take(self, numel: int) -> tuple[int, torch.Tensor]:
         """The next ``numel`` elements of the pool: their offset and a view (a group's shard)."""

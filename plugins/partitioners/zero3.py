@@ -68,7 +68,7 @@ from zkernel.released import mark_gathered, mark_released
 from zkernel.streams import record_event
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
-from ._peer_gather import AUTO_MIN_SHARD_BYTES, PEER_GATHER_POLICIES, PeerGathers, peer_access_everywhere
+from ._peer_gather import AUTO_MIN_SHARD_BYTES, PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere
 from ._reduce import reduce_every_micro_batch
 from ._materialize import materialized_units
 from ._whole import gather_master
@@ -87,7 +87,8 @@ class Zero3Options:
     units: str = attrs.field(default="modules", validator=choice(*UNIT_POLICIES))
     # Gather shards with peer copies on the copy engines ([Note: peer gathers]): "auto" for shards of
     # at least 32 MiB, where every rank's GPU can map the others' memory and the shards live on the
-    # GPU; "always" every gathered shard, and fails where that is not so; "never" gathers with NCCL.
+    # GPU (falling back to NCCL on every rank where one cannot map the pool); "always" every gathered
+    # shard, and fails where that is not so; "never" gathers with NCCL.
     peer_gathers: str = attrs.field(default="auto", validator=choice(*PEER_GATHER_POLICIES))
 
 
@@ -169,7 +170,7 @@ class Zero3:
                         part = [(n, p) for n, p in named if p.requires_grad == trainable]
                         if part and not self._stays_whole(part):
                             numel += self._pooled_numel(FlatLayout.of([p for _, p in part], ctx.world_size, ctx.rank))
-                return PeerGathers(numel, ctx.compute_dtype, ctx.device) if numel else None
+                return open_pool(numel, ctx.compute_dtype, ctx.device, required=policy == "always") if numel else None
         if policy == "always":
             raise ConfigError(f'partitioner_options.peer_gathers = "always", but {reason}; use "auto" or "never"')
         return None
