@@ -4,7 +4,7 @@
 
 Rank 0 prints, in seconds (best of 3): the matmul chain alone (40 bf16 8192^3 multiplies), 60
 all-gathers of 128 MiB shards alone (NCCL, and as copies through symmetric memory on the copy
-engines, zero3's ``peer_gathers``), and the chain with each kind of gather running beside it on
+engines, through zero3's own ``peer_gathers`` pool), and the chain with each kind of gather running beside it on
 another stream. The slowdown of the chain is what a gather costs the compute it overlaps.
 """
 
@@ -54,22 +54,20 @@ def main() -> None:
             for _ in range(GATHERS):
                 dist.all_gather_into_tensor(full, shard)
 
-    import torch.distributed._symmetric_memory as symm_mem
+    from zkernel_plugins.partitioners._peer_gather import open_pool
 
-    pool = symm_mem.empty(SHARD, dtype=torch.bfloat16, device=device)
-    handle = symm_mem.rendezvous(pool, dist.group.WORLD.group_name)
-    pool.copy_(shard)
-    copies = [(full[r * SHARD : (r + 1) * SHARD], handle.get_buffer(r, (SHARD,), torch.bfloat16)) for r in range(world)]
+    pool = open_pool(SHARD, torch.bfloat16, device, required=True)  # zero3's own peer gathers
+    _, mine = pool.take(SHARD)
+    mine.copy_(shard)
 
     def peer_gathers():
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(GATHERS):
-                handle.barrier(channel=0)
-                for destination, source in copies:
-                    destination.copy_(source)
+        done = None
+        for _ in range(GATHERS):  # each on the pool's stream, after what the current stream queued
+            done = pool.all_gather(full, 0, SHARD, reused=True)
+        side.wait_event(done)
 
     peer_gathers()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert all(bool((full[r * SHARD : (r + 1) * SHARD] == r + 1).all()) for r in range(world))
     result = {

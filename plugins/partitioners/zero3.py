@@ -136,11 +136,10 @@ class Zero3:
         self._peer = self._peer_pool(planned)
         units = materialized_units(module, planned, context.device, self.options.init_seed, context.init_fn)
         for unit_name, unit, named in units:
-            for trainable in (True, False):
-                part = [(n, p) for n, p in named if p.requires_grad == trainable]
+            for trainable, part in _parts(named):
                 if self._stays_whole(part):
                     persistent[trainable].extend(part)
-                elif part:
+                else:
                     yield self._make_group(index, unit_name, unit, part, trainable)
                     index += 1
         # All small units share one always-whole group: one reduce-scatter, one
@@ -156,20 +155,21 @@ class Zero3:
     def _peer_pool(self, planned) -> PeerGathers | None:
         """The pool of every gathered group's shard, when gathers go through peer memory."""
         ctx, policy = self.context, self.options.peer_gathers
-        placement = ctx.placement
-        if policy == "never" or ctx.world_size == 1 or ctx.device.type != "cuda" or dist.get_backend() != "nccl":
-            reason = "" if policy != "always" else "it needs CUDA devices and NCCL with more than one rank"
-        elif placement is None or not placement.params_on_compute_device:
-            reason = "the parameter shards are not on the GPU" if policy == "always" else ""
+        if policy == "never":
+            return None
+        if ctx.world_size == 1 or ctx.device.type != "cuda" or dist.get_backend() != "nccl":
+            reason = "it needs CUDA devices and NCCL with more than one rank"
+        elif ctx.placement is None or not ctx.placement.params_on_compute_device:
+            reason = "the parameter shards are not on the GPU"
         else:
             ok, reason = peer_access_everywhere(ctx.device)
             if ok:
-                numel = 0
-                for _, _, named in planned:
-                    for trainable in (True, False):
-                        part = [(n, p) for n, p in named if p.requires_grad == trainable]
-                        if part and not self._stays_whole(part):
-                            numel += self._pooled_numel(FlatLayout.of([p for _, p in part], ctx.world_size, ctx.rank))
+                numel = sum(
+                    self._pooled_numel(FlatLayout.of([p for _, p in part], ctx.world_size, ctx.rank))
+                    for _, _, named in planned
+                    for _, part in _parts(named)
+                    if not self._stays_whole(part)
+                )
                 return open_pool(numel, ctx.compute_dtype, ctx.device, required=policy == "always") if numel else None
         if policy == "always":
             raise ConfigError(f'partitioner_options.peer_gathers = "always", but {reason}; use "auto" or "never"')
@@ -386,6 +386,14 @@ class Zero3:
     def zkernel_memory_tensors(self, group):
         state: Zero3State = group.layout
         return {"params": [t for t in (group.param_shard, state.full) if t is not None]}
+
+
+def _parts(named):
+    """A unit's trainable and frozen parameters, each a (trainable, [(name, param)]) when it has any."""
+    for trainable in (True, False):
+        part = [(n, p) for n, p in named if p.requires_grad == trainable]
+        if part:
+            yield trainable, part
 
 
 def _wait(gathering) -> None:
