@@ -12,8 +12,10 @@ CPU); modes whose optimizer is offloaded use the ``cpu_adam`` optimizer unless
 ``--zk-optimizer`` says otherwise. ``--tier-options`` and
 ``--params-tier-options`` are the two roles' options (JSON); NVMe modes keep
 their files under ``--nvme-path`` and report the disk bytes moved per step. A suffix ``@blocks`` selects
-zero3's unit policy and ``#32`` a micro-batch for that mode alone
-(``fsdp2_offload#32``). ``fsdp2_offload`` is FSDP2
+zero3's unit policy, ``#32`` a micro-batch for that mode alone
+(``fsdp2_offload#32``), and each ``~key=value`` a partitioner option for that
+mode alone (``~opt.key=value`` an optimizer option:
+``zero3@blocks~peer_gathers=never~opt.implementation=fused``). ``fsdp2_offload`` is FSDP2
 with ``CPUOffloadPolicy(pin_memory=True)``. ``ceiling`` is no engine: the
 model's forward and backward alone with bf16 weights resident on each GPU (no
 collective, cast or optimizer step), the most any data-parallel engine can
@@ -71,7 +73,7 @@ def _worker(args) -> None:
     device = torch.device("cuda", local)
     torch.manual_seed(0)
     preset = PRESETS[args.model]
-    mode, micro_batch, units = _parse_mode(args.mode, args.micro_batch)
+    mode, micro_batch, units, overrides = _parse_mode(args.mode, args.micro_batch)
 
     if mode == "ceiling":
         # The ceiling of any data-parallel engine at this micro-batch: the model's own forward and
@@ -168,6 +170,10 @@ def _worker(args) -> None:
             config["partitioner_options"] = json.loads(args.options)
         if units:
             config["partitioner_options"] = {**config.get("partitioner_options", {}), "units": units}
+        for key, value in overrides.items():
+            section, _, name = key.rpartition(".")
+            section = {"": "partitioner_options", "opt": "optimizer"}[section]
+            config[section] = {**config.get(section, {}), name: value}
         if args.prefetch_mb is not None:
             config["prefetch_bytes"] = int(args.prefetch_mb * 2**20)
         meta_init = gpt2_init if args.init == "gpt2" and partitioner == "zero3" else None
@@ -268,11 +274,21 @@ def _symmetric_bytes() -> int:
     return _peer_gather.pool_bytes
 
 
-def _parse_mode(text: str, default_micro_batch: int) -> tuple[str, int, str]:
-    """``zero3+cpu/cpu@blocks#32`` -> ("zero3+cpu/cpu", 32, "blocks"): ``@`` a zero3 unit policy, ``#`` a micro-batch."""
+def _parse_mode(text: str, default_micro_batch: int) -> tuple[str, int, str, dict]:
+    """``zero3+cpu/cpu@blocks#32~peer_gathers=never~opt.implementation=fused`` ->
+    ("zero3+cpu/cpu", 32, "blocks", {...}): ``@`` a zero3 unit policy, ``#`` a micro-batch, each
+    ``~key=value`` a partitioner option (``opt.key``: an optimizer option) for this mode alone."""
+    text, *pairs = text.split("~")
     text, _, micro_batch = text.partition("#")
     mode, _, units = text.partition("@")
-    return mode, int(micro_batch) if micro_batch else default_micro_batch, units
+    overrides = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return mode, int(micro_batch) if micro_batch else default_micro_batch, units, overrides
 
 
 def _disk_counters(engine) -> list[int]:
@@ -334,7 +350,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, in every mode")
     parser.add_argument("--modes", default=None, help="comma list of ceiling, plain, ddp, fsdp2, fsdp2_offload, zero1, zero2, zero3 "
-                        "(zkernel: +optimizer_tier[/params_tier], @units, #micro_batch; see above)")
+                        "(zkernel: +optimizer_tier[/params_tier], @units, #micro_batch, ~option=value; see above)")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--options", default="", help="zkernel partitioner_options as JSON, e.g. '{\"units\": \"blocks\"}'")
     parser.add_argument("--prefetch-mb", type=float, default=None, help="zkernel prefetch_bytes in MiB")

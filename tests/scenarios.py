@@ -96,12 +96,14 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def memory_by_stage(stage: str, width: int, depth: int) -> dict:
+def memory_by_stage(stage: str, width: int, depth: int, prefetch_bytes: int | None = None) -> dict:
     """Memory report of one step of Wide under ``stage``, plus the element count."""
     torch.manual_seed(0)
     model = Wide(width, depth)
     numel = sum(p.numel() for p in model.parameters())
     cfg = {"partitioner": stage, "optimizer": {"lr": 1e-3}}
+    if prefetch_bytes is not None:
+        cfg["prefetch_bytes"] = prefetch_bytes
     if stage == "zero3":
         cfg["partitioner_options"] = {"persistence_threshold": 0}
     else:
@@ -125,6 +127,9 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+PARTITIONED_PREFETCH_BYTES = 16 * 2**20
+
+
 def partitioned_construction(width: int, depth: int, steps: int) -> dict:
     """Build Wide on the meta device, let zero3 materialise it shard by shard, train; report peak RSS growth."""
     # Warm-up: imports, plugin loading, the process group and one-time kernel set-up
@@ -137,7 +142,13 @@ def partitioned_construction(width: int, depth: int, steps: int) -> dict:
         model = Wide(width, depth)
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
     engine = zkernel.initialize(
-        model, {"partitioner": "zero3", "optimizer": {"lr": 1e-3}, "partitioner_options": {"persistence_threshold": 0}}
+        model,
+        {
+            "partitioner": "zero3",
+            "optimizer": {"lr": 1e-3},
+            "partitioner_options": {"persistence_threshold": 0},
+            "prefetch_bytes": PARTITIONED_PREFETCH_BYTES,
+        },
     )
     after_init = _rss_bytes()
     held = sum(sum(v.values()) for v in engine.memory_report().values())

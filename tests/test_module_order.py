@@ -274,3 +274,77 @@ def test_root_groups_stay_whole_from_forward_into_backward():
     engine.step()
     assert not root.gathered
     engine.close()
+
+
+def test_first_units_of_the_next_forward_are_gathered_during_the_step():
+    """After each optimizer step the units the next training forward starts with (within
+    ``prefetch_bytes``) are being gathered already, started as soon as their update was queued
+    ([Note: prefetch across the step]); the forward then starts no gather of its own for them, an
+    evaluation forward of another batch size in between consumes or drops them, and training
+    matches torch throughout."""
+    import torch
+    from torch import nn
+
+    import zkernel
+    from zkernel.groups import Phase
+    from zkernel.hookspecs import hookimpl
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(40, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, idx):
+            h = self.embed(idx)
+            for block in self.blocks:
+                h = torch.tanh(block(h))
+            return nn.functional.linear(self.norm(h), self.embed.weight).logsumexp(-1).mean()
+
+    class Prefetches:
+        def __init__(self) -> None:
+            self.where, self.started = "", []
+
+        @hookimpl
+        def zkernel_prefetch_params(self, group, phase):
+            if phase is Phase.FORWARD:
+                self.started.append((self.where, group.name))
+
+    root_bytes = (40 * 16 + 2 * 16) * 4  # the embedding and the final norm: the root's own unit
+    idx = torch.randint(0, 40, (4, 5), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = Net()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    engine = zkernel.initialize(Net(), {
+        "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01}, "prefetch_bytes": root_bytes + 1,  # the root and one block
+    })
+    prefetches = Prefetches()
+    engine.plugin_manager.register(prefetches)
+    for step in range(4):
+        prefetches.where = ("forward", step)
+        loss = engine(idx)
+        engine.backward(loss)
+        prefetches.where = ("step", step)
+        engine.step()
+        in_flight = sorted(g.name for g in engine.groups if g.layout.gathering is not None)
+        assert in_flight == ["<root>", "blocks.0"], (step, in_flight)
+        expected = reference(idx)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (step, loss.item(), expected.item())
+        if step == 1:
+            prefetches.where = ("evaluation", step)
+            with torch.no_grad():
+                engine(idx[:3])  # an evaluation forward of another shape takes what the step started
+            assert all(g.layout.gathering is None and not g.gathered for g in engine.scheduler.bound), "nothing left gathered"
+    assert [name for (kind, _), name in prefetches.started if kind == "step"] == ["<root>", "blocks.0"] * 4
+    # A training forward after a step starts neither gather itself (after the evaluation forward,
+    # which took them, the third one does).
+    for step in (1, 3):
+        assert not [name for where, name in prefetches.started if where == ("forward", step) and name in ("<root>", "blocks.0")]
+    assert ("forward", 2) in {where for where, name in prefetches.started if name == "blocks.0"}
+    engine.close()

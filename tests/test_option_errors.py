@@ -21,7 +21,10 @@ def tiny():
             {"partitioner": "zero3", "partitioner_options": {"units": "block"}},
             "partitioner_options.units 'block' is not valid; valid: modules, blocks",
         ),
-        ({"optimizer": {"implementation": "fuse"}}, "optimizer.implementation 'fuse' is not valid; valid: auto, fused, foreach, for_loop"),
+        (
+            {"optimizer": {"implementation": "fuse"}},
+            "optimizer.implementation 'fuse' is not valid; valid: auto, triton, fused, foreach, for_loop",
+        ),
         (
             {"partitioner": "zero3", "partitioner_options": {"persistence_threshold": "0"}},
             "partitioner_options.persistence_threshold '0' is not valid; valid: an integer >= 0",

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tests.harness import run_ranks
-from tests.scenarios import fp16_overflow, memory_by_stage, partitioned_construction, train
+from tests.scenarios import PARTITIONED_PREFETCH_BYTES, fp16_overflow, memory_by_stage, partitioned_construction, train
 
 WIDTH, DEPTH = 96, 4
 FP32 = 4
@@ -18,7 +18,9 @@ def _total(report: dict, category: str) -> int:
 
 
 def _memory_all_stages():
-    return {stage: memory_by_stage(stage, WIDTH, DEPTH) for stage in ("none", "zero1", "zero2", "zero3")}
+    by_stage = {stage: memory_by_stage(stage, WIDTH, DEPTH) for stage in ("none", "zero1", "zero2", "zero3")}
+    by_stage["zero3 without prefetch"] = memory_by_stage("zero3", WIDTH, DEPTH, prefetch_bytes=0)
+    return by_stage
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -48,7 +50,11 @@ def test_per_rank_bytes_follow_zero_accounting(world):
         check("zero2", "grads", shard, when="backward")
         check("zero2", "grads", 0, slack=0)  # freed after the step
         check("zero3", "optimizer_state", 2 * shard)
-        check("zero3", "params", shard)
+        # Between steps the units the next forward starts with (within prefetch_bytes: here all of
+        # them) are being gathered already ([Note: prefetch across the step]); without prefetch
+        # only the shard is held.
+        check("zero3", "params", shard + full, slack=2 * pad)
+        check("zero3 without prefetch", "params", shard)
         check("zero3", "grads", shard, when="backward")
         check("zero3", "grads", 0, slack=0)
         for stage in by_stage:
@@ -70,7 +76,9 @@ def test_partitioned_construction_never_builds_the_whole_model():
         assert transient < 0.75 * r["full_bytes"], (
             f"rank {rank} grew {r['init_growth']} B during init, {r['held_bytes']} B held (full model {r['full_bytes']} B)"
         )
-        assert _total(r["memory"], "params") <= r["full_bytes"] / 4 + 64 * 1024
+        # Between steps: the shard, and the first units of the next forward being gathered
+        # already, within prefetch_bytes ([Note: prefetch across the step]).
+        assert _total(r["memory"], "params") <= r["full_bytes"] / 4 + PARTITIONED_PREFETCH_BYTES + 64 * 1024
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["losses"][-1] < r["losses"][0]
 

@@ -117,6 +117,7 @@ class Engine:
             publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
             speculate=parts.speculate,
             max_norm=config.gradient_clipping,
+            updated=lambda group: _prefetch_updated(scheduler_ref, group),
         )
         self.scheduler = Scheduler(
             hook,
@@ -127,6 +128,7 @@ class Engine:
             on_reduced=self.pipeline.land,
             wait_update=self.pipeline.wait_update,
             update_pending=self.pipeline.update_pending,
+            steps_on_host=parts.optimizer_tier.steps_on_host,
             root=module,
         )
         scheduler_ref = weakref.ref(self.scheduler)
@@ -280,6 +282,7 @@ class Engine:
                 if self.loss_scaler is not None:
                     log.info("zkernel.step.skipped", reason="fp16 overflow", loss_scale=self.loss_scaler.scale)
             self.pipeline.step(coefficient)
+            self.scheduler.prefetch_next_forward()
         if self.loss_scaler is not None:
             self.loss_scaler.update(coefficient is None)
         self.scheduler.window_used.clear()
@@ -512,6 +515,12 @@ def _publish(hook, params_tier, scheduler_ref, group: ParamGroup) -> None:
         params_tier.to_device(group, consume=True, block=True)
         hook.zkernel_publish_params(group=group)
         params_tier.drop_device(group)
+
+
+def _prefetch_updated(scheduler_ref, group: ParamGroup) -> None:
+    scheduler = scheduler_ref()
+    if scheduler is not None:
+        scheduler.prefetch_updated(group)
 
 
 def _free(handles, optimizer_tier, params_tier, worker) -> None:

@@ -77,6 +77,7 @@ class StepPipeline:
         publish: Callable[[ParamGroup], None],
         speculate: str = "auto",
         max_norm: float = 0.0,
+        updated: Callable[[ParamGroup], None] | None = None,
     ) -> None:
         if speculate not in SPECULATE_POLICIES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_POLICIES)}, got {speculate!r}")
@@ -93,6 +94,7 @@ class StepPipeline:
         # Hyperparameters of the next step (the engine replaces it when ``engine.lr`` changes).
         self.hyper = hyper
         self._publish_params = publish
+        self._updated = updated  # told of each module-bound group whose device update is queued
         self._landing_order: list[ParamGroup] = []
         self._landed: set[int] = set()
         self._unused: set[int] = set()  # groups no rank gave a gradient in this window: not stepped
@@ -252,6 +254,8 @@ class StepPipeline:
                 event = self._device_step(group, coefficient)
                 if coefficient is not None and group.module is None:
                     self._publish(group, event)
+                elif group.module is not None and self._updated is not None:
+                    self._updated(group)
         for group in eager:
             if self.tier.steps_on_host(group):
                 event = self._updates.pop(group.index).result()

@@ -46,6 +46,10 @@ class ModuleTrace:
         """The trace of the current kind of pass."""
         return self._traces[self.grad]
 
+    def training(self) -> list[ParamGroup]:
+        """The trace of passes with autograd (the order the next training forward most likely runs)."""
+        return self._traces[True]
+
     def begin(self, grad: bool) -> None:
         """A forward pass starts (with autograd when ``grad``)."""
         self.grad = grad

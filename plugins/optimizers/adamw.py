@@ -1,12 +1,16 @@
-"""Optimizer ``adamw``: torch's AdamW over each group's flat master shard, where it lives.
+"""Optimizer ``adamw``: AdamW over each group's flat master shard, where it lives.
 
-One `torch.optim.AdamW` functional call per group (the shard is one flat fp32
-tensor), using the fused kernel where the device supports it, foreach
-otherwise, on the GPU or on the CPU (with an offloaded master: a valid, slower
-choice than ``cpu_adam``). The gradient is multiplied by the step's
-coefficient (unscale times clip) into a temporary, never in place, so a step
-can be rolled back from the same gradient; the fp32 result is copied into
-``group.copy_out`` when the tier asked for a low-precision copy.
+On a GPU with Triton, one kernel per group reads the gradient, scales it by
+the step's coefficient (unscale times clip) in registers, updates the master
+and moments and writes the low-precision copy the tier asked for
+(``group.copy_out``) in the same pass (`_triton_adam`, [Note: Adam at
+bandwidth]). Elsewhere, or with ``implementation`` set, one
+`torch.optim.AdamW` functional call per group (the shard is one flat fp32
+tensor): fused where the device supports it, foreach otherwise, on the GPU or
+on the CPU (with an offloaded master: a valid, slower choice than
+``cpu_adam``); there the gradient is multiplied by the coefficient into a
+temporary and the result copied into ``copy_out`` after. The gradient is never
+changed in place, so a step can be rolled back from it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch.optim import adamw as torch_adamw
 from zkernel import hookimpl
 from zkernel.config import boolean, choice
 
+from . import _triton_adam
 from ._adam_state import adam_declaration, rollback_group, rollback_possible
 
 
@@ -25,8 +30,9 @@ from ._adam_state import adam_declaration, rollback_group, rollback_possible
 class AdamWOptions:
     """Extra keys of ``[optimizer]`` for ``adamw``."""
 
-    # "auto" picks fused where the device supports it, else foreach.
-    implementation: str = attrs.field(default="auto", validator=choice("auto", "fused", "foreach", "for_loop"))
+    # "auto" picks the Triton kernel on a GPU where Triton imports, else torch's fused where the
+    # device supports it, else foreach.
+    implementation: str = attrs.field(default="auto", validator=choice("auto", "triton", "fused", "foreach", "for_loop"))
     # False gives Adam with L2 regularisation instead of decoupled weight decay.
     decoupled_weight_decay: bool = attrs.field(default=True, validator=boolean())
 
@@ -41,6 +47,7 @@ class TorchAdamW:
     def __init__(self, context) -> None:
         self.options = context.options or AdamWOptions()
         self._can_rollback = rollback_possible(context.config, self.options.decoupled_weight_decay)
+        self._step_counts = _triton_adam.StepCounts()
 
     @hookimpl
     def zkernel_declare_optimizer(self, numel):
@@ -53,8 +60,40 @@ class TorchAdamW:
 
     @hookimpl
     def zkernel_step_optimizer(self, group, options) -> bool:
-        torch_adam_step(group, options, self.options.implementation, self.options.decoupled_weight_decay)
+        implementation = self.options.implementation
+        device = group.master.device
+        if implementation == "triton" or (implementation == "auto" and _triton_adam.available(device)):
+            if not _triton_adam.available(device):
+                raise RuntimeError(
+                    f'optimizer.implementation = "triton" needs a CUDA master and Triton; the master of '
+                    f'{group.name!r} is on {device}; use "auto", "fused" or "foreach"'
+                )
+            self._triton_step(group, options)
+        else:
+            torch_adam_step(group, options, implementation, self.options.decoupled_weight_decay)
         return True
+
+    def _triton_step(self, group, options) -> None:
+        state = group.optim_state
+        if not state:
+            _init_state(group.master, state)
+        grad = group.grad
+        if grad.device != group.master.device:
+            grad = grad.to(group.master.device)
+        _triton_adam.adam_step(
+            group.master,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            self._step_counts.advance(state["step"]),
+            lr=options.lr,
+            betas=options.betas,
+            eps=options.eps,
+            weight_decay=options.weight_decay,
+            grad_scale=options.grad_scale,
+            decoupled=self.options.decoupled_weight_decay,
+            copy_out=group.copy_out,
+        )
 
 
 def torch_adam_step(group, options, implementation: str = "auto", decoupled: bool = True) -> None:
@@ -65,10 +104,8 @@ def torch_adam_step(group, options, implementation: str = "auto", decoupled: boo
     if options.grad_scale != 1.0:
         grad = grad * options.grad_scale
     state = group.optim_state
-    if not state:  # a tier that does not allocate declared state
-        state["exp_avg"] = torch.zeros_like(master)
-        state["exp_avg_sq"] = torch.zeros_like(master)
-        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+    if not state:
+        _init_state(master, state)
     if implementation == "auto":
         implementation = "fused" if _fused_supported(master.device) else "foreach"
     beta1, beta2 = options.betas
@@ -94,6 +131,13 @@ def torch_adam_step(group, options, implementation: str = "auto", decoupled: boo
         group.copy_out.copy_(master)
 
 
+def _init_state(master: torch.Tensor, state: dict) -> None:
+    """Zero moments and step count, for a tier that does not allocate declared state."""
+    state["exp_avg"] = torch.zeros_like(master)
+    state["exp_avg_sq"] = torch.zeros_like(master)
+    state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+
+
 def _adam(*args, **kwargs):
     from torch.optim import adam as torch_adam
 
@@ -105,6 +149,6 @@ def zkernel_register_optimizers(registry) -> None:
     registry.add(
         "adamw",
         TorchAdamW,
-        description="torch AdamW (fused/foreach) on the device where the master shard lives",
+        description="AdamW (Triton/fused/foreach) on the device where the master shard lives",
         options_cls=AdamWOptions,
     )

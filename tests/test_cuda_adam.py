@@ -1,0 +1,65 @@
+"""The Triton AdamW kernel of the ``adamw`` optimizer against torch's fused AdamW on the same GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim import adam as torch_adam
+from torch.optim import adamw as torch_adamw
+
+from zkernel_plugins.optimizers import _triton_adam
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or not _triton_adam.available(torch.device("cuda")), reason="needs CUDA and Triton"),
+]
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_triton_adam_matches_torch_fused(decoupled, grad_dtype):
+    """Three steps with a gradient scale and a bf16 copy: master and moments as torch's fused kernel
+    leaves them (to a few roundings: torch does parts of the arithmetic in double), the copy the
+    master rounded to nearest, the step count advanced."""
+    numel = 1_000_003  # not a multiple of the block: the tail is masked
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    master = torch.randn(numel, device="cuda", generator=gen)
+    ours = [master.clone(), torch.zeros_like(master), torch.zeros_like(master)]
+    ref = [master.clone(), torch.zeros_like(master), torch.zeros_like(master)]
+    ref_step = torch.zeros((), device="cuda")
+    step_tensor, counts = torch.zeros((), device="cuda"), _triton_adam.StepCounts()
+    copy = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+    step_fn = torch_adamw.adamw if decoupled else torch_adam.adam
+    for _ in range(3):
+        grad = torch.randn(numel, device="cuda", generator=gen).to(grad_dtype)
+        step = counts.advance(step_tensor)
+        _triton_adam.adam_step(*ours[:1], grad, *ours[1:], step, grad_scale=0.5, decoupled=decoupled, copy_out=copy, **HYPER)
+        step_fn(
+            [ref[0]], [grad.float() * 0.5], [ref[1]], [ref[2]], [], [ref_step], amsgrad=False,
+            beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
+            eps=HYPER["eps"], maximize=False, fused=True,
+        )
+    assert int(step_tensor.item()) == 3 == int(ref_step.item())
+    rounded = ours[0].to(torch.bfloat16)
+    assert torch.equal(copy, rounded), f"{int((copy != rounded).sum())} of {numel} rounded differently"
+    torch.testing.assert_close(ours[0], ref[0], rtol=2e-6, atol=1e-7, msg="master")
+    for name, a, b in zip(("exp_avg", "exp_avg_sq"), ours[1:], ref[1:]):  # near zero: absolute
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()), msg=name)
+
+
+def test_step_count_follows_changes_made_elsewhere():
+    """A step tensor changed behind the kernel's back (a checkpoint load, a rollback) is re-read."""
+    step, counts = torch.zeros((), device="cuda"), _triton_adam.StepCounts()
+    assert [counts.advance(step) for _ in range(2)] == [1, 2]
+    step.sub_(1)  # a rollback
+    assert counts.advance(step) == 2
+    step.fill_(41)  # a checkpoint load
+    assert counts.advance(step) == 42 and int(step.item()) == 42
+
+
+def test_adam_step_rejects_mismatched_tensors():
+    master = torch.zeros(8, device="cuda")
+    with pytest.raises(ValueError, match="grad must be contiguous with 8 elements"):
+        _triton_adam.adam_step(master, torch.zeros(7, device="cuda"), master.clone(), master.clone(), 1, **HYPER)
