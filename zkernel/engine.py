@@ -128,7 +128,6 @@ class Engine:
             on_reduced=self.pipeline.land,
             wait_update=self.pipeline.wait_update,
             update_pending=self.pipeline.update_pending,
-            steps_on_host=parts.optimizer_tier.steps_on_host,
             root=module,
         )
         scheduler_ref = weakref.ref(self.scheduler)

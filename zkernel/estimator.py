@@ -10,7 +10,10 @@ device, an import path ``"pkg.mod:factory"`` (called under
 (`TransformerShape`, or a dict of its fields; see `zkernel.model_shape`). ``grads`` is its peak as
 ``memory_report()`` sees it after any backward of an accumulation window (not
 the transient buckets in flight during one); the rest is the steady state
-after a step.
+after a step, less what zero3 holds between steps for the next forward: the
+first units it starts gathering during the step, at most ``prefetch_bytes``
+in the compute dtype (see [Note: prefetch across the step] in
+`zkernel.scheduler`; with ``prefetch_bytes = 0`` there are none).
 
 Algorithm. The model's unique parameters are cut into the groups the
 selected partitioner makes (reverse-order buckets of ``bucket_size`` elements

@@ -48,8 +48,12 @@ after each module-bound group's device update the scheduler starts its
 gather when the training trace starts with it (within ``prefetch_bytes``),
 and it runs on the copy engines or the communication stream beside the rest
 of the optimizer's kernels; after the step it starts those the step did not
-(frozen groups). Groups stepped on the host are left to the forward: waiting
-for them would hold the step. The next pass consumes the gathers as any
+(frozen groups, groups stepped on the host, whose update it waits for as the
+forward's first fetch would, and every group after a first step, which may
+move optimizer state between tiers). Which groups it starts depends only on
+the trace and ``prefetch_bytes``, never on where a group steps (the CPU
+tier's ``gpu_share = "auto"`` places groups by each rank's free memory), so
+every rank issues the same gathers. The next pass consumes the gathers as any
 prefetch; one that does not follow the trace drops what it did not use at
 its end, as any pass does. Outside a window's last micro-batch nothing
 changes, and nothing is started.
@@ -168,7 +172,6 @@ class Scheduler:
         on_reduced: Callable[[ParamGroup, ReducedGradient, bool, bool], None],
         wait_update: Callable[[ParamGroup], None],
         update_pending: Callable[[ParamGroup], bool],
-        steps_on_host: Callable[[ParamGroup], bool] = lambda group: False,
         root: nn.Module | None = None,
     ) -> None:
         self.hook = hook
@@ -179,7 +182,6 @@ class Scheduler:
         self._on_reduced = on_reduced
         self._wait_update = wait_update
         self._update_pending = update_pending
-        self._steps_on_host = steps_on_host
         self._leading: set[int] | None = None  # groups the next forward starts with (see [Note: prefetch across the step])
         self.groups = list(groups)
         self._group_by_index = {g.index: g for g in self.groups}
@@ -385,16 +387,15 @@ class Scheduler:
                 self._prefetch_now(group)
 
     def _leading_groups(self) -> set[int]:
-        """The first groups of the training trace within ``prefetch_bytes`` that no host update
-        changes: which they are depends on the trace and the configuration only, the same on every rank."""
+        """The first groups of the training trace within ``prefetch_bytes``: they depend on the trace
+        and the configuration only, the same on every rank (each start is a collective)."""
         if self._leading is None:
             leading, ahead = set(), 0
             if self.params_tier.on_compute_device:
                 for group in self.tracer.training():
                     if ahead >= self.prefetch_bytes:
                         break
-                    if group.index not in leading and not (group.requires_grad and self._steps_on_host(group)):
-                        leading.add(group.index)
+                    leading.add(group.index)
                     ahead += self._group_bytes[group.index]
             self._leading = leading
         return self._leading
@@ -403,8 +404,10 @@ class Scheduler:
         if group.gathered or group.index in self._prefetched or group.index in self.external:
             return
         with self.plugin_call():
+            self._wait_update(group)  # a host update: the forward's first fetch would wait for it as long
             self.paths.before(group, Phase.FORWARD.value, self.micro_step)
             self._prefetched.add(group.index)
+            self.params_tier.to_device(group, consume=True, block=True)
             self.hook.zkernel_prefetch_params(group=group, phase=Phase.FORWARD)
 
     # -- backward ---------------------------------------------------------------

@@ -254,8 +254,8 @@ class StepPipeline:
                 event = self._device_step(group, coefficient)
                 if coefficient is not None and group.module is None:
                     self._publish(group, event)
-                elif group.module is not None and self._updated is not None:
-                    self._updated(group)
+                elif group.module is not None and self._updated is not None and self._rebalanced:
+                    self._updated(group)  # not in a first step: after it the tier may move buffers
         for group in eager:
             if self.tier.steps_on_host(group):
                 event = self._updates.pop(group.index).result()
