@@ -54,7 +54,7 @@ def main() -> None:
     step_tensor, counts = torch.zeros((), device=device), _triton_adam.StepCounts()
 
     def ours():
-        _triton_adam.adam_step(master, grad, exp_avg, exp_avg_sq, counts.advance(step_tensor),
+        _triton_adam.adam_step(master, grad, exp_avg, exp_avg_sq, step=counts.advance(step_tensor),
                                grad_scale=args.grad_scale, copy_out=copy, **HYPER)
 
     def torch_fused():

@@ -35,7 +35,7 @@ def test_triton_adam_matches_torch_fused(decoupled, grad_dtype):
     for _ in range(3):
         grad = torch.randn(numel, device="cuda", generator=gen).to(grad_dtype)
         step = counts.advance(step_tensor)
-        _triton_adam.adam_step(*ours[:1], grad, *ours[1:], step, grad_scale=0.5, decoupled=decoupled, copy_out=copy, **HYPER)
+        _triton_adam.adam_step(*ours[:1], grad, *ours[1:], step=step, grad_scale=0.5, adamw=decoupled, copy_out=copy, **HYPER)
         step_fn(
             [ref[0]], [grad.float() * 0.5], [ref[1]], [ref[2]], [], [ref_step], amsgrad=False,
             beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
@@ -62,4 +62,4 @@ def test_step_count_follows_changes_made_elsewhere():
 def test_adam_step_rejects_mismatched_tensors():
     master = torch.zeros(8, device="cuda")
     with pytest.raises(ValueError, match="grad must be contiguous with 8 elements"):
-        _triton_adam.adam_step(master, torch.zeros(7, device="cuda"), master.clone(), master.clone(), 1, **HYPER)
+        _triton_adam.adam_step(master, torch.zeros(7, device="cuda"), master.clone(), master.clone(), step=1, **HYPER)

@@ -208,19 +208,12 @@ def test_the_guard_sees_the_models_ops_not_the_plugins_and_still_fetches_an_outs
     _check(losses["Wrapped"], losses["torch"], "tied head under a user's mode")
 
 
-def test_root_groups_stay_whole_from_forward_into_backward():
-    """The root module's own groups are gathered once per training step, not released at the end
-    of forward and gathered again by the first backward hook ([Note: root kept for backward]); an
-    evaluation forward, or a forward whose backward never comes, still leaves them released, and
-    training matches torch throughout."""
+def _embed_blocks_net():
+    """A root owning a tied embedding and a norm, over three Linear blocks (units = "blocks")."""
     import torch
     from torch import nn
 
-    import zkernel
-    from zkernel.groups import Phase
-    from zkernel.hookspecs import hookimpl
-
-    class Net(nn.Module):
+    class EmbedBlocksNet(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(40, 16)
@@ -233,6 +226,20 @@ def test_root_groups_stay_whole_from_forward_into_backward():
                 h = torch.tanh(block(h))
             return nn.functional.linear(self.norm(h), self.embed.weight).logsumexp(-1).mean()
 
+    return EmbedBlocksNet()
+
+
+def test_root_groups_stay_whole_from_forward_into_backward():
+    """The root module's own groups are gathered once per training step, not released at the end
+    of forward and gathered again by the first backward hook ([Note: root kept for backward]); an
+    evaluation forward, or a forward whose backward never comes, still leaves them released, and
+    training matches torch throughout."""
+    import torch
+
+    import zkernel
+    from zkernel.groups import Phase
+    from zkernel.hookspecs import hookimpl
+
     class Gathers:
         def __init__(self) -> None:
             self.root = []
@@ -244,10 +251,10 @@ def test_root_groups_stay_whole_from_forward_into_backward():
 
     idx = torch.randint(0, 40, (4, 5), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    reference = Net()
+    reference = _embed_blocks_net()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     torch.manual_seed(0)
-    engine = zkernel.initialize(Net(), {
+    engine = zkernel.initialize(_embed_blocks_net(), {
         "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
         "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
     })
@@ -283,24 +290,10 @@ def test_first_units_of_the_next_forward_are_gathered_during_the_step():
     evaluation forward of another batch size in between consumes or drops them, and training
     matches torch throughout."""
     import torch
-    from torch import nn
 
     import zkernel
     from zkernel.groups import Phase
     from zkernel.hookspecs import hookimpl
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(40, 16)
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-            self.norm = nn.LayerNorm(16)
-
-        def forward(self, idx):
-            h = self.embed(idx)
-            for block in self.blocks:
-                h = torch.tanh(block(h))
-            return nn.functional.linear(self.norm(h), self.embed.weight).logsumexp(-1).mean()
 
     class Prefetches:
         def __init__(self) -> None:
@@ -314,10 +307,10 @@ def test_first_units_of_the_next_forward_are_gathered_during_the_step():
     root_bytes = (40 * 16 + 2 * 16) * 4  # the embedding and the final norm: the root's own unit
     idx = torch.randint(0, 40, (4, 5), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    reference = Net()
+    reference = _embed_blocks_net()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     torch.manual_seed(0)
-    engine = zkernel.initialize(Net(), {
+    engine = zkernel.initialize(_embed_blocks_net(), {
         "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
         "optimizer": {"lr": 1e-2, "weight_decay": 0.01}, "prefetch_bytes": root_bytes + 1,  # the root and one block
     })

@@ -351,16 +351,7 @@ class Scheduler:
                     ahead += group_bytes[nxt.index]
                     continue
                 if ahead < gather_bytes:
-                    # A prefetched gather is a collective: whether it is issued must not depend on
-                    # timing (every rank issues the same gathers in the same order), so it waits
-                    # for the group's update and its upload rather than skip it.
-                    self._wait_update(nxt)
-                    self.paths.before(nxt, phase.value, self.micro_step)
-                    prefetched.add(nxt.index)
-                    on_device = tier.on_compute_device
-                    with contextlib.nullcontext() if on_device else self.streams.prefetch_context():
-                        tier.to_device(nxt, consume=True, block=True)
-                        self.hook.zkernel_prefetch_params(group=nxt, phase=phase)
+                    self._start_gather(nxt, phase)
                 elif not self._update_pending(nxt):  # rank-local stages: skip what is not ready
                     self._wait_update(nxt)
                     if ahead < device_bytes:
@@ -404,11 +395,19 @@ class Scheduler:
         if group.gathered or group.index in self._prefetched or group.index in self.external:
             return
         with self.plugin_call():
-            self._wait_update(group)  # a host update: the forward's first fetch would wait for it as long
-            self.paths.before(group, Phase.FORWARD.value, self.micro_step)
-            self._prefetched.add(group.index)
-            self.params_tier.to_device(group, consume=True, block=True)
-            self.hook.zkernel_prefetch_params(group=group, phase=Phase.FORWARD)
+            self._start_gather(group, Phase.FORWARD)
+
+    def _start_gather(self, group: ParamGroup, phase: Phase) -> None:
+        """Issue ``group``'s prefetched gather (in a plugin call). It is a collective: whether it is
+        issued must not depend on timing (every rank issues the same gathers in the same order), so
+        it waits for the group's update and its upload rather than skip it."""
+        self._wait_update(group)
+        self.paths.before(group, phase.value, self.micro_step)
+        self._prefetched.add(group.index)
+        tier = self.params_tier
+        with contextlib.nullcontext() if tier.on_compute_device else self.streams.prefetch_context():
+            tier.to_device(group, consume=True, block=True)
+            self.hook.zkernel_prefetch_params(group=group, phase=phase)
 
     # -- backward ---------------------------------------------------------------
 

@@ -100,19 +100,20 @@ def adam_step(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    step: int,
     *,
+    step: int,
     lr: float,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
     grad_scale: float = 1.0,
-    decoupled: bool = True,
+    adamw: bool = True,
     copy_out: torch.Tensor | None = None,
 ) -> None:
-    """Update ``master``, ``exp_avg`` and ``exp_avg_sq`` in place for step number ``step`` (1-based)
-    from ``grad * grad_scale`` (``grad`` fp32 or lower, read only); write the rounded result to
-    ``copy_out`` when given. All flat, contiguous and on one CUDA device."""
+    """One Adam (``adamw=False``: L2) or AdamW update of ``master``, ``exp_avg`` and ``exp_avg_sq`` in
+    place for step number ``step`` (1-based) from ``grad * grad_scale`` (``grad`` fp32 or lower, read
+    only); the rounded result to ``copy_out`` when given. All flat, contiguous and on one CUDA
+    device. The arguments are `zkernel.native.adam_step`'s, the host kernel's."""
     global _kernel
     numel = master.numel()
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("copy_out", copy_out)):
@@ -131,5 +132,5 @@ def adam_step(
             master, grad, exp_avg, exp_avg_sq, copy_out if copy_out is not None else master, numel,
             lr, beta1, beta2, eps, weight_decay,
             lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), grad_scale,
-            DECOUPLED=decoupled, HAS_COPY=copy_out is not None, BLOCK=BLOCK, num_warps=8,
+            DECOUPLED=adamw, HAS_COPY=copy_out is not None, BLOCK=BLOCK, num_warps=8,
         )

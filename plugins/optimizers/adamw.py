@@ -85,13 +85,13 @@ class TorchAdamW:
             grad,
             state["exp_avg"],
             state["exp_avg_sq"],
-            self._step_counts.advance(state["step"]),
+            step=self._step_counts.advance(state["step"]),
             lr=options.lr,
             betas=options.betas,
             eps=options.eps,
             weight_decay=options.weight_decay,
             grad_scale=options.grad_scale,
-            decoupled=self.options.decoupled_weight_decay,
+            adamw=self.options.decoupled_weight_decay,
             copy_out=group.copy_out,
         )
 
