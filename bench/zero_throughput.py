@@ -14,7 +14,8 @@ CPU); modes whose optimizer is offloaded use the ``cpu_adam`` optimizer unless
 their files under ``--nvme-path`` and report the disk bytes moved per step. A suffix ``@blocks`` selects
 zero3's unit policy, ``#32`` a micro-batch for that mode alone
 (``fsdp2_offload#32``), and each ``~key=value`` a partitioner option for that
-mode alone (``~opt.key=value`` an optimizer option:
+mode alone (``~opt.key=value`` an optimizer option, ``~cfg.key=value`` a top-level config key,
+``~env.NAME=value`` an environment variable of the mode's processes:
 ``zero3@blocks~peer_gathers=never~opt.implementation=fused``). ``fsdp2_offload`` is FSDP2
 with ``CPUOffloadPolicy(pin_memory=True)``. ``ceiling`` is no engine: the
 model's forward and backward alone with bf16 weights resident on each GPU (no
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -172,6 +174,11 @@ def _worker(args) -> None:
             config["partitioner_options"] = {**config.get("partitioner_options", {}), "units": units}
         for key, value in overrides.items():
             section, _, name = key.rpartition(".")
+            if section == "env":  # set in the mode's environment by _run_mode
+                continue
+            if section == "cfg":  # a top-level key of the engine's config
+                config[name] = value
+                continue
             section = {"": "partitioner_options", "opt": "optimizer"}[section]
             config[section] = {**config.get(section, {}), name: value}
         if args.prefetch_mb is not None:
@@ -216,10 +223,25 @@ def _worker(args) -> None:
         sys.path.insert(0, str(HERE))
         from kernel_profile import profile_steps
 
-        kernels = profile_steps(lambda: train_step(next_batches())[0].item(), args.kernels, torch.cuda.synchronize)
+        trace = None
+        if args.kernels_trace:
+            trace = os.path.join(args.kernels_trace, re.sub(r"[^A-Za-z0-9._-]", "_", args.mode) + ".json.gz")
+        kernels = profile_steps(lambda: train_step(next_batches())[0].item(), args.kernels, torch.cuda.synchronize, trace)
     elif args.kernels:  # the other ranks run the same steps, unprofiled, so collectives match
         for _ in range(args.kernels):
             train_step(next_batches())[0].item()
+    if args.host_profile:  # the host's Python work per step, rank 0 under cProfile (the others run alike)
+        import cProfile
+
+        profiler = cProfile.Profile() if local == 0 else None
+        for _ in range(args.steps):
+            if profiler is not None:
+                profiler.enable()
+            train_step(next_batches())[0].item()
+            if profiler is not None:
+                profiler.disable()
+        if profiler is not None:
+            profiler.dump_stats(os.path.join(args.host_profile, re.sub(r"[^A-Za-z0-9._-]", "_", args.mode) + ".pstats"))
     step = statistics.median(times)
     tokens = micro_batch * args.accum * SEQ * world / step
     result = {
@@ -277,7 +299,8 @@ def _symmetric_bytes() -> int:
 def _parse_mode(text: str, default_micro_batch: int) -> tuple[str, int, str, dict]:
     """``zero3+cpu/cpu@blocks#32~peer_gathers=never~opt.implementation=fused`` ->
     ("zero3+cpu/cpu", 32, "blocks", {...}): ``@`` a zero3 unit policy, ``#`` a micro-batch, each
-    ``~key=value`` a partitioner option (``opt.key``: an optimizer option) for this mode alone."""
+    ``~key=value`` a partitioner option (``opt.key``: an optimizer option; ``cfg.key``: a top-level
+    config key; ``env.NAME``: an environment variable of the mode's processes) for this mode alone."""
     text, *pairs = text.split("~")
     text, _, micro_batch = text.partition("#")
     mode, _, units = text.partition("@")
@@ -317,10 +340,17 @@ def _run_mode(args, mode: str) -> dict:
         cmd += ["--prefetch-mb", str(args.prefetch_mb)]
     if args.kernels:
         cmd += ["--kernels", str(args.kernels)]
+    if args.kernels_trace:
+        cmd += ["--kernels-trace", args.kernels_trace]
+    if args.host_profile:
+        cmd += ["--host-profile", args.host_profile]
     # torchrun would pin every rank to one OpenMP thread: give each its share of the cores
     # instead, so the anchors' CPU AdamW (FSDP2 offload) is not starved.
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // args.nproc)))
+    for key, value in _parse_mode(mode, args.micro_batch)[3].items():
+        if key.startswith("env."):  # ``~env.NCCL_MAX_CTAS=8``: an environment variable of this mode alone
+            env[key[4:]] = str(value)
     # In a session of its own, so a timeout kills torchrun's workers too: an orphaned worker
     # would keep its GPU and host memory from every later mode.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -370,6 +400,8 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0,
                         help="after the timed steps, profile this many more on rank 0 and print where the GPU time went "
                         "(kernel categories, stream busy and idle; bench/kernel_profile.py)")
+    parser.add_argument("--kernels-trace", default=None, help="with --kernels: a directory for rank 0's Chrome trace of each mode (gzipped)")
+    parser.add_argument("--host-profile", default=None, help="a directory for rank 0's cProfile statistics of --steps more steps per mode")
     parser.add_argument("--json-out", default=None, help="append each mode's result as one JSON line to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)

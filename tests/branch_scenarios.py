@@ -108,9 +108,10 @@ def diverge(config: dict, branch_on_rank1: str) -> str:
     return "no error"
 
 
-def deferred_statements(count: int, diverge_at: int | None) -> str:
-    """The NCCL form of the path check (device ring + watchdog), run over gloo: ``count``
-    statements, rank 1 naming another group from ``diverge_at`` on; what the watchdog said."""
+def deferred_statements(count: int, diverge_at: int | None, transport: str = "auto") -> str:
+    """The NCCL form of the path check (statements in shared memory or on the device ring, and
+    the watchdog), run over gloo: ``count`` statements, rank 1 naming another group from
+    ``diverge_at`` on; what the watchdog said."""
     import threading
     from types import SimpleNamespace
 
@@ -128,7 +129,12 @@ def deferred_statements(count: int, diverge_at: int | None) -> str:
         said.append(message)
         done.set()
 
-    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, deferred=True, on_divergence=record)
+    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, deferred=True, on_divergence=record,
+                      transport=transport)
+    if transport == "shared" and rank == 0:  # mapped by every rank, and unlinked at once
+        import os
+
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"zkernel-paths-{os.getpid()}-")]
     for n in range(count):
         index = 2 if (rank == 1 and diverge_at is not None and n >= diverge_at) else n % 2
         check.before(groups[index], "forward" if n % 3 else "reduce", micro_step=n // 10)
@@ -139,7 +145,7 @@ def deferred_statements(count: int, diverge_at: int | None) -> str:
     return said[0] if said else "no error"
 
 
-def deferred_statements_then_close(diverge_at: int) -> str:
+def deferred_statements_then_close(diverge_at: int, transport: str = "auto") -> str:
     """Ranks diverge at the last statement and the check is closed at once (before any poll)."""
     from types import SimpleNamespace
 
@@ -150,14 +156,15 @@ def deferred_statements_then_close(diverge_at: int) -> str:
     rank, _ = _rank_world()
     groups = [SimpleNamespace(index=i, name=f"layers.{i}") for i in range(3)]
     said: list[str] = []
-    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=60.0, deferred=True, on_divergence=said.append)
+    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=60.0, deferred=True, on_divergence=said.append,
+                      transport=transport)
     for n in range(diverge_at + 1):
         check.before(groups[2 if (rank == 1 and n == diverge_at) else 0], "forward", micro_step=7)
     check.close()
     return said[0] if said else "no error"
 
 
-def deferred_statements_lock_held(diverge_at: int) -> str:
+def deferred_statements_lock_held(diverge_at: int, transport: str = "auto") -> str:
     """Ranks diverge at statement ``diverge_at``, then the main thread holds the interpreter lock
     (as a thread blocked inside a collective can) for 30 s: only the native watcher can report."""
     import sys
@@ -170,7 +177,7 @@ def deferred_statements_lock_held(diverge_at: int) -> str:
     init_distributed()
     rank, _ = _rank_world()
     groups = [SimpleNamespace(index=i, name=f"layers.{i}") for i in range(3)]
-    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, grace_s=1.0, deferred=True)
+    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, grace_s=1.0, deferred=True, transport=transport)
     for n in range(diverge_at + 1):
         check.before(groups[2 if (rank == 1 and n == diverge_at) else 0], "forward", micro_step=5)
     sys.setswitchinterval(60.0)

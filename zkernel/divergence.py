@@ -45,17 +45,33 @@ itself):
   same message to stderr and ends the process itself. Cost per gather or
   reduction: two 32-byte copies and one 32-byte all-gather on the check's
   stream.
+
+[Note: statements in shared memory] When every rank runs on one host, the
+statements need no collective at all: rank 0 creates a file in ``/dev/shm``
+that every rank maps (the ring's host rows, shared), each rank writes its own
+column of the ring from the host as it issues a collective, and the same
+native watcher reads every rank's statements from it. The file is unlinked
+as soon as every rank has mapped it, so a job that dies leaves nothing
+behind. The device ring cost each gather and reduction an NCCL call and
+three CUDA operations from Python: on GPT-1.3B over two H200s (74 statements
+a step) about a fifth of the host's time in a forward, which the GPU then
+waited for. Where any rank cannot map the file (ranks on several hosts, no
+``/dev/shm``), every rank uses the device ring.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -79,7 +95,9 @@ class PathCheck:
     """Every rank states the group of its next collective; disagreement is an error (see the Note).
 
     ``deferred`` (default: on NCCL) selects the ring-and-watcher check; ``on_divergence``
-    (default: end the process) receives the watcher's message.
+    (default: end the process) receives the watcher's message. ``transport`` of a deferred
+    check: "shared" (host shared memory, every rank on one host), "ring" (the device ring),
+    "auto" (shared where every rank can map it, else the ring).
     """
 
     def __init__(
@@ -91,6 +109,7 @@ class PathCheck:
         deferred: bool | None = None,
         on_divergence: Callable[[str], None] | None = None,
         grace_s: float = 2.0,
+        transport: str = "auto",
     ) -> None:
         self.enabled = enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._names = {g.index: g.name for g in groups}
@@ -101,7 +120,7 @@ class PathCheck:
         self.world = dist.get_world_size()
         self.deferred = dist.get_backend() == "nccl" if deferred is None else deferred
         if self.deferred:
-            self._ring = _StatementRing(self.world, device if dist.get_backend() == "nccl" else torch.device("cpu"))
+            self._ring = _open_statements(self.world, device if dist.get_backend() == "nccl" else torch.device("cpu"), transport)
             self._on_divergence = on_divergence or _end_process
             self._report_lock = threading.Lock()
             self._reported = False
@@ -162,7 +181,7 @@ class PathCheck:
         if not (self.enabled and self.deferred) or self._closed:
             return
         self._closed = True
-        if self._ring.settle(timeout_s=10.0):
+        if self._ring.settle(timeout_s=10.0, issued=self.count):
             found = self._watch.scan()
             if found is not None:
                 self._report(found)
@@ -179,6 +198,76 @@ _TAIL = (
     ". Every rank must run the same modules in the same order (a data-dependent branch must take the same path "
     "on every rank)"
 )
+
+
+TRANSPORTS = ("auto", "shared", "ring")
+
+
+def _open_statements(world: int, device: torch.device, transport: str) -> _StatementRing | _SharedStatements:
+    """The statements' transport (collective: every rank picks the same)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport != "ring":
+        shared = _SharedStatements.open(world, device)
+        if shared is not None:
+            return shared
+        if transport == "shared":
+            raise RuntimeError("the path check's statements cannot be shared in host memory: not every rank could map the file")
+    return _StatementRing(world, device)
+
+
+class _SharedStatements:
+    """Every rank's statements in one file of host shared memory (see [Note: statements in shared memory])."""
+
+    def __init__(self, rows: np.ndarray, rank: int) -> None:
+        self.host = torch.from_numpy(rows)  # keeps the mapping alive; the watcher reads it
+        self._mine = rows[:, rank, :]
+
+    @classmethod
+    def open(cls, world: int, device: torch.device) -> _SharedStatements | None:
+        """Map one file on every rank (collective); None on every rank where any rank could not."""
+        rank = dist.get_rank()
+        shape = (_RING, world, _COLS)
+        created = None
+        rows = None
+        try:
+            if rank == 0:
+                folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+                created = os.path.join(folder, f"zkernel-paths-{os.getpid()}-{uuid.uuid4().hex}")
+                try:
+                    rows = np.memmap(created, dtype=np.int64, mode="w+", shape=shape)
+                    rows[:] = -1
+                    rows.flush()
+                except OSError as exc:
+                    log.debug("zkernel.paths.shared_unavailable", reason=str(exc))
+                    rows = None
+            names = [created if rows is not None else None]
+            dist.broadcast_object_list(names, src=0)
+            if rank != 0 and names[0] is not None:
+                try:
+                    rows = np.memmap(names[0], dtype=np.int64, mode="r+", shape=shape)
+                except (OSError, ValueError) as exc:  # another host, or another file system
+                    log.debug("zkernel.paths.shared_unavailable", reason=str(exc))
+            mapped = torch.tensor([0 if rows is None else 1], dtype=torch.int32, device=device)
+            dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # every rank has mapped it, or failed, by now
+            ok = bool(mapped.item())
+        finally:
+            if created is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(created)  # the mappings stay; nothing is left behind
+        return cls(rows, rank) if ok else None
+
+    def state(self, statement: tuple[int, int, int, int]) -> None:
+        self._mine[statement[0] % _RING] = statement
+
+    def settle(self, timeout_s: float, issued: int) -> bool:
+        """Wait (bounded) until every rank has written as many statements as this one: a rank
+        that closes first still compares the last ones. Reading host memory never hangs, so the
+        rows can always be scanned after."""
+        deadline = time.monotonic() + timeout_s
+        while int(self.host[:, :, 0].max(dim=0).values.min()) < issued - 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return True
 
 
 class _StatementRing:
@@ -214,7 +303,7 @@ class _StatementRing:
             _all_gather(self.gathered[slot].view(-1), self.mine[slot], async_op=True).wait()
             self.host[slot].copy_(self.gathered[slot], non_blocking=True)
 
-    def settle(self, timeout_s: float) -> bool:
+    def settle(self, timeout_s: float, issued: int) -> bool:
         """Wait (bounded: a hung collective must not hang the exit) until what was issued so far ran."""
         if not self.cuda:
             return True

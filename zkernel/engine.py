@@ -137,7 +137,6 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
-        self._guard = None  # active released-parameter guard, from forward to end of backward
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
         # hook handles hold their hooks weakly, and tiers keep no reference to groups.
@@ -463,15 +462,10 @@ class Engine:
             raise RuntimeError("this zkernel engine is closed; initialize a new one to train again")
 
     def _enter_guard(self) -> None:
-        if self._guard is None:
-            self._guard = self.scheduler.forward_guard()
-            if self._guard is not None:
-                self._guard.__enter__()
+        self.scheduler.guarding = True
 
     def _exit_guard(self) -> None:
-        if self._guard is not None:
-            guard, self._guard = self._guard, None
-            guard.__exit__(None, None, None)
+        self.scheduler.guarding = False
 
     def _prepare_input(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):

@@ -28,23 +28,40 @@ and how to read it; `mark_gathered` makes it an ordinary parameter again.
   readable (dtype, device, ``requires_grad``, ``.grad``, hooks, and the
   placeholder's shape (0,), which tells the truth about what the rank holds),
   so the kernel's bookkeeping and autograd hooks work unchanged, and so do
-  queries about memory (storage, strides), which describe the empty placeholder. The guard of
-  the engine's forward (`zkernel.scheduler`) is a `TorchFunctionMode`, which
-  torch consults before any subclass, so reads from the forward to the end of
-  backward still gather the parameter first. Cost: one ``__class__``
+  queries about memory (storage, strides), which describe the empty placeholder. From the
+  engine's forward to the end of its backward the trap gathers the parameter
+  instead of raising (see [Note: fetch on first read]). Cost: one ``__class__``
   assignment per parameter at each gather and release (about 0.15 us, a third
   of the ``.data`` swap the partitioner makes anyway) and nothing per operation
   on a gathered parameter, which is an ordinary ``nn.Parameter`` again.
   C++ code (autograd's engine, kernels) never dispatches to Python, so it is
   unaffected.
+
+[Note: fetch on first read] The same trap is how the engine fetches a parameter
+read outside its own module's forward (a tied embedding reused as the output
+head): the scheduler gives each parameter a fetcher (`set_fetcher`), which the
+trap asks before raising; from the engine's forward to the end of its backward
+the fetcher gathers the parameter's group and the operation runs again on the
+whole values; a read of metadata (``weight.shape``) fetches too, so the model
+sees the whole parameter's. It replaced a `TorchFunctionMode` over the whole
+forward and backward, which called into Python for every operation of the
+model and of the plugins' hooks: `bench/host_overhead.py` (one unit per
+module, one CPU thread) measured 0.53-0.59 ms of host time per unit and step
+with it, 0.35-0.43 without (with the views of a gathered buffer kept, too);
+GPT-1.3B on two H200s, whose forward the host could barely keep ahead of, went
+from 1.016-1.019x FSDP2's tokens/s to 1.025-1.039x (with the statements of
+[Note: statements in shared memory]). The trap costs nothing on a gathered
+parameter, which is an ordinary ``nn.Parameter``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-__all__ = ["ReleasedParameterError", "is_released", "mark_gathered", "mark_released"]
+__all__ = ["ReleasedParameterError", "is_released", "mark_gathered", "mark_released", "set_fetcher"]
 
 
 class ReleasedParameterError(RuntimeError):
@@ -98,12 +115,15 @@ class _ReleasedMixin:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        released = _first_released(args)
+        if released is None:
+            released = _first_released((kwargs or {}).values())
+        fetch = _fetchers.get(id(released))
+        if fetch is not None and fetch(released):  # whole now: run on its values (see [Note: fetch on first read])
+            return func(*args, **(kwargs or {}))
         if _is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        released = next((a for a in args if isinstance(a, _ReleasedMixin)), None)
-        if released is None:
-            released = next(a for a in (kwargs or {}).values() if isinstance(a, _ReleasedMixin))
         raise ReleasedParameterError(
             f"{_describe(func)} on parameter {_name_of(released)!r}, which zero3 has released: "
             "between uses each rank holds only its shard, so this would see an empty tensor. "
@@ -121,10 +141,24 @@ class _ReleasedMixin:
         )
 
 
+def _first_released(values) -> _ReleasedMixin | None:
+    for value in values:
+        if isinstance(value, _ReleasedMixin):
+            return value
+        if isinstance(value, (list, tuple)):  # torch.cat([...]) and the like
+            found = _first_released(value)
+            if found is not None:
+                return found
+    return None
+
+
 # parameter class -> its released twin, and back
 _released_classes: dict[type, type] = {}
 _original_classes: dict[type, type] = {}
 _NAME = "_zkernel_name"
+# id of a parameter -> its fetcher (see set_fetcher). Keyed by id, not held on the parameter: a
+# weak reference to it from a handle would stop torch.utils.swap_tensors (a closed model's release).
+_fetchers: dict[int, Callable[[nn.Parameter], bool]] = {}
 
 
 def _released_class(cls: type) -> type:
@@ -158,3 +192,25 @@ def mark_gathered(param: nn.Parameter) -> None:
 
 def is_released(param: torch.Tensor) -> bool:
     return isinstance(param, _ReleasedMixin)
+
+
+class _FetcherHandle:
+    """Takes a fetcher off its parameter again (``remove``), like a hook's handle."""
+
+    def __init__(self, key: int, fetch: Callable[[nn.Parameter], bool]) -> None:
+        self._key, self._fetch = key, fetch
+
+    def remove(self) -> None:
+        if _fetchers.get(self._key) is self._fetch:
+            del _fetchers[self._key]
+
+
+def set_fetcher(param: nn.Parameter, fetch: Callable[[nn.Parameter], bool]) -> _FetcherHandle:
+    """Give ``param`` the callable its trap asks before raising (see [Note: fetch on first read]).
+
+    The trap calls ``fetch(param)`` when an operation reads the released parameter; ``fetch``
+    returns True after making it whole (the operation then runs on its values) or False (the
+    trap raises `ReleasedParameterError`). Returns a handle whose ``remove()`` takes it off.
+    """
+    _fetchers[id(param)] = fetch
+    return _FetcherHandle(id(param), fetch)

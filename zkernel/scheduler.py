@@ -60,17 +60,13 @@ changes, and nothing is started.
 
 [Note: guard] A parameter used outside its own module's forward (a tied
 embedding reused as the output head, a weight read in a parent's forward) is
-caught by a `TorchFunctionMode` active during the engine's forward: the first
-op touching a released parameter fetches its group, which is then kept whole
-until the end of backward, in this and every later step.
-
-[Note: guard off in plugin calls] The guard sees every op of the thread,
-including the plugins' own (views, copies, ``.data`` reads and writes: about
-four in five of its calls on a GPT). Those pass straight through, but each still
-costs a call into Python. So a plugin call takes the guard off the torch-function
-mode stack while it runs and puts it back after, when the guard is the innermost
-mode; under a mode the user entered inside the forward it stays, and the
-``in_hook`` flag lets the plugins' ops through as before.
+caught by the released parameter's own trap (`zkernel.released`, [Note: fetch
+on first read]): from the engine's forward to the end of its backward
+(``guarding``), the first operation that reads a released parameter fetches
+its group, which is then kept whole until the end of backward, in this and
+every later step. Outside that window, and inside a plugin call (the plugins
+never read a released parameter), the trap raises as it does for any read
+outside the engine.
 
 The prefetcher follows the order groups ran in earlier passes, relearnt from
 every pass (see [Note: trace] in `zkernel.trace`). Forward post-hooks run even
@@ -106,13 +102,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zkernel.divergence import PathCheck
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
 from zkernel.profiling import profiler_range
+from zkernel.released import is_released, set_fetcher
 from zkernel.trace import ModuleTrace
 
 log = get_logger()
@@ -121,41 +117,6 @@ log = get_logger()
 def _in_backward() -> bool:
     """Whether this thread runs a backward pass now (a forward here is a recomputation)."""
     return torch._C._current_graph_task_id() != -1
-
-
-class _ReleasedParamGuard(TorchFunctionMode):
-    """Fetches the group of any released parameter an op is about to read."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        super().__init__()
-        self.scheduler = scheduler
-
-    def __enter__(self):
-        self.scheduler.active_guard = self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.scheduler.active_guard = None
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.scheduler.in_hook:  # the plugins' own tensor work
-            return func(*args, **kwargs)
-        # Runs for every op of the forward: keys are ids of live parameters, so a lookup by id
-        # (no isinstance through Parameter's metaclass) identifies them.
-        owner = self.scheduler.group_of_param
-        for arg in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(arg, (list, tuple, dict)):
-                for leaf in tree_flatten(arg)[0]:
-                    self._fetch_released(owner.get(id(leaf)))
-            else:
-                self._fetch_released(owner.get(id(arg)))
-        return func(*args, **kwargs)
-
-    def _fetch_released(self, group: ParamGroup | None) -> None:
-        if group is not None and not group.gathered:
-            self.scheduler.fetch_external(group)
 
 
 class Scheduler:
@@ -204,7 +165,7 @@ class Scheduler:
         self._reduced: set[int] = set()
         self._boundary = True
         self.in_hook = False
-        self.active_guard: _ReleasedParamGuard | None = None
+        self.guarding = False  # from the engine's forward to the end of its backward (see [Note: guard])
         self.handles: list = []
         self._install()
 
@@ -220,10 +181,28 @@ class Scheduler:
                 continue
             for p in group.params:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group)))
+        fetch = self._make_fetcher()
+        for group in self.bound:
+            for p in group.params:
+                self.handles.append(set_fetcher(p, fetch))
 
+    def _make_fetcher(self):
+        scheduler_ref = weakref.ref(self)  # held for the model's parameters: see _make_grad_ready_hook
 
-    def forward_guard(self) -> TorchFunctionMode | None:
-        return _ReleasedParamGuard(self) if self.bound else None
+        def fetch(param: nn.Parameter) -> bool:
+            scheduler = scheduler_ref()
+            return scheduler is not None and scheduler._fetch_read(param)
+
+        return fetch
+
+    def _fetch_read(self, param: nn.Parameter) -> bool:
+        """A released parameter is being read: fetch its group when the engine's forward or
+        backward is running (see [Note: guard]); whether it is whole now."""
+        group = self.group_of_param.get(id(param))
+        if not self.guarding or self.in_hook or group is None:
+            return False
+        self.fetch_external(group)
+        return not is_released(param)
 
     # -- forward ----------------------------------------------------------------
 
@@ -253,7 +232,9 @@ class Scheduler:
                 self._kept.append(group)
             else:
                 self._release(group, Phase.FORWARD)
-        if tensors:
+        if len(tensors) == 1:  # the usual case, at half the host cost of a multi-grad hook
+            tensors[0].register_hook(lambda _grad, groups=groups: self._pre_backward(groups))
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grads, groups=groups: self._pre_backward(groups), mode="any"
             )
@@ -302,26 +283,12 @@ class Scheduler:
 
     @contextlib.contextmanager
     def plugin_call(self):
-        """Mark plugin work: the guard lets the plugins' own tensor operations through."""
+        """Mark plugin work: a released parameter read inside it is not fetched (see [Note: guard])."""
         outer, self.in_hook = self.in_hook, True
-        guard = self._pop_guard()
         try:
             yield
         finally:
-            if guard is not None:
-                torch._C._push_on_torch_function_stack(guard)
             self.in_hook = outer
-
-    def _pop_guard(self) -> _ReleasedParamGuard | None:
-        """Take the guard off this thread's mode stack if it is on top (see [Note: guard off in plugin calls])."""
-        guard = self.active_guard
-        if guard is None:
-            return None
-        depth = torch._C._len_torch_function_stack()
-        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not guard:
-            return None  # another thread, inside the guard's own handler, or under a user's mode
-        torch._C._pop_torch_function_stack()
-        return guard
 
     def _prefetch_after(self, group: ParamGroup, phase: Phase, pos: int) -> None:
         """Start each stage of the groups ahead of trace position ``pos``, each within its own

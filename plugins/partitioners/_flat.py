@@ -97,13 +97,17 @@ def gather_grads(
     A parameter without a gradient in this backward contributes zeros.
     """
     views, grads, missing = [], [], []
-    for p, view in zip(params, layout.views(out)):
-        if p.grad is None:
-            missing.append(view)
-        else:
-            views.append(view)
-            grads.append(p.grad)  # the foreach copy/add casts to ``out``'s dtype in the same pass
-            p.grad = None
+    # ZeRO-3 has released the parameters by now: ``.grad`` is readable, but through the
+    # released-parameter trap's Python handler (`zkernel.released`) unless subclasses are off.
+    with torch._C.DisableTorchFunctionSubclass():
+        for p, view in zip(params, layout.views(out)):
+            grad = p.grad
+            if grad is None:
+                missing.append(view)
+            else:
+                views.append(view)
+                grads.append(grad)  # the foreach copy/add casts to ``out``'s dtype in the same pass
+                p.grad = None
     if accumulate:
         if views:
             torch._foreach_add_(views, grads)

@@ -47,7 +47,9 @@ def reduce_every_micro_batch(group: ParamGroup, world: int, boundary: bool) -> R
     state = group.layout
     accumulate = state.contributed
     state.contributed = not boundary
-    grad_full = torch.empty(state.flat.padded, dtype=torch.float32, device=group.params[0].device)
+    with torch._C.DisableTorchFunctionSubclass():  # a released parameter's device, without its trap
+        device = group.params[0].device
+    grad_full = torch.empty(state.flat.padded, dtype=torch.float32, device=device)
     gather_grads(group.params, state.flat, grad_full, accumulate=False)
     if world == 1:
         return ReducedGradient(grad_full, None, accumulate=accumulate)

@@ -102,6 +102,9 @@ class Zero3State:
     gathering: object = None  # all-gather in flight (a Work, or True when done synchronously), or None
     contributed: bool = False  # this window already handed a gradient to the optimizer tier
     peer_offset: int | None = None  # where the shard sits in the peer-gather pool, when it does
+    # The parameters' views into ``full`` (made once: a view stays valid while its storage is freed
+    # and re-allocated), with the buffer they were made from.
+    views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     @property
     def numel(self) -> int:
@@ -250,7 +253,14 @@ class Zero3:
         full.untyped_storage().resize_(0)
 
     def _point_at(self, group: ParamGroup, full: torch.Tensor) -> None:
-        for p, view in zip(group.params, group.layout.flat.views(full)):
+        state: Zero3State = group.layout
+        if full is state.full:
+            if state.views is None or state.views[0] is not full:
+                state.views = (full, state.flat.views(full))
+            views = state.views[1]
+        else:  # a buffer of the user's (gathered_parameters) or a restore: its own views
+            views = state.flat.views(full)
+        for p, view in zip(group.params, views):
             mark_gathered(p)
             p.data = view
         group.gathered = True
