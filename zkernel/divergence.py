@@ -56,7 +56,9 @@ behind. The device ring cost each gather and reduction an NCCL call and
 three CUDA operations from Python: on GPT-1.3B over two H200s (74 statements
 a step) about a fifth of the host's time in a forward, which the GPU then
 waited for. Where any rank cannot map the file (ranks on several hosts, no
-``/dev/shm``), every rank uses the device ring.
+``/dev/shm``: a file elsewhere could sit on a network file system, mapped on
+several hosts whose writes never reach each other), every rank uses the
+device ring.
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ import contextlib
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -201,6 +202,7 @@ _TAIL = (
 
 
 TRANSPORTS = ("auto", "shared", "ring")
+_SHARED_FOLDER = "/dev/shm"
 
 
 def _open_statements(world: int, device: torch.device, transport: str) -> _StatementRing | _SharedStatements:
@@ -231,14 +233,15 @@ class _SharedStatements:
         created = None
         rows = None
         try:
-            if rank == 0:
-                folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-                created = os.path.join(folder, f"zkernel-paths-{os.getpid()}-{uuid.uuid4().hex}")
+            # tmpfs only: a file on a network file system would map on several hosts without
+            # their writes reaching each other.
+            if rank == 0 and os.path.isdir(_SHARED_FOLDER):
+                created = os.path.join(_SHARED_FOLDER, f"zkernel-paths-{os.getpid()}-{uuid.uuid4().hex}")
                 try:
                     rows = np.memmap(created, dtype=np.int64, mode="w+", shape=shape)
                     rows[:] = -1
                     rows.flush()
-                except OSError as exc:
+                except (OSError, ValueError) as exc:  # every rank must reach the broadcast below
                     log.debug("zkernel.paths.shared_unavailable", reason=str(exc))
                     rows = None
             names = [created if rows is not None else None]
