@@ -235,6 +235,24 @@ def _embed_blocks_net():
     return EmbedBlocksNet()
 
 
+def _embed_blocks_runs(**config):
+    """The same `_embed_blocks_net` twice: torch's AdamW over one, a zero3 engine (one unit per
+    block) over the other, plus ``config``; returns (reference, optimizer, engine)."""
+    import torch
+
+    import zkernel
+
+    torch.manual_seed(0)
+    reference = _embed_blocks_net()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    engine = zkernel.initialize(_embed_blocks_net(), {
+        "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01}, **config,
+    })
+    return reference, opt, engine
+
+
 def test_root_groups_stay_whole_from_forward_into_backward():
     """The root module's own groups are gathered once per training step, not released at the end
     of forward and gathered again by the first backward hook ([Note: root kept for backward]); an
@@ -242,7 +260,6 @@ def test_root_groups_stay_whole_from_forward_into_backward():
     training matches torch throughout."""
     import torch
 
-    import zkernel
     from zkernel.groups import Phase
     from zkernel.hookspecs import hookimpl
 
@@ -256,14 +273,7 @@ def test_root_groups_stay_whole_from_forward_into_backward():
                 self.root.append(phase)
 
     idx = torch.randint(0, 40, (4, 5), generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    reference = _embed_blocks_net()
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    engine = zkernel.initialize(_embed_blocks_net(), {
-        "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
-        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
-    })
+    reference, opt, engine = _embed_blocks_runs()
     gathers = Gathers()
     engine.plugin_manager.register(gathers)
     root = next(g for g in engine.groups if g.name == "<root>")
@@ -297,7 +307,6 @@ def test_first_units_of_the_next_forward_are_gathered_during_the_step():
     matches torch throughout."""
     import torch
 
-    import zkernel
     from zkernel.groups import Phase
     from zkernel.hookspecs import hookimpl
 
@@ -312,14 +321,7 @@ def test_first_units_of_the_next_forward_are_gathered_during_the_step():
 
     root_bytes = (40 * 16 + 2 * 16) * 4  # the embedding and the final norm: the root's own unit
     idx = torch.randint(0, 40, (4, 5), generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    reference = _embed_blocks_net()
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    engine = zkernel.initialize(_embed_blocks_net(), {
-        "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
-        "optimizer": {"lr": 1e-2, "weight_decay": 0.01}, "prefetch_bytes": root_bytes + 1,  # the root and one block
-    })
+    reference, opt, engine = _embed_blocks_runs(prefetch_bytes=root_bytes + 1)  # the root and one block
     prefetches = Prefetches()
     engine.plugin_manager.register(prefetches)
     for step in range(4):

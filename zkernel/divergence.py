@@ -121,14 +121,14 @@ class PathCheck:
         self.world = dist.get_world_size()
         self.deferred = dist.get_backend() == "nccl" if deferred is None else deferred
         if self.deferred:
-            self._ring = _open_statements(self.world, device if dist.get_backend() == "nccl" else torch.device("cpu"), transport)
+            self._statements = _open_statements(self.world, device if dist.get_backend() == "nccl" else torch.device("cpu"), transport)
             self._on_divergence = on_divergence or _end_process
             self._report_lock = threading.Lock()
             self._reported = False
             self._closed = False
             count = max(self._names, default=-1) + 1
             self._watch = native.load().RingWatch(
-                self._ring.host.data_ptr(), self._ring.host, _RING, self.world, poll_s=poll_s, grace_s=grace_s,
+                self._statements.host.data_ptr(), self._statements.host, _RING, self.world, poll_s=poll_s, grace_s=grace_s,
                 clauses=[self._clause(index, kind) for index in range(count) for kind in range(len(_KINDS))],
                 kinds=len(_KINDS), head=_HEAD, middle=_MIDDLE, tail=_TAIL,
             )
@@ -143,7 +143,7 @@ class PathCheck:
         statement = (self.count, group.index, _KINDS.index(kind), micro_step)
         self.count += 1
         if self.deferred:
-            self._ring.state(statement)
+            self._statements.state(statement)
             return
         gathered = torch.empty(self.world * _COLS, dtype=torch.int64)
         _all_gather(gathered, torch.tensor(statement, dtype=torch.int64))
@@ -182,7 +182,7 @@ class PathCheck:
         if not (self.enabled and self.deferred) or self._closed:
             return
         self._closed = True
-        if self._ring.settle(timeout_s=10.0, issued=self.count):
+        if self._statements.settle(timeout_s=10.0, issued=self.count):
             found = self._watch.scan()
             if found is not None:
                 self._report(found)
