@@ -53,6 +53,7 @@ def train(config: dict, steps: int, accum: int, micro: int, seed: int, plugins=(
         "skipped": engine.skipped_steps,
         "external": external,
         "peer_gathers": getattr(engine.plugin_manager.get_plugin(f"partitioner:{engine.config.partitioner}"), "_peer", None) is not None,
+        "peer_reductions": getattr(engine.plugin_manager.get_plugin(f"partitioner:{engine.config.partitioner}"), "_peer_reduce", None) is not None,
     }
 
 
@@ -279,14 +280,16 @@ def train_with_pipeline_stats(config: dict, steps: int, accum: int, micro: int, 
 def peer_pool_where_it_cannot_map() -> dict:
     """Open zero3's peer-gather pool where symmetric memory is unavailable (the CPU): under
     "auto" every rank agrees to gather with NCCL instead; under "always" each rank raises."""
+    from zkernel.timeline import Timeline
     from zkernel_plugins.partitioners._peer_gather import open_pool
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     cpu = torch.device("cpu")
-    fallback = open_pool(16, torch.bfloat16, cpu, required=False)
+    off = Timeline(cpu, enabled=False)
+    fallback = open_pool(16, torch.bfloat16, cpu, required=False, timeline=off)
     try:
-        open_pool(16, torch.bfloat16, cpu, required=True)
+        open_pool(16, torch.bfloat16, cpu, required=True, timeline=off)
         error = None
     except RuntimeError as exc:
         error = str(exc)

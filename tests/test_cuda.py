@@ -92,6 +92,36 @@ def test_nccl_two_gpus_peer_gathers_are_the_nccl_gathers(precision):
         assert peer["losses"] == nccl["losses"], (peer["losses"], nccl["losses"])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nccl_two_gpus_peer_reductions_are_the_nccl_reductions(precision):
+    """zero3 reducing through peer memory (copy engines, then one fp32 sum) trains exactly as with NCCL's
+    fp32 reduce-scatter on two ranks: a + b of fp32 values is rounded once either way."""
+    configs = []
+    for policy in ("auto", "never"):
+        cfg = _config("zero3", precision)
+        cfg["partitioner_options"] = {**cfg["partitioner_options"], "peer_gathers": "always", "peer_reductions": policy}
+        configs.append(cfg)
+    for peer, nccl in run_ranks(2, train_many, configs, STEPS, ACCUM, MICRO, SEED):
+        assert peer["peer_reductions"] and not nccl["peer_reductions"]
+        assert peer["losses"] == nccl["losses"], (peer["losses"], nccl["losses"])
+
+
+def test_peer_reduction_kernel_sums_as_the_host_does():
+    """The Triton sum of the peer reductions adds the ranks in rank order, as the torch path does."""
+    from tests.test_partitioners import _rank_order_inputs
+    from zkernel_plugins.partitioners._peer_reduce import mean_of_ranks
+
+    rows = _rank_order_inputs("cuda")
+    rows = [torch.cat([r, torch.randn(10_000, device="cuda").bfloat16()]) for r in rows]
+    for rank in range(3):
+        peers = torch.stack([r for i, r in enumerate(rows) if i != rank])
+        out, expected = torch.empty(rows[0].numel(), device="cuda"), torch.empty(rows[0].numel())
+        mean_of_ranks(out, rows[rank], peers, rank, 3)
+        mean_of_ranks(expected, rows[rank].cpu(), peers.cpu(), rank, 3)
+        assert torch.equal(out.cpu(), expected), rank
+
+
 OFFLOAD_STAGES = ("zero1", "zero2", "zero3")
 
 
@@ -231,7 +261,11 @@ def _timeline_collectives(config):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_nccl_timeline_shows_the_collectives():
-    """zero3's all-gathers and reduce-scatters appear in the step timeline with their bytes."""
-    for rank_result in run_ranks(2, _timeline_collectives, _config("zero3")):
+@pytest.mark.parametrize("peer", ["never", "always"])
+def test_nccl_timeline_shows_the_collectives(peer):
+    """zero3's all-gathers and reduce-scatters appear in the step timeline with their bytes, NCCL's
+    and those through peer memory alike."""
+    config = _config("zero3")
+    config["partitioner_options"] = {**config["partitioner_options"], "peer_gathers": peer}
+    for rank_result in run_ranks(2, _timeline_collectives, config):
         assert rank_result["count"] > 0 and rank_result["busy"] > 0 and rank_result["bytes"] > 0, rank_result

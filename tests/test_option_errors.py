@@ -38,6 +38,10 @@ def tiny():
             "partitioner_options.peer_gathers 'yes' is not valid; valid: auto, always, never",
         ),
         (
+            {"partitioner": "zero3", "partitioner_options": {"peer_reductions": "always"}},
+            "partitioner_options.peer_reductions 'always' is not valid; valid: auto, never",
+        ),
+        (
             {"partitioner": "zero3", "partitioner_options": {"peer_gathers": "always"}},
             'partitioner_options.peer_gathers = "always", but it needs CUDA devices and NCCL with more than one rank; '
             'use "auto" or "never"',

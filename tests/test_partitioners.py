@@ -99,6 +99,28 @@ def test_user_code_reads_parameters_between_forward_backward_and_steps():
         assert r["released"] == 0
 
 
+def _rank_order_inputs(device="cpu"):
+    """Three ranks' bf16 contributions whose fp32 sum depends on the order: 2**24 + 1 rounds to 2**24."""
+    big = torch.full((5,), 2.0**24, dtype=torch.bfloat16, device=device)
+    return [big, torch.ones(5, dtype=torch.bfloat16, device=device), -big]
+
+
+def test_peer_reduction_sums_the_ranks_in_rank_order_in_fp32():
+    """The sum of the peer reductions: each rank's slice in rank order, in fp32, times 1/world; on two
+    ranks exactly NCCL's fp32 (a + b) / 2 of the compute-dtype gradients."""
+    from zkernel_plugins.partitioners._peer_reduce import mean_of_ranks
+
+    rows = _rank_order_inputs()
+    for rank in range(3):
+        out = torch.empty(5)
+        mean_of_ranks(out, rows[rank], torch.stack([r for i, r in enumerate(rows) if i != rank]), rank, 3)
+        assert torch.equal(out, torch.zeros(5)), (rank, out)  # (2**24 + 1) - 2**24 in fp32, not 1/3
+    a, b = torch.randn(1000).bfloat16(), torch.randn(1000).bfloat16()
+    out = torch.empty(1000)
+    mean_of_ranks(out, b, a[None], 1, 2)
+    assert torch.equal(out, (a.float() + b.float()) * 0.5)
+
+
 def test_peer_gathers_fall_back_together_where_memory_cannot_be_mapped():
     """Where a rank cannot map the pool (here: the CPU has no symmetric memory), every rank learns it
     and "auto" gathers with NCCL; "always" raises, naming the key and the way out."""

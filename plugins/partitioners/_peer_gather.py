@@ -15,8 +15,9 @@ allocation mapped into every rank's address space). The optimizer writes
 each updated shard straight into the pool (it is the group's
 ``param_shard``), and a gather is, on a stream of its own: a barrier (every
 rank has queued its update of this shard before arriving), then one copy per
-rank from that rank's pool into the gathered buffer. The barrier is a small
-kernel; the copies run on the copy engines. The pool costs the shard in the
+rank from that rank's pool into the gathered buffer. The barrier holds no
+multiprocessor (`_stream_barrier`, [Note: barriers off the multiprocessors]);
+the copies run on the copy engines. The pool costs the shard in the
 compute dtype (2 bytes per parameter and rank in bf16), which the NCCL path
 avoids by casting the fp32 master at every gather; that cast (a kernel
 reading 6 bytes per shard element, twice a step) is gone here too.
@@ -31,9 +32,10 @@ with NCCL, where one unit per block (50 MB shards) ran at 1.016x and 0.994x.
 Every rank issues the same gathers in the same order (the path check holds
 them to it), so barriers pair up as collectives do. A peer reads a shard only
 between the barrier of a gather and the end of its copies; the shard's owner
-writes it only in its optimizer step, after the reduce-scatter of the same
-group, which no rank reaches before its own gathers of that group in the step
-are done. The reductions stay on NCCL.
+writes it only in its optimizer step, after the reduction of the same group
+(an NCCL reduce-scatter, or a barrier of the peer reductions in `_peer_reduce`),
+which no rank reaches before its own gathers of that group in the step are
+done.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ import torch.distributed as dist
 
 from zkernel.log import get_logger
 from zkernel.streams import record_event
+from zkernel.timeline import SpanKind
+
+from ._stream_barrier import open_barrier
 
 log = get_logger()
 
 PEER_GATHER_POLICIES = ("auto", "always", "never")
 AUTO_MIN_SHARD_BYTES = 32 * 2**20
+BARRIER_CHANNEL = 0  # of the barrier kernel, where stream memory operations cannot be used
 
 # Bytes of symmetric memory the pools of this process hold: outside the caching allocator, so
 # torch.cuda.memory_allocated() does not count them (benchmarks add them to its peak).
@@ -83,7 +89,7 @@ def peer_access_everywhere(device: torch.device) -> tuple[bool, str]:
     return not reason, reason
 
 
-def open_pool(numel: int, dtype: torch.dtype, device: torch.device, required: bool) -> PeerGathers | None:
+def open_pool(numel: int, dtype: torch.dtype, device: torch.device, required: bool, timeline) -> PeerGathers | None:
     """Map a pool of ``numel`` elements into every rank's memory (collective). Where that fails on
     any rank, every rank gathers with NCCL instead (a WARNING says why), or, when ``required``, raises."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -97,7 +103,7 @@ def open_pool(numel: int, dtype: torch.dtype, device: torch.device, required: bo
     ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if int(ok.item()):
-        return PeerGathers(pool, handle, dtype, device)
+        return PeerGathers(pool, handle, dtype, device, timeline)
     reason = f"zero3 could not map its parameter shards into every rank's memory ({error or 'it failed on another rank'})"
     if required:
         raise RuntimeError(f'{reason}; set partitioner_options.peer_gathers = "never" to gather them with NCCL instead')
@@ -108,12 +114,13 @@ def open_pool(numel: int, dtype: torch.dtype, device: torch.device, required: bo
 class PeerGathers:
     """One pool of symmetric memory holding this rank's shards; gathers read every rank's pool."""
 
-    def __init__(self, pool: torch.Tensor, handle, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, pool: torch.Tensor, handle, dtype: torch.dtype, device: torch.device, timeline) -> None:
         global pool_bytes
-        self.world, self.rank, self.dtype = dist.get_world_size(), dist.get_rank(), dtype
+        self.world, self.rank, self.dtype, self.timeline = dist.get_world_size(), dist.get_rank(), dtype, timeline
         self.pool, self.handle = pool, handle
         pool_bytes += pool.numel() * pool.element_size()
         self.stream = torch.cuda.Stream(device)
+        self.barrier = open_barrier(handle, BARRIER_CHANNEL, device)
         self._taken = 0
         # (offset, numel) -> [(destination, source)] per rank, for a group's own gathered buffer: views
         # made once (a view stays valid while the buffer's storage is freed and re-allocated).
@@ -128,10 +135,11 @@ class PeerGathers:
         self._taken += numel
         return offset, self.pool[offset : offset + numel]
 
-    def all_gather(self, full: torch.Tensor, offset: int, numel: int, reused: bool = False):
+    def all_gather(self, full: torch.Tensor, offset: int, numel: int, reused: bool = False, label: str = ""):
         """Copy every rank's ``numel`` pool elements at ``offset`` into ``full`` (rank-major), after
         the work queued so far on the current stream; returns the event that ends the copies.
-        ``reused``: ``full`` is the group's own buffer, gathered into again and again."""
+        ``reused``: ``full`` is the group's own buffer, gathered into again and again; ``label``
+        names the gather in the timeline."""
         copies = self._copies.get((offset, numel)) if reused else None
         if copies is None or copies[0][0]._base is not full:
             copies = [
@@ -145,8 +153,9 @@ class PeerGathers:
                 self._copies[(offset, numel)] = copies
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(full.device))
-        with torch.cuda.stream(stream):
-            self.handle.barrier(channel=0)
+        nbytes = full.numel() * full.element_size()
+        with torch.cuda.stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=label, nbytes=nbytes):
+            self.barrier(stream)
             for destination, source in copies:
                 destination.copy_(source)
-            return record_event(stream)
+        return record_event(stream)

@@ -69,6 +69,7 @@ from zkernel.streams import record_event
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
 from ._peer_gather import AUTO_MIN_SHARD_BYTES, PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere
+from ._peer_reduce import PEER_REDUCTION_POLICIES, PeerReductions, reduce_through_peers
 from ._reduce import reduce_every_micro_batch
 from ._materialize import materialized_units
 from ._whole import gather_master
@@ -90,6 +91,9 @@ class Zero3Options:
     # GPU (falling back to NCCL on every rank where one cannot map the pool); "always" every gathered
     # shard, and fails where that is not so; "never" gathers with NCCL.
     peer_gathers: str = attrs.field(default="auto", validator=choice(*PEER_GATHER_POLICIES))
+    # Reduce the gradients of the groups gathered through peer memory the same way ([Note: peer
+    # reductions]): "auto" does where peer gathers do, "never" reduce-scatters with NCCL.
+    peer_reductions: str = attrs.field(default="auto", validator=choice(*PEER_REDUCTION_POLICIES))
 
 
 @attrs.define(eq=False)
@@ -119,6 +123,7 @@ class Zero3:
         self.options = context.options or Zero3Options()
         self._empty: dict[tuple, torch.Tensor] = {}
         self._peer: PeerGathers | None = None
+        self._peer_reduce: PeerReductions | None = None
 
     # -- partition ----------------------------------------------------------------
 
@@ -167,13 +172,21 @@ class Zero3:
         else:
             ok, reason = peer_access_everywhere(ctx.device)
             if ok:
-                numel = sum(
-                    self._pooled_numel(FlatLayout.of([p for _, p in part], ctx.world_size, ctx.rank))
+                gathered = (
+                    FlatLayout.of([p for _, p in part], ctx.world_size, ctx.rank)
                     for _, _, named in planned
                     for _, part in _parts(named)
                     if not self._stays_whole(part)
                 )
-                return open_pool(numel, ctx.compute_dtype, ctx.device, required=policy == "always") if numel else None
+                pooled = [flat for flat in gathered if self._pooled_numel(flat)]
+                if not pooled:
+                    return None
+                numel = sum(flat.shard_size for flat in pooled)
+                pool = open_pool(numel, ctx.compute_dtype, ctx.device, required=policy == "always", timeline=ctx.timeline)
+                if pool is not None and self.options.peer_reductions == "auto":
+                    slot = max(flat.padded for flat in pooled)
+                    self._peer_reduce = PeerReductions(slot, ctx.compute_dtype, ctx.device, ctx.timeline)
+                return pool
         if policy == "always":
             raise ConfigError(f'partitioner_options.peer_gathers = "always", but {reason}; use "auto" or "never"')
         return None
@@ -282,7 +295,9 @@ class Zero3:
             return record_event() if async_op and full.is_cuda else True
         state: Zero3State = group.layout
         if state.peer_offset is not None:  # the shard is its slice of the pool (params on the GPU)
-            event = self._peer.all_gather(full, state.peer_offset, state.flat.shard_size, reused=full is state.full)
+            event = self._peer.all_gather(
+                full, state.peer_offset, state.flat.shard_size, reused=full is state.full, label=f"{group.name} all-gather"
+            )
             if async_op:
                 return event
             torch.cuda.current_stream(full.device).wait_event(event)
@@ -352,6 +367,8 @@ class Zero3:
 
     @hookimpl
     def zkernel_reduce_gradients(self, group, boundary):
+        if self._peer_reduce is not None and group.layout.peer_offset is not None:
+            return reduce_through_peers(self._peer_reduce, group, boundary)
         return reduce_every_micro_batch(group, self.context.world_size, boundary)
 
     @hookimpl
