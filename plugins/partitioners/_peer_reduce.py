@@ -88,7 +88,8 @@ def mean_of_ranks(out: torch.Tensor, own: torch.Tensor, peers: torch.Tensor, ran
     contribution) and the rows of ``peers`` (the other ranks', in rank order): one kernel on a GPU
     with Triton, torch's elementwise ops elsewhere (the same sums, in the same order)."""
     global _kernel
-    if out.is_cuda and _triton_available():
+    # The kernel indexes a peer's row in 32 bits (row * numel); larger reductions take torch's path.
+    if out.is_cuda and peers.numel() < 2**31 and _triton_available():
         if _kernel is None:
             _kernel = _build()
         grid = ((out.numel() + BLOCK - 1) // BLOCK,)

@@ -16,9 +16,10 @@ signal word for this rank (`cuStreamWriteValue32`, preceded by a memory fence
 scoped to the stream, so everything the stream ordered before is visible to
 the peer first), then wait until every peer has written at least that number
 into this rank's words (`cuStreamWaitValue32`, greater-or-equal). The stream
-blocks in the front end meanwhile; other streams run on. Every rank issues the
-same barriers in the same order on the same channel (the path check holds the
-gathers and reductions that use them to it), so the numbers pair up.
+blocks in the front end meanwhile; other streams run on. Gathers and
+reductions each have their own words, and every rank issues the same barriers
+of each in the same order (the path check holds the gathers and reductions to
+it), so the numbers pair up.
 """
 
 from __future__ import annotations

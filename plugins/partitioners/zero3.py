@@ -36,7 +36,8 @@ autograd saved.
 Where every rank's GPU can map the others' memory, the shards live in one
 pool of symmetric memory and a gather copies them on the copy engines instead
 of an NCCL kernel (see [Note: peer gathers] in `_peer_gather`;
-``peer_gathers``).
+``peer_gathers``), and those groups' gradients are reduced through peer memory
+too (see [Note: peer reductions] in `_peer_reduce`; ``peer_reductions``).
 
 Units smaller than ``persistence_threshold`` elements stay whole on every rank
 (gathering them costs more in latency than their memory is worth), all in one
