@@ -42,7 +42,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from zkernel.groups import ParamGroup, ReducedGradient
 from zkernel.log import get_logger
 from zkernel.streams import record_event
 from zkernel.timeline import SpanKind
@@ -159,11 +158,3 @@ class PeerReductions:
         shard.record_stream(stream)
         return shard, done
 
-
-def reduce_through_peers(reductions: PeerReductions, group: ParamGroup, boundary: bool) -> ReducedGradient:
-    """`reduce_every_micro_batch` for a group whose gradients go through the peer-reduction slots."""
-    state = group.layout
-    accumulate = state.contributed
-    state.contributed = not boundary
-    shard, done = reductions.reduce(group.params, state.flat, group.name)
-    return ReducedGradient(shard, done, accumulate=accumulate)

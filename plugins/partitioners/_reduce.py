@@ -8,7 +8,8 @@ Two schedules (see each partitioner's docstring for why it uses which):
 * `reduce_every_micro_batch` (ZeRO-2, ZeRO-3): each backward's gradients go
   into a transient fp32 buffer, reduce-scattered at once, and this rank's
   slice is handed over to be accumulated by the tier; no whole gradient
-  outlives the backward of its bucket.
+  outlives the backward of its bucket. ZeRO-3's groups gathered through peer
+  memory are reduced through it too (`_peer_reduce`), without the fp32 buffer.
 
 Both return a `ReducedGradient` whose collective runs asynchronously; the
 buffers the collective reads travel with it (``keepalive``) until it is done.
@@ -42,11 +43,15 @@ def reduce_at_boundary(group: ParamGroup, world: int, boundary: bool, scatter: b
     return ReducedGradient(shard, work, accumulate=False, keepalive=grad_full)
 
 
-def reduce_every_micro_batch(group: ParamGroup, world: int, boundary: bool) -> ReducedGradient:
-    """Reduce-scatter this backward's gradients of ``group``; the tier accumulates the slices."""
+def reduce_every_micro_batch(group: ParamGroup, world: int, boundary: bool, peers=None) -> ReducedGradient:
+    """Reduce-scatter this backward's gradients of ``group``; the tier accumulates the slices.
+    ``peers``: the `PeerReductions` to reduce through instead of NCCL ([Note: peer reductions])."""
     state = group.layout
     accumulate = state.contributed
     state.contributed = not boundary
+    if peers is not None:
+        shard, done = peers.reduce(group.params, state.flat, group.name)
+        return ReducedGradient(shard, done, accumulate=accumulate)
     with torch._C.DisableTorchFunctionSubclass():  # a released parameter's device, without its trap
         device = group.params[0].device
     grad_full = torch.empty(state.flat.padded, dtype=torch.float32, device=device)

@@ -82,6 +82,22 @@ class StreamBarrier:
             _check(self._wait(handle, address, self.count, _WAIT_GEQ), "cuStreamWaitValue32")
 
 
+    def try_own_word(self, device: torch.device) -> str:
+        """One write and wait on this rank's own word (a driver may refuse them on some memory), which
+        is zero again after; why not, or ""."""
+        stream = torch.cuda.Stream(device)
+        handle, address = ctypes.c_void_p(stream.cuda_stream), self.words.data_ptr() + 4 * self.rank
+        try:
+            _check(self._write(handle, address, 1, 0), "cuStreamWriteValue32")
+            _check(self._wait(handle, address, 1, _WAIT_GEQ), "cuStreamWaitValue32")
+        except RuntimeError as exc:
+            return str(exc)
+        stream.synchronize()
+        self.words.zero_()
+        torch.cuda.synchronize(device)
+        return ""
+
+
 def _stream_barrier(device: torch.device) -> tuple[StreamBarrier | None, str]:
     """A `StreamBarrier` where every rank can use stream memory operations (collective)."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -97,16 +113,7 @@ def _stream_barrier(device: torch.device) -> tuple[StreamBarrier | None, str]:
     words.zero_()
     handle = symm_mem.rendezvous(words, dist.group.WORLD.group_name)
     barrier = StreamBarrier(driver, words, handle)
-    try:  # one write and wait on this rank's own word: a driver may refuse them on some memory
-        stream = torch.cuda.Stream(device)
-        address = words.data_ptr() + 4 * barrier.rank
-        _check(barrier._write(ctypes.c_void_p(stream.cuda_stream), address, 1, 0), "cuStreamWriteValue32")
-        _check(barrier._wait(ctypes.c_void_p(stream.cuda_stream), address, 1, _WAIT_GEQ), "cuStreamWaitValue32")
-        stream.synchronize()
-        words.zero_()
-        torch.cuda.synchronize(device)
-    except RuntimeError as exc:
-        reason = str(exc)
+    reason = barrier.try_own_word(device)
     # Every rank's words are zero (again) before any rank's first barrier writes into them.
     if not _everywhere(not reason, device):
         return None, reason or "another rank could not use stream memory operations"

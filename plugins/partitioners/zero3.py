@@ -70,7 +70,7 @@ from zkernel.streams import record_event
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
 from ._peer_gather import AUTO_MIN_SHARD_BYTES, PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere
-from ._peer_reduce import PEER_REDUCTION_POLICIES, PeerReductions, reduce_through_peers
+from ._peer_reduce import PEER_REDUCTION_POLICIES, PeerReductions
 from ._reduce import reduce_every_micro_batch
 from ._materialize import materialized_units
 from ._whole import gather_master
@@ -368,9 +368,8 @@ class Zero3:
 
     @hookimpl
     def zkernel_reduce_gradients(self, group, boundary):
-        if self._peer_reduce is not None and group.layout.peer_offset is not None:
-            return reduce_through_peers(self._peer_reduce, group, boundary)
-        return reduce_every_micro_batch(group, self.context.world_size, boundary)
+        peers = self._peer_reduce if group.layout.peer_offset is not None else None
+        return reduce_every_micro_batch(group, self.context.world_size, boundary, peers)
 
     @hookimpl
     def zkernel_publish_params(self, group):
