@@ -183,3 +183,45 @@ def test_host_squared_norm_is_accurate(numel, dtype):
     grad = torch.randn(numel, generator=gen).to(dtype)
     expected = float(grad.double().pow(2).sum())
     assert sq_norm(grad) == pytest.approx(expected, rel=1e-6, abs=0.0)
+
+
+def test_device_tier_waits_for_the_last_reduction_where_its_gradient_is_read():
+    """[Note: the last landing]: the device tier completes landings one behind the newest during
+    backward, but leaves the last one's reduction to be waited for by whoever first reads the
+    gradient (the global norm or the group's step), not by the end of backward; a reduction whose
+    inputs must stay alive, or one added into an earlier gradient, is still waited for at once."""
+    from zkernel.groups import ParamGroup, ReducedGradient
+    from zkernel_plugins.offload_tiers.device import DeviceOptimizerTier
+
+    class Reduction:  # the interface of a collective's handle the tier uses
+        def __init__(self) -> None:
+            self.waited = False
+
+        def wait(self) -> None:
+            self.waited = True
+
+    class Context:
+        compute_dtype = torch.float32
+
+    def group(index):
+        return ParamGroup(index=index, name=f"g{index}", params=(), param_names=(), requires_grad=True, master=torch.zeros(3))
+
+    tier = DeviceOptimizerTier(Context())
+    first, last, kept = group(0), group(1), group(2)
+    reductions = [Reduction() for _ in range(4)]
+    tier.land(first, ReducedGradient(torch.ones(3), reductions[0], accumulate=False), final=True)
+    tier.land(last, ReducedGradient(torch.ones(3), reductions[1], accumulate=False), final=True)
+    assert reductions[0].waited and not reductions[1].waited  # one behind the newest
+    tier.flush()
+    assert not reductions[1].waited and torch.equal(last.grad, torch.ones(3))
+    tier.acquire(last)
+    assert reductions[1].waited
+
+    tier.land(last, ReducedGradient(torch.ones(3), reductions[2], accumulate=False), final=True)
+    tier.flush()
+    tier.grad_sq_norm([first, last])
+    assert reductions[2].waited
+
+    tier.land(kept, ReducedGradient(torch.ones(3), reductions[3], accumulate=False, keepalive=torch.ones(6)), final=True)
+    tier.flush()
+    assert reductions[3].waited

@@ -121,6 +121,30 @@ def test_peer_reduction_sums_the_ranks_in_rank_order_in_fp32():
     assert torch.equal(out, (a.float() + b.float()) * 0.5)
 
 
+def test_gradients_copied_into_a_slot_land_flat_with_zeros_where_none():
+    """The peer reductions' copy into a slot (`copy_grads_by_copy_engine`): large gradients one copy
+    each, small or odd ones together; a parameter without a gradient and the padding read as zeros
+    whatever the slot held; every ``.grad`` is dropped and returned for the stream to keep alive."""
+    from zkernel_plugins.partitioners._flat import COPY_ENGINE_MIN_BYTES, FlatLayout, copy_grads_by_copy_engine
+
+    big = COPY_ENGINE_MIN_BYTES // 2 + 3  # elements of bf16: at least the threshold in bytes
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (big, 5, 7, big)]
+    params.append(torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16)))
+    grads = [torch.randn(p.shape).bfloat16() for p in params]
+    grads[4] = torch.randn(3, 4).bfloat16().t()  # not contiguous: goes with the small ones
+    for p, g in zip(params, grads):
+        p.grad = g
+    params[2].grad = None  # no gradient in this backward
+    flat = FlatLayout.of(params, shards=3, rank=1)
+    slot = torch.full((flat.padded,), float("nan"), dtype=torch.bfloat16)  # what an earlier reduction left
+    kept = copy_grads_by_copy_engine(params, flat, slot)
+    expected = [g.reshape(-1) if i != 2 else torch.zeros(7, dtype=torch.bfloat16) for i, g in enumerate(grads)]
+    assert torch.equal(slot[: flat.numel], torch.cat(expected))
+    assert flat.padded > flat.numel and torch.equal(slot[flat.numel :], torch.zeros(flat.padded - flat.numel, dtype=torch.bfloat16))
+    assert all(p.grad is None for p in params)
+    assert [id(g) for g in kept] == [id(g) for i, g in enumerate(grads) if i != 2]
+
+
 def test_peer_gathers_fall_back_together_where_memory_cannot_be_mapped():
     """Where a rank cannot map the pool (here: the CPU has no symmetric memory), every rank learns it
     and "auto" gathers with NCCL; "always" raises, naming the key and the way out."""

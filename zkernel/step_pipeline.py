@@ -18,6 +18,11 @@ step all, release all). Per trainable group:
    landing order), groups whose parameters stay whole first, since they must be
    published (all-gathered) before `Engine.step` returns; a module-bound group
    (ZeRO-3) is published lazily: its next fetch waits for its update only.
+   One exception on the device: the group whose gradient landed last (the
+   forward's first) steps after others of at least twice its elements, so
+   the compute stream does not wait for its reduction while gradients that
+   are complete wait to be stepped (see [Note: the last landing] in the
+   device tier). Its update and gather still finish before the step does.
 
 [Note: early and speculative steps] The gradient coefficient of a step is the
 loss-scale inverse times the clip factor. Without clipping and without fp16 it
@@ -57,6 +62,7 @@ log = get_logger()
 
 SPECULATE_POLICIES = ("auto", "always", "never")
 _NOT_STEPPED = object()  # an early job that left its group for the step proper
+LAST_LANDED_COVER = 2
 
 
 class StepPipeline:
@@ -249,13 +255,12 @@ class StepPipeline:
                 self.tier.prepare(group)
         for group in host:
             self._updates[group.index] = self._submit_host(group, coefficient)
-        for group in (*eager, *lazy):
-            if not self.tier.steps_on_host(group):
-                event = self._device_step(group, coefficient)
-                if coefficient is not None and group.module is None:
-                    self._publish(group, event)
-                elif group.module is not None and self._updated is not None and self._rebalanced:
-                    self._updated(group)  # not in a first step: after it the tier may move buffers
+        for group in self._device_order([g for g in (*eager, *lazy) if not self.tier.steps_on_host(g)]):
+            event = self._device_step(group, coefficient)
+            if coefficient is not None and group.module is None:
+                self._publish(group, event)
+            elif group.module is not None and self._updated is not None and self._rebalanced:
+                self._updated(group)  # not in a first step: after it the tier may move buffers
         for group in eager:
             if self.tier.steps_on_host(group):
                 event = self._updates.pop(group.index).result()
@@ -269,6 +274,20 @@ class StepPipeline:
             for group in self.trainable:  # no transfer may still read a buffer the tier moves
                 self.params_tier.before_update(group)
             self.tier.after_first_step(self._order)
+
+    def _device_order(self, groups: list[ParamGroup]) -> list[ParamGroup]:
+        """``groups`` (in forward order), with the one whose gradient landed last after other groups
+        of at least `LAST_LANDED_COVER` times its elements (see [Note: step pipeline])."""
+        last = self._landing_order[-1] if self._landing_order else None
+        at = next((i for i, g in enumerate(groups) if g is last), None)
+        if at is None:
+            return groups
+        rest = groups[:at] + groups[at + 1 :]
+        covered, position = 0, at
+        while position < len(rest) and covered < LAST_LANDED_COVER * last.numel:
+            covered += rest[position].numel
+            position += 1
+        return [*rest[:position], last, *rest[position:]]
 
     def _submit_host(self, group: ParamGroup, coefficient: float | None) -> Future:
         final = None if coefficient is None else self._step_options(coefficient)

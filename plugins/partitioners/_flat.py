@@ -25,6 +25,9 @@ from torch import nn
 
 from zkernel.groups import Fragment, ShardLayout
 
+# A gradient at least this large is copied by the copy engines where a stream of its own moves it.
+COPY_ENGINE_MIN_BYTES = 1 << 20
+
 
 @attrs.frozen
 class FlatLayout:
@@ -89,13 +92,9 @@ def flatten_into(flat: torch.Tensor, layout: FlatLayout, tensors: Sequence[torch
     flat[layout.numel :].zero_()
 
 
-def gather_grads(
-    params: Sequence[nn.Parameter], layout: FlatLayout, out: torch.Tensor, accumulate: bool
-) -> None:
-    """Move each parameter's ``.grad`` into ``out`` (added when ``accumulate``) and drop it.
-
-    A parameter without a gradient in this backward contributes zeros.
-    """
+def _take_grads(params: Sequence[nn.Parameter], layout: FlatLayout, out: torch.Tensor):
+    """Each parameter's ``.grad`` beside its view into ``out``, dropping it from the parameter:
+    (views, gradients), and the views of the parameters without a gradient in this backward."""
     views, grads, missing = [], [], []
     # ZeRO-3 has released the parameters by now: ``.grad`` is readable, but through the
     # released-parameter trap's Python handler (`zkernel.released`) unless subclasses are off.
@@ -106,17 +105,53 @@ def gather_grads(
                 missing.append(view)
             else:
                 views.append(view)
-                grads.append(grad)  # the foreach copy/add casts to ``out``'s dtype in the same pass
+                grads.append(grad)
                 p.grad = None
+    return views, grads, missing
+
+
+def gather_grads(
+    params: Sequence[nn.Parameter], layout: FlatLayout, out: torch.Tensor, accumulate: bool
+) -> None:
+    """Move each parameter's ``.grad`` into ``out`` (added when ``accumulate``) and drop it.
+
+    A parameter without a gradient in this backward contributes zeros.
+    """
+    views, grads, missing = _take_grads(params, layout, out)
     if accumulate:
         if views:
-            torch._foreach_add_(views, grads)
+            torch._foreach_add_(views, grads)  # casts to ``out``'s dtype in the same pass
     else:
         if views:
             torch._foreach_copy_(views, grads)
         for view in missing:
             view.zero_()
         out[layout.numel :].zero_()
+
+
+def copy_grads_by_copy_engine(params: Sequence[nn.Parameter], layout: FlatLayout, out: torch.Tensor) -> list[torch.Tensor]:
+    """Copy each parameter's ``.grad`` into ``out`` on the current stream and drop it; returns the
+    gradients read, which the caller keeps from reuse until the stream is past them (``record_stream``).
+
+    Gradients of at least `COPY_ENGINE_MIN_BYTES` in ``out``'s dtype go one copy each, which the
+    GPU's copy engines carry without a multiprocessor; the rest go in one kernel. Missing
+    gradients and the padding are zeros.
+    """
+    views, grads, missing = _take_grads(params, layout, out)
+    small_views, small_grads = [], []
+    for view, grad in zip(views, grads):
+        if grad.dtype == out.dtype and grad.is_contiguous() and grad.numel() * grad.element_size() >= COPY_ENGINE_MIN_BYTES:
+            view.copy_(grad)
+        else:
+            small_views.append(view)
+            small_grads.append(grad)
+    if small_views:
+        torch._foreach_copy_(small_views, small_grads)
+    for view in missing:
+        view.zero_()
+    if layout.padded > layout.numel:
+        out[layout.numel :].zero_()
+    return grads
 
 
 def unique_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -9,30 +9,40 @@ step); FSDP2's ran beside another matmul of the same backward at ~2.5 ms a step.
 Starting ours at the same point as FSDP2's (a short kernel before the next
 matmul) moved the cost instead of removing it (-1.4 ms).
 
-So where gathers go through peer memory (`_peer_gather`), reductions do too:
+So where gathers go through peer memory (`_peer_gather`), reductions do too,
+all on a stream of their own, and none of it on a multiprocessor but one
+short kernel:
 
-1. on the compute stream, the unit's gradients are copied flat, in the compute
-   dtype, into one of a few slots of a pool of symmetric memory (in place of
-   the fp32 copy an NCCL reduce-scatter reads: two thirds of its bytes in bf16);
-2. on a stream of its own: a barrier that holds no multiprocessor (every rank
-   has filled its slot; `_stream_barrier`), then one copy per peer, on the copy
-   engines, of the peer's slot over this rank's slice of the flat gradient
-   (half the bytes of NCCL's fp32 in bf16); then one short kernel sums the
-   ranks' slices in fp32, in rank order, and scales by 1/world into the fp32
-   gradient shard.
+1. the unit's gradients are copied flat, in the compute dtype, into one of two
+   slots of a pool of symmetric memory (in place of the fp32 copy an NCCL
+   reduce-scatter reads: two thirds of its bytes in bf16), one copy per
+   gradient on the copy engines (`_flat.copy_grads_by_copy_engine`; the small
+   ones in one kernel);
+2. a barrier that holds no multiprocessor (every rank has filled its slot;
+   `_stream_barrier`), then one copy per peer, on the copy engines, of the
+   peer's slot over this rank's slice of the flat gradient (half the bytes of
+   NCCL's fp32 in bf16);
+3. one short kernel sums the ranks' slices in fp32, in rank order, and scales
+   by 1/world into the fp32 gradient shard.
 
 GPT-1.3B on two H200s, one unit per block: 1.035-1.050x FSDP2's tokens/s in
-eight runs (mean 1.044), against 1.028-1.040x with NCCL's reductions in the
-same runs.
+eight runs (mean 1.044) with the copy into the slot as a kernel on the compute
+stream, against 1.028-1.040x with NCCL's reductions in the same runs. That
+copy was 2.0 ms of the compute stream's step (a multi-tensor copy kernel); on
+the copy engines it left the stream, and the step ran at 1.048 and 1.051x
+FSDP2 against 1.040 and 1.044x in the same call.
 
 The sum is the one NCCL computes from fp32 inputs: the compute-dtype values
 are exact in fp32 and, on two ranks, a + b is rounded once either way; on
 more ranks the order is fixed by rank, which NCCL's ring does not promise.
 
-A slot is written again only after every rank is past its copies out of it:
-the barrier of reduction k certifies that every rank finished reduction k-1's
-copies, so with three slots the compute stream waits, before filling a slot,
-for an event of the barrier two reductions back (long past in a backward).
+A slot is written again only after every rank is past its copies out of it.
+A rank reaches the barrier of reduction k only after its copies of reduction
+k-1 (one stream, in order), so once this rank's stream is past that barrier,
+the slot reduction k-1 read is free: the copy into it for reduction k+1
+follows on the same stream, and two slots suffice without any event. The
+compute stream never waits for a reduction but where the optimizer reads its
+shard.
 """
 
 from __future__ import annotations
@@ -47,13 +57,13 @@ from zkernel.streams import record_event
 from zkernel.timeline import SpanKind
 
 from . import _peer_gather
-from ._flat import FlatLayout, gather_grads
+from ._flat import FlatLayout, copy_grads_by_copy_engine
 from ._stream_barrier import open_barrier
 
 log = get_logger()
 
 PEER_REDUCTION_POLICIES = ("auto", "never")
-SLOTS = 3
+SLOTS = 2
 BARRIER_CHANNEL = 1  # of the barrier kernel (the gathers' use 0), where stream memory operations cannot be used
 BLOCK = 4096
 
@@ -124,8 +134,6 @@ class PeerReductions:
         self.stream = torch.cuda.Stream(device)
         self.barrier = open_barrier(self.handle, BARRIER_CHANNEL, device)
         self._next = 0
-        # Slot -> the event after which every rank is past its copies out of it (and this rank's sum).
-        self._free: list[torch.cuda.Event | None] = [None] * SLOTS
         log.info("zkernel.zero3.peer_reductions", pool_bytes=self.pool.numel() * self.pool.element_size())
 
     def reduce(self, params: Sequence[torch.nn.Parameter], flat: FlatLayout, label: str) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -133,28 +141,26 @@ class PeerReductions:
         and the event after which it is complete (``wait()`` makes the current stream wait for it)."""
         index = self._next % SLOTS
         self._next += 1
-        compute = torch.cuda.current_stream(self.device)
-        if self._free[index] is not None:
-            compute.wait_event(self._free[index])
         base = index * self.slot_numel
         slot = self.pool[base : base + flat.padded]
-        gather_grads(params, flat, slot, accumulate=False)
         shard = torch.empty(flat.shard_size, dtype=torch.float32, device=self.device)
         peers = torch.empty((self.world - 1, flat.shard_size), dtype=self.dtype, device=self.device)
         stream = self.stream
-        stream.wait_stream(compute)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         nbytes = (self.world - 1) * flat.shard_size * slot.element_size()
         with torch.cuda.stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=f"{label} reduce", nbytes=nbytes):
+            # The slot was last read by the peers' copies two reductions back; every rank was past
+            # them when it reached the previous reduction's barrier, which this stream has passed.
+            grads = copy_grads_by_copy_engine(params, flat, slot)
             self.barrier(stream)
-            self._free[(index - 1) % SLOTS] = record_event(stream)
             start = base + flat.own.start
             for row, peer in enumerate(p for p in range(self.world) if p != self.rank):
                 peers[row].copy_(self.handle.get_buffer(peer, (flat.shard_size,), self.dtype, start))
             mean_of_ranks(shard, slot[flat.own], peers, self.rank, self.world)
         done = record_event(stream)
-        # Both were allocated in the compute stream's order and are used here: not handed out again
-        # before this stream is done with them (see [Note: collective buffers on a side stream]).
-        peers.record_stream(stream)
-        shard.record_stream(stream)
+        # All were allocated in the compute stream's order and are read or written here: not handed
+        # out again before this stream is done with them (see [Note: collective buffers on a side stream]).
+        for tensor in (*grads, peers, shard):
+            tensor.record_stream(stream)
         return shard, done
 
