@@ -29,8 +29,8 @@ GPT-1.3B on two H200s, one unit per block: 1.035-1.050x FSDP2's tokens/s in
 eight runs (mean 1.044) with the copy into the slot as a kernel on the compute
 stream, against 1.028-1.040x with NCCL's reductions in the same runs. That
 copy was 2.0 ms of the compute stream's step (a multi-tensor copy kernel); on
-the copy engines it left the stream, and the step ran at 1.048 and 1.051x
-FSDP2 against 1.040 and 1.044x in the same call.
+the copy engines it left the stream, and the step ran at 1.051 and 1.054x
+FSDP2 against 1.043 and 1.047x in the same call.
 
 The sum is the one NCCL computes from fp32 inputs: the compute-dtype values
 are exact in fp32 and, on two ranks, a + b is rounded once either way; on
