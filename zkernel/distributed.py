@@ -31,6 +31,14 @@ class DistInfo:
         return self.backend is not None
 
 
+def every_rank(ok: bool, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank of the default group (collective: every rank must call
+    it; ``device`` is where the backend reduces, the GPU on NCCL)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _compute_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

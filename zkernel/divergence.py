@@ -77,6 +77,7 @@ import torch
 import torch.distributed as dist
 
 from zkernel import native
+from zkernel.distributed import every_rank
 from zkernel.groups import ParamGroup
 from zkernel.log import get_logger
 
@@ -251,9 +252,7 @@ class _SharedStatements:
                     rows = np.memmap(names[0], dtype=np.int64, mode="r+", shape=shape)
                 except (OSError, ValueError) as exc:  # another host, or another file system
                     log.debug("zkernel.paths.shared_unavailable", reason=str(exc))
-            mapped = torch.tensor([0 if rows is None else 1], dtype=torch.int32, device=device)
-            dist.all_reduce(mapped, op=dist.ReduceOp.MIN)  # every rank has mapped it, or failed, by now
-            ok = bool(mapped.item())
+            ok = every_rank(rows is not None, device)  # every rank has mapped it, or failed, by now
         finally:
             if created is not None:
                 with contextlib.suppress(FileNotFoundError):

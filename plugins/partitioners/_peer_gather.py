@@ -45,6 +45,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from zkernel.distributed import every_rank
 from zkernel.log import get_logger
 from zkernel.streams import record_event
 from zkernel.timeline import SpanKind
@@ -82,9 +83,7 @@ def peer_access_everywhere(device: torch.device) -> tuple[bool, str]:
         blocked = [int(i) for i in indices.tolist() if int(i) != mine and not torch.cuda.can_device_access_peer(mine, int(i))]
         if blocked:
             reason = f"GPU {mine} cannot map the memory of GPU(s) {blocked}"
-    ok = torch.tensor([0 if reason else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not reason and not int(ok.item()):
+    if not every_rank(not reason, device) and not reason:
         reason = "another rank's GPU cannot map this one's memory"
     return not reason, reason
 
@@ -100,9 +99,7 @@ def open_pool(numel: int, dtype: torch.dtype, device: torch.device, required: bo
         handle = symm_mem.rendezvous(pool, dist.group.WORLD.group_name)
     except Exception as exc:  # noqa: BLE001 - reported below, after every rank has said how it went
         error, pool, handle = exc, None, None
-    ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if int(ok.item()):
+    if every_rank(error is None, device):
         return PeerGathers(pool, handle, dtype, device, timeline)
     reason = f"zero3 could not map its parameter shards into every rank's memory ({error or 'it failed on another rank'})"
     if required:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zkernel.distributed import every_rank
 from zkernel.log import get_logger
 
 log = get_logger()
@@ -81,7 +82,6 @@ class StreamBarrier:
         for address in self._inbox:
             _check(self._wait(handle, address, self.count, _WAIT_GEQ), "cuStreamWaitValue32")
 
-
     def try_own_word(self, device: torch.device) -> str:
         """One write and wait on this rank's own word (a driver may refuse them on some memory), which
         is zero again after; why not, or ""."""
@@ -107,7 +107,7 @@ def _stream_barrier(device: torch.device) -> tuple[StreamBarrier | None, str]:
         driver = _cuda_driver()
     except (OSError, AttributeError) as exc:
         driver, reason = None, f"the CUDA driver has no stream memory operations ({exc})"
-    if not _everywhere(not reason, device):
+    if not every_rank(not reason, device):
         return None, reason or "another rank's CUDA driver has no stream memory operations"
     words = symm_mem.empty(dist.get_world_size(), dtype=torch.int32, device=device)
     words.zero_()
@@ -115,15 +115,9 @@ def _stream_barrier(device: torch.device) -> tuple[StreamBarrier | None, str]:
     barrier = StreamBarrier(driver, words, handle)
     reason = barrier.try_own_word(device)
     # Every rank's words are zero (again) before any rank's first barrier writes into them.
-    if not _everywhere(not reason, device):
+    if not every_rank(not reason, device):
         return None, reason or "another rank could not use stream memory operations"
     return barrier, ""
-
-
-def _everywhere(ok: bool, device: torch.device) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def open_barrier(handle, channel: int, device: torch.device) -> Callable[[torch.cuda.Stream], None]:
