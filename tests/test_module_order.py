@@ -353,3 +353,107 @@ def test_first_units_of_the_next_forward_are_gathered_during_the_step():
         assert not [name for where, name in prefetches.started if where == ("forward", step) and name in ("<root>", "blocks.0")]
     assert ("forward", 2) in {where for where, name in prefetches.started if name == "blocks.0"}
     engine.close()
+
+
+def _backward_gathers(engine, run_step):
+    """Run training steps through ``run_step(step)``; returns, per step, the backward's gather
+    events in order: ("prefetch", unit) when the prefetcher starts one, ("wait", unit) when a
+    unit's own backward hook finds its gather not started and issues it then."""
+    from zkernel.groups import Phase
+    from zkernel.hookspecs import hookimpl
+
+    class Gathers:
+        def __init__(self) -> None:
+            self.events = []
+
+        @hookimpl
+        def zkernel_prefetch_params(self, group, phase):
+            if phase is Phase.BACKWARD:
+                self.events.append(("prefetch", group.name))
+
+        @hookimpl
+        def zkernel_fetch_params(self, group, phase):
+            if phase is Phase.BACKWARD and not group.gathered and group.layout.gathering is None:
+                self.events.append(("wait", group.name))
+
+    gathers = Gathers()
+    engine.plugin_manager.register(gathers)
+    per_step = []
+    for step in range(3):
+        gathers.events = []
+        run_step(step)
+        per_step.append(gathers.events)
+    return per_step
+
+
+def test_backward_prefetches_in_the_reverse_of_the_order_modules_finished():
+    """The backward reaches units in the reverse of the order their forwards finished ([Note:
+    backward order]): the root, which owns the embedding and the output head, is reached first
+    and the last block right after it, so the root's backward hook prefetches the last block; a
+    module with parameters of its own around a child's (one unit per module) is reached before
+    that child, which it prefetches. No unit waits for a gather its own hook issues once the
+    trace is known, and training matches torch."""
+    import torch
+    from torch import nn
+
+    import zkernel
+
+    # A root over blocks: the last block's gather starts at the root's backward hook.
+    idx = torch.randint(0, 40, (4, 5), generator=torch.Generator().manual_seed(0))
+    block_bytes = (16 * 16 + 16) * 4
+    reference, opt, engine = _embed_blocks_runs(prefetch_bytes=block_bytes)  # one block ahead
+
+    def blocks_step(step):
+        loss = engine(idx)
+        engine.backward(loss)
+        engine.step()
+        expected = reference(idx)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (step, loss.item(), expected.item())
+
+    events = _backward_gathers(engine, blocks_step)
+    engine.close()
+    assert events[0] == [("wait", "blocks.2"), ("wait", "blocks.1"), ("wait", "blocks.0")]  # no trace yet
+    for later in events[1:]:
+        assert later == [("prefetch", "blocks.2"), ("prefetch", "blocks.1"), ("prefetch", "blocks.0")], later
+
+    # A module owning a parameter of its own around a child (units = "modules"): it starts before
+    # the child and finishes after it, so the backward reaches it first and the child next.
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(16, 16)
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+        def forward(self, x):
+            return torch.tanh(self.inner(x)) * self.scale
+
+    def scaled_net():
+        return nn.Sequential(nn.Linear(16, 16), Scaled(), nn.Linear(16, 1))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    reference = scaled_net()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    torch.manual_seed(0)
+    config = _config(prefetch_bytes=(16 * 16 + 16) * 4)
+    config["optimizer"]["weight_decay"] = 0.01  # torch's AdamW default
+    engine = zkernel.initialize(scaled_net(), config)
+
+    def scaled_step(step):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        expected = reference(x).pow(2).mean()
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (step, loss.item(), expected.item())
+
+    events = _backward_gathers(engine, scaled_step)
+    engine.close()
+    for later in events[1:]:
+        assert ("wait", "1.inner") not in later and ("prefetch", "1.inner") in later, later
+        assert not [e for e in later if e[0] == "wait"], later

@@ -14,7 +14,8 @@ made whole around that module's forward and backward:
   [Note: root kept for backward]).
 * the first gradient reaching the module's outputs (a multi-grad hook
   registered in the post-hook) -> fetch(BACKWARD), plus prefetch of the groups
-  that ran before it.
+  the backward reaches next (the forward's finish order reversed, see
+  [Note: backward order] in `zkernel.trace`).
 * once every trainable parameter of the group got its gradient
   (post-accumulate-grad hooks, which fire once per backward even for a module
   called twice) -> release(BACKWARD), then the gradient handoff:
@@ -32,7 +33,11 @@ of a forward, and the multi-grad hook on its output the first of the backward:
 releasing its groups there only to gather them again at once put a gather (the
 embedding, for a GPT with block units: 206 MB) and its wait on the compute
 stream between every forward and backward. So while autograd records, they
-stay whole until their backward releases them. A forward that no backward
+stay whole until their backward releases them. The same holds for whichever
+module's groups the backward reaches first (the forward's last to finish, see
+[Note: backward order] in `zkernel.trace`): where the root owns no parameters
+(an ``nn.Sequential``), that is its last layer, kept from the pass after the
+trace is known. A forward that no backward
 follows (evaluation under ``torch.no_grad()``) releases them as before; one
 whose backward never comes (a forward with grad, then ``step()``) has them
 released by `release_kept` before the step changes their values.
@@ -137,7 +142,7 @@ class Scheduler:
     ) -> None:
         self.hook = hook
         self.root = root
-        self._kept: list[ParamGroup] = []  # root groups left whole for the backward (see [Note: root kept for backward])
+        self._kept: list[ParamGroup] = []  # groups left whole for the backward (see [Note: root kept for backward])
         self.params_tier = params_tier
         self.streams = streams
         self._on_reduced = on_reduced
@@ -220,11 +225,13 @@ class Scheduler:
         if _in_backward():  # kept whole until its gradients are ready (see [Note: recompute])
             return output
         groups = self.groups_of_module[id(module)]
+        for group in groups:
+            self.tracer.finish(group)
         tensors = []
         if torch.is_grad_enabled():
             with self.plugin_call():  # the scheduler's own reads of the output
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        keep = bool(tensors) and module is self.root
+        keep = bool(tensors) and (module is self.root or self._reached_first(module))
         for group in groups:
             if group.index in self.external:
                 continue
@@ -240,8 +247,13 @@ class Scheduler:
             )
         return output
 
+    def _reached_first(self, module: nn.Module) -> bool:
+        """Whether this pass follows the trace and its backward reaches ``module``'s groups first."""
+        backward = self.tracer.backward
+        return self.tracer.on_track and bool(backward) and backward[0].module is module
+
     def release_kept(self) -> None:
-        """Release the root groups a forward left whole for a backward that did not come."""
+        """Release the groups a forward left whole for a backward that did not come."""
         kept, self._kept = self._kept, []
         for group in kept:
             if group.gathered:
@@ -291,27 +303,28 @@ class Scheduler:
             self.in_hook = outer
 
     def _prefetch_after(self, group: ParamGroup, phase: Phase, pos: int) -> None:
-        """Start each stage of the groups ahead of trace position ``pos``, each within its own
-        look-ahead (see [Note: parameter stages] in `zkernel.tiers`): the all-gather for the nearest
-        ``prefetch_bytes``, the upload to the device and the read into host memory further ahead."""
+        """Start each stage of the groups after position ``pos`` of the pass's order (the trace in
+        forward, the backward order in backward: [Note: backward order] in `zkernel.trace`), each
+        within its own look-ahead (see [Note: parameter stages] in `zkernel.tiers`): the all-gather
+        for the nearest ``prefetch_bytes``, the upload to the device and the read into host memory
+        further ahead."""
         tier = self.params_tier
         gather_bytes = self.prefetch_bytes
         device_bytes = max(gather_bytes, tier.lookahead_device_bytes)
         host_bytes = max(device_bytes, tier.lookahead_host_bytes)
         if host_bytes <= 0:
             return
-        step = 1 if phase is Phase.FORWARD else -1
         ahead = 0
-        i = pos + step
+        i = pos + 1
         # Runs before every unit, over every unit within the look-ahead: kept to set and dict lookups
         # for units already under way.
         reduced = self._reduced if phase is Phase.BACKWARD else ()
         prefetched, group_bytes = self._prefetched, self._group_bytes
         with self.plugin_call():
-            trace = self.tracer.trace
-            while 0 <= i < len(trace) and ahead < host_bytes:
-                nxt = trace[i]
-                i += step
+            order = self.tracer.trace if phase is Phase.FORWARD else self.tracer.backward
+            while i < len(order) and ahead < host_bytes:
+                nxt = order[i]
+                i += 1
                 if nxt.gathered or nxt.index in reduced:
                     continue  # in use, or its gradients are done (nothing in this backward reads it again)
                 if nxt.index in prefetched:  # its gather is in flight already
