@@ -355,8 +355,9 @@ def test_first_units_of_the_next_forward_are_gathered_during_the_step():
     engine.close()
 
 
-def _backward_gathers(engine, run_step):
-    """Run training steps through ``run_step(step)``; returns, per step, the backward's gather
+def _backward_gathers(engine, reference, opt, loss_of):
+    """Three training steps of ``engine`` and of torch (``reference`` under ``opt``) on the loss
+    ``loss_of(model)``, whose losses must match; returns, per step, the engine's backward gather
     events in order: ("prefetch", unit) when the prefetcher starts one, ("wait", unit) when a
     unit's own backward hook finds its gather not started and issues it then."""
     from zkernel.groups import Phase
@@ -381,8 +382,16 @@ def _backward_gathers(engine, run_step):
     per_step = []
     for step in range(3):
         gathers.events = []
-        run_step(step)
+        loss = loss_of(engine)
+        engine.backward(loss)
+        engine.step()
         per_step.append(gathers.events)
+        expected = loss_of(reference)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (step, loss.item(), expected.item())
+    engine.close()
     return per_step
 
 
@@ -403,18 +412,7 @@ def test_backward_prefetches_in_the_reverse_of_the_order_modules_finished():
     block_bytes = (16 * 16 + 16) * 4
     reference, opt, engine = _embed_blocks_runs(prefetch_bytes=block_bytes)  # one block ahead
 
-    def blocks_step(step):
-        loss = engine(idx)
-        engine.backward(loss)
-        engine.step()
-        expected = reference(idx)
-        expected.backward()
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (step, loss.item(), expected.item())
-
-    events = _backward_gathers(engine, blocks_step)
-    engine.close()
+    events = _backward_gathers(engine, reference, opt, lambda model: model(idx))
     assert events[0] == [("wait", "blocks.2"), ("wait", "blocks.1"), ("wait", "blocks.0")]  # no trace yet
     for later in events[1:]:
         assert later == [("prefetch", "blocks.2"), ("prefetch", "blocks.1"), ("prefetch", "blocks.0")], later
@@ -442,18 +440,7 @@ def test_backward_prefetches_in_the_reverse_of_the_order_modules_finished():
     config["optimizer"]["weight_decay"] = 0.01  # torch's AdamW default
     engine = zkernel.initialize(scaled_net(), config)
 
-    def scaled_step(step):
-        loss = engine(x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        expected = reference(x).pow(2).mean()
-        expected.backward()
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (step, loss.item(), expected.item())
-
-    events = _backward_gathers(engine, scaled_step)
-    engine.close()
+    events = _backward_gathers(engine, reference, opt, lambda model: model(x).pow(2).mean())
     for later in events[1:]:
         assert ("wait", "1.inner") not in later and ("prefetch", "1.inner") in later, later
         assert not [e for e in later if e[0] == "wait"], later
