@@ -133,6 +133,59 @@ def test_prefetcher_starts_each_gather_once_per_pass():
     engine.close()
 
 
+def test_lookahead_hands_each_unit_to_each_stage_once_per_pass_within_its_budget():
+    """The prefetch stages' windows ([Note: lookahead windows]): each stage gets the units within its
+    bytes after the current one and beyond the nearer stage's, each once per pass however large the
+    window (walking it anew before every unit was quadratic), again on request, and anew in a new pass."""
+    from types import SimpleNamespace
+
+    from zkernel.lookahead import Lookahead, Stage
+
+    sizes = [10, 10, 30, 10, 10, 10, 40, 10]
+    order = [SimpleNamespace(index=i, nbytes=n) for i, n in enumerate(sizes)]
+    lookahead = Lookahead(lambda g: g.nbytes)
+    handed = {stage: [] for stage in Stage}
+
+    def take(position, budgets):
+        ranges = lookahead.take(order, position, budgets)
+        for stage, indices in zip(Stage, ranges):
+            handed[stage].extend(indices)
+        return [list(r) for r in ranges]
+
+    # After unit 0: gathers for units 1-2 (bytes 0 and 10 ahead are under 20), uploads while under 50
+    # (unit 3; unit 4 starts at 50), reads while under 70 (units 4-5).
+    assert take(0, (20, 50, 70)) == [[1, 2], [3], [4, 5]]
+    # After unit 1 the gather window is unit 2 alone (30 bytes), handed already; the upload window
+    # grew by unit 4, the read window by unit 6. After unit 2 units 3-4 are gathered, 5-6 uploaded.
+    assert take(1, (20, 50, 70)) == [[], [4], [6]]
+    assert take(2, (20, 50, 70)) == [[3, 4], [5, 6], []]
+    for position in range(2, len(order)):
+        take(position, (20, 50, 70))
+    assert handed[Stage.GATHER] == list(range(1, len(order)))  # each unit once, in order
+    assert len(handed[Stage.DEVICE]) == len(set(handed[Stage.DEVICE]))
+    assert len(handed[Stage.HOST]) == len(set(handed[Stage.HOST]))
+
+    # A window over the whole order: each unit once, the total work linear in the units.
+    lookahead.restart()
+    everything = [take(p, (10**9, 10**9, 10**9))[0] for p in range(len(order))]
+    assert everything[0] == list(range(1, len(order))) and not any(everything[1:])
+
+    # A unit the stage could not take is handed again on its next call; a new pass starts over.
+    lookahead.restart()
+    assert take(0, (20, 20, 20))[0] == [1, 2]
+    lookahead.again(Stage.GATHER, 2)
+    assert take(1, (20, 20, 20))[0] == [2]
+    lookahead.restart()
+    assert take(0, (20, 20, 20))[0] == [1, 2]
+    assert take(len(order) - 1, (20, 20, 20)) == [[], [], []]
+    assert take(0, (0, 0, 0)) == [[], [], []]  # no budget, no look-ahead
+
+    # A unit that runs twice: its second occurrence is known, so the scheduler can ask for it again.
+    twice = [order[0], order[1], order[0]]
+    lookahead.take(twice, 0, (100, 100, 100))
+    assert [lookahead.repeats(i) for i in range(3)] == [False, False, True]
+
+
 def test_a_weight_read_outside_its_module_is_fetched_by_its_trap_and_whole_weights_cost_nothing():
     """A weight read outside its module (the tied head) is fetched by its released parameter's trap
     ([Note: fetch on first read]), also under a mode the user enters inside the forward; no

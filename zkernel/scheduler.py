@@ -112,6 +112,7 @@ from torch.utils._pytree import tree_flatten
 from zkernel.divergence import PathCheck
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
+from zkernel.lookahead import Lookahead, Stage
 from zkernel.profiling import profiler_range
 from zkernel.released import is_released, set_fetcher
 from zkernel.trace import ModuleTrace
@@ -165,6 +166,8 @@ class Scheduler:
         self.tracer = ModuleTrace()
         self.paths = PathCheck(self.groups, streams_device(streams), enabled=True)
         self._prefetched: set[int] = set()  # groups whose gather the prefetcher issued and nobody consumed
+        sizes = self._group_bytes
+        self._lookahead = {phase: Lookahead(lambda g: sizes[g.index]) for phase in (Phase.FORWARD, Phase.BACKWARD)}
         self.micro_step = 0  # the engine's micro-step, for errors
         self._ready_count = {g.index: 0 for g in self.groups}
         self._reduced: set[int] = set()
@@ -307,38 +310,40 @@ class Scheduler:
         forward, the backward order in backward: [Note: backward order] in `zkernel.trace`), each
         within its own look-ahead (see [Note: parameter stages] in `zkernel.tiers`): the all-gather
         for the nearest ``prefetch_bytes``, the upload to the device and the read into host memory
-        further ahead."""
+        further ahead. Each group is handed to each stage once per pass ([Note: lookahead windows])."""
         tier = self.params_tier
         gather_bytes = self.prefetch_bytes
         device_bytes = max(gather_bytes, tier.lookahead_device_bytes)
         host_bytes = max(device_bytes, tier.lookahead_host_bytes)
         if host_bytes <= 0:
             return
-        ahead = 0
-        i = pos + 1
-        # Runs before every unit, over every unit within the look-ahead: kept to set and dict lookups
-        # for units already under way.
+        order = self.tracer.trace if phase is Phase.FORWARD else self.tracer.backward
+        lookahead = self._lookahead[phase]
+        gathers, uploads, reads = lookahead.take(order, pos, (gather_bytes, device_bytes, host_bytes))
         reduced = self._reduced if phase is Phase.BACKWARD else ()
-        prefetched, group_bytes = self._prefetched, self._group_bytes
+        prefetched = self._prefetched
         with self.plugin_call():
-            order = self.tracer.trace if phase is Phase.FORWARD else self.tracer.backward
-            while i < len(order) and ahead < host_bytes:
+            for i in gathers:
                 nxt = order[i]
-                i += 1
-                if nxt.gathered or nxt.index in reduced:
-                    continue  # in use, or its gradients are done (nothing in this backward reads it again)
-                if nxt.index in prefetched:  # its gather is in flight already
-                    ahead += group_bytes[nxt.index]
+                if nxt.gathered or nxt.index in prefetched:
+                    if lookahead.repeats(i):  # in use or in flight for an earlier occurrence: later
+                        lookahead.again(Stage.GATHER, i)
                     continue
-                if ahead < gather_bytes:
+                if nxt.index not in reduced:  # its gradients done: nothing in this backward reads it again
                     self._start_gather(nxt, phase)
-                elif not self._update_pending(nxt):  # rank-local stages: skip what is not ready
+            for stage, indices in ((Stage.DEVICE, uploads), (Stage.HOST, reads)):
+                for i in indices:
+                    nxt = order[i]
+                    if nxt.gathered or nxt.index in reduced or nxt.index in prefetched:
+                        continue
+                    if self._update_pending(nxt):  # rank-local stages: skip what is not ready, until later
+                        lookahead.again(stage, i)
+                        continue
                     self._wait_update(nxt)
-                    if ahead < device_bytes:
+                    if stage is Stage.DEVICE:
                         tier.to_device(nxt, consume=False, block=False)
                     else:
                         tier.prefetch_host(nxt)
-                ahead += group_bytes[nxt.index]
 
     # -- across the step ----------------------------------------------------------
 
@@ -431,6 +436,7 @@ class Scheduler:
 
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = boundary
+        self._lookahead[Phase.BACKWARD].restart()
 
     def finish_backward(self) -> None:
         """Called by the engine after ``loss.backward()``: release and reduce what is left, in group order."""
@@ -448,6 +454,8 @@ class Scheduler:
         self._boundary = boundary
         self.micro_step = micro_step
         self.tracer.begin(torch.is_grad_enabled())
+        for lookahead in self._lookahead.values():  # a backward without engine.backward begins with it too
+            lookahead.restart()
 
     def finish_forward(self) -> None:
         """Called by the engine after a forward without autograd: no backward will release."""
