@@ -145,6 +145,39 @@ def test_gradients_copied_into_a_slot_land_flat_with_zeros_where_none():
     assert [id(g) for g in kept] == [id(g) for i, g in enumerate(grads) if i != 2]
 
 
+def test_peer_gathers_auto_pools_every_unit_of_a_model_whose_shards_average_4_mib():
+    """``peer_gathers = "auto"`` decides for the model ([Note: peer gathers]): GPT-1.3B at one unit per
+    module on two ranks (bf16 shards of 4-17 MB, mean 13.5) gathers every unit through the pool;
+    GPT-350m (1-4 MB, mean 3.6), whose step the host bounds, only its 51 MB embedding; with one unit per
+    block both pool everything. "always" and "never" hold whatever the sizes."""
+    import math
+    import sys
+    from pathlib import Path
+
+    from zkernel_plugins.partitioners._flat import FlatLayout, module_units
+    from zkernel_plugins.partitioners._peer_gather import AUTO_MIN_SHARD_BYTES, pool_threshold
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        from gpt_model import GPT, PRESETS
+    finally:
+        sys.path.pop(0)
+
+    def shard_bytes(preset: str, units: str) -> list[int]:
+        with torch.device("meta"):
+            model = GPT(**PRESETS[preset], seq=1024)
+        parts = [[p for _, p in named] for _, _, named in module_units(model, units)]
+        gathered = [ps for ps in parts if sum(p.numel() for p in ps) >= 100_000]  # zero3's default persistence
+        return [FlatLayout.of(ps, 2, 0).shard_size * 2 for ps in gathered]
+
+    large, small = shard_bytes("1.3b", "modules"), shard_bytes("350m", "modules")
+    assert min(large) < AUTO_MIN_SHARD_BYTES and pool_threshold(large, "auto") == 0
+    threshold = pool_threshold(small, "auto")
+    assert threshold == AUTO_MIN_SHARD_BYTES and [b for b in small if b >= threshold] == [max(small)]
+    assert pool_threshold(shard_bytes("350m", "blocks"), "auto") == 0
+    assert pool_threshold(small, "always") == 0 and pool_threshold(large, "never") == math.inf
+
+
 def test_peer_gathers_fall_back_together_where_memory_cannot_be_mapped():
     """Where a rank cannot map the pool (here: the CPU has no symmetric memory), every rank learns it
     and "auto" gathers with NCCL; "always" raises, naming the key and the way out."""

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from zkernel.groups import ParamGroup, ReducedGradient, StepOptions
 from zkernel.log import get_logger
 from zkernel.profiling import profiler_range
+from zkernel.streams import current_stream
 from zkernel.tiers import OptimizerTier, ParamsTier
 from zkernel.timeline import SpanKind, Timeline
 
@@ -392,7 +393,7 @@ class StepPipeline:
 
     def _publish(self, group: ParamGroup, event: Any) -> None:
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            current_stream().wait_event(event)
         self._publish_params(group)
 
     # -- updates ------------------------------------------------------------------
@@ -409,7 +410,7 @@ class StepPipeline:
             with self.timeline.span(SpanKind.UPDATE_WAIT, label=group.name):
                 event = job.result()
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            current_stream().wait_event(event)
 
     def update_pending(self, group: ParamGroup) -> bool:
         """Whether ``group`` has an update still running on the host (prefetch skips it)."""

@@ -61,13 +61,60 @@ class Streams:
         if self.gather is None:
             return contextlib.nullcontext()
         self.gather.wait_stream(torch.cuda.current_stream(self.gather.device))
-        return torch.cuda.stream(self.gather)
+        return use_stream(self.gather)
+
+
+# [Note: stream calls on the hot path] With one unit per module a step makes ~1,000 stream
+# lookups and switches (every gather, reduction and event). torch's ``current_stream()`` without
+# a device, ``torch.cuda.stream(...)`` and ``is_available()`` each run several Python frames and
+# environment lookups per call; the helpers below ask for the same things by device index. On the
+# H200 machine's host: current stream 4.3 -> 2.1 us, a stream switch in and out 10.7 -> 4.7 us,
+# an event recorded on the current stream 10.5 -> 5.6 us.
+
+_cuda_available: bool | None = None
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, asked once per process."""
+    global _cuda_available
+    if _cuda_available is None:
+        _cuda_available = torch.cuda.is_available()
+    return _cuda_available
+
+
+def current_stream(device: torch.device | None = None) -> Any:
+    """The current CUDA stream of ``device`` (of the current device when None or without an index)."""
+    index = device.index if device is not None else None
+    return torch.cuda.current_stream(torch.cuda.current_device() if index is None else index)
+
+
+def use_stream(stream: Any) -> Any:
+    """``with use_stream(stream):`` makes ``stream`` current for the block, as ``torch.cuda.stream``
+    does, in fewer calls for a stream of the current device (see [Note: stream calls on the hot path])."""
+    if stream.device_index != torch.cuda.current_device():
+        return torch.cuda.stream(stream)  # which also makes its device current for the block
+    return _CurrentDeviceStream(stream)
+
+
+class _CurrentDeviceStream:
+    __slots__ = ("stream", "previous")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.previous = None
+
+    def __enter__(self) -> None:
+        self.previous = torch.cuda.current_stream(self.stream.device_index)
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *_exc) -> None:
+        torch.cuda.set_stream(self.previous)
 
 
 def record_event(stream: Any = None) -> Any:
     """An event recorded now on ``stream`` (the current stream when None); None without CUDA."""
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return None
     event = torch.cuda.Event()
-    event.record(stream)
+    event.record(stream if stream is not None else current_stream())
     return event

@@ -23,11 +23,20 @@ avoids by casting the fp32 master at every gather; that cast (a kernel
 reading 6 bytes per shard element, twice a step) is gone here too.
 
 A peer gather costs more host time than an NCCL call (a barrier, one copy per
-rank and an event, each queued from Python), so with ``peer_gathers = "auto"``
-only groups whose shard is at least `AUTO_MIN_SHARD_BYTES` go through the
-pool: GPT-1.3B on two H200s with one unit per module (shards of 4-17 MB, 300
-gathers a step) ran at 0.81x FSDP2 with every gather in the pool and 0.90x
-with NCCL, where one unit per block (50 MB shards) ran at 1.016x and 0.994x.
+rank and an event, each queued from Python), and so does its reduction. It
+pays where each unit brings enough GPU work to hide that; where units are small
+the step is bound by the host and the extra time is lost. So with
+``peer_gathers = "auto"`` the choice is made for the model: every gathered
+group goes through the pool when the gathered shards average at least
+`AUTO_MEAN_SHARD_BYTES` (the GPU work per unit of host work), else only the
+groups whose shard is at least `AUTO_MIN_SHARD_BYTES`. Two H200s, micro-batch
+16, one unit per module, every run against its call's FSDP2: GPT-1.3B (shards
+of 4-17 MB and the embedding's 103, mean 13.5) ran at 1.027-1.053x FSDP2 in
+eight runs with every group in the pool, 0.986-1.001x in nine with NCCL, whose
+kernels held multiprocessors for 53-66 ms of its 270 ms step; GPT-350m (1-4 MB
+and 51, mean 3.6), bound by the host, took 0.14-0.17 s a step with every group
+in the pool against 0.12-0.15 s with NCCL. One unit per block (50 MB shards) is
+in the pool either way.
 
 Every rank issues the same gathers in the same order (the path check holds
 them to it), so barriers pair up as collectives do. A peer reads a shard only
@@ -40,14 +49,16 @@ done.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from zkernel.distributed import every_rank
 from zkernel.log import get_logger
-from zkernel.streams import record_event
+from zkernel.streams import record_event, use_stream
 from zkernel.timeline import SpanKind
 
 from ._stream_barrier import open_barrier
@@ -56,7 +67,20 @@ log = get_logger()
 
 PEER_GATHER_POLICIES = ("auto", "always", "never")
 AUTO_MIN_SHARD_BYTES = 32 * 2**20
+AUTO_MEAN_SHARD_BYTES = 4 * 2**20
 BARRIER_CHANNEL = 0  # of the barrier kernel, where stream memory operations cannot be used
+
+def pool_threshold(shard_bytes: Sequence[int], policy: str) -> float:
+    """The smallest shard, in bytes of the compute dtype, that goes through the pool under
+    ``policy``, given every gathered group's shard (see [Note: peer gathers]; the same on every rank)."""
+    if policy == "always":
+        return 0
+    if policy == "never":
+        return math.inf
+    if shard_bytes and sum(shard_bytes) / len(shard_bytes) >= AUTO_MEAN_SHARD_BYTES:
+        return 0
+    return AUTO_MIN_SHARD_BYTES
+
 
 # Bytes of symmetric memory the pools of this process hold: outside the caching allocator, so
 # torch.cuda.memory_allocated() does not count them (benchmarks add them to its peak).
@@ -151,7 +175,7 @@ class PeerGathers:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(full.device))
         nbytes = full.numel() * full.element_size()
-        with torch.cuda.stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=label, nbytes=nbytes):
+        with use_stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=label, nbytes=nbytes):
             self.barrier(stream)
             for destination, source in copies:
                 destination.copy_(source)

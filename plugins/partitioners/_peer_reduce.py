@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from zkernel.log import get_logger
-from zkernel.streams import record_event
+from zkernel.streams import record_event, use_stream
 from zkernel.timeline import SpanKind
 
 from . import _peer_gather
@@ -133,6 +133,10 @@ class PeerReductions:
         _peer_gather.pool_bytes += self.pool.numel() * self.pool.element_size()
         self.stream = torch.cuda.Stream(device)
         self.barrier = open_barrier(self.handle, BARRIER_CHANNEL, device)
+        # Every peer's pool (in rank order), mapped once: a reduction reads slices of them.
+        self._peer_pools = [
+            self.handle.get_buffer(peer, (SLOTS * slot_numel,), dtype, 0) for peer in range(self.world) if peer != self.rank
+        ]
         self._next = 0
         log.info("zkernel.zero3.peer_reductions", pool_bytes=self.pool.numel() * self.pool.element_size())
 
@@ -148,14 +152,14 @@ class PeerReductions:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         nbytes = (self.world - 1) * flat.shard_size * slot.element_size()
-        with torch.cuda.stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=f"{label} reduce", nbytes=nbytes):
+        with use_stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=f"{label} reduce", nbytes=nbytes):
             # The slot was last read by the peers' copies two reductions back; every rank was past
             # them when it reached the previous reduction's barrier, which this stream has passed.
             grads = copy_grads_by_copy_engine(params, flat, slot)
             self.barrier(stream)
             start = base + flat.own.start
-            for row, peer in enumerate(p for p in range(self.world) if p != self.rank):
-                peers[row].copy_(self.handle.get_buffer(peer, (flat.shard_size,), self.dtype, start))
+            for row, pool in enumerate(self._peer_pools):
+                peers[row].copy_(pool[start : start + flat.shard_size])
             mean_of_ranks(shard, slot[flat.own], peers, self.rank, self.world)
         done = record_event(stream)
         # All were allocated in the compute stream's order and are read or written here: not handed

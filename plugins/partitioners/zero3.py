@@ -56,6 +56,8 @@ initialiser.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -66,10 +68,10 @@ from zkernel.config import ConfigError, choice, integer
 from zkernel.groups import ParamGroup, Phase
 from zkernel.profiling import profiler_range
 from zkernel.released import mark_gathered, mark_released
-from zkernel.streams import record_event
+from zkernel.streams import current_stream, record_event
 
 from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
-from ._peer_gather import AUTO_MIN_SHARD_BYTES, PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere
+from ._peer_gather import PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere, pool_threshold
 from ._peer_reduce import PEER_REDUCTION_POLICIES, PeerReductions
 from ._reduce import reduce_every_micro_batch
 from ._materialize import materialized_units
@@ -87,8 +89,9 @@ class Zero3Options:
     # "modules": each module with its own parameters is a unit; "blocks": each element
     # of a ModuleList/Sequential (and the root) is a unit with its whole subtree.
     units: str = attrs.field(default="modules", validator=choice(*UNIT_POLICIES))
-    # Gather shards with peer copies on the copy engines ([Note: peer gathers]): "auto" for shards of
-    # at least 32 MiB, where every rank's GPU can map the others' memory and the shards live on the
+    # Gather shards with peer copies on the copy engines ([Note: peer gathers]): "auto" for every
+    # shard where the gathered shards average at least 4 MiB, else for shards of at least 32 MiB,
+    # where every rank's GPU can map the others' memory and the shards live on the
     # GPU (falling back to NCCL on every rank where one cannot map the pool); "always" every gathered
     # shard, and fails where that is not so; "never" gathers with NCCL.
     peer_gathers: str = attrs.field(default="auto", validator=choice(*PEER_GATHER_POLICIES))
@@ -125,6 +128,7 @@ class Zero3:
         self._empty: dict[tuple, torch.Tensor] = {}
         self._peer: PeerGathers | None = None
         self._peer_reduce: PeerReductions | None = None
+        self._pool_min_bytes = math.inf  # the smallest shard the pool holds (see [Note: peer gathers])
 
     # -- partition ----------------------------------------------------------------
 
@@ -173,12 +177,14 @@ class Zero3:
         else:
             ok, reason = peer_access_everywhere(ctx.device)
             if ok:
-                gathered = (
+                gathered = [
                     FlatLayout.of([p for _, p in part], ctx.world_size, ctx.rank)
                     for _, _, named in planned
                     for _, part in _parts(named)
                     if not self._stays_whole(part)
-                )
+                ]
+                element = torch.empty((), dtype=ctx.compute_dtype).element_size()
+                self._pool_min_bytes = pool_threshold([flat.shard_size * element for flat in gathered], policy)
                 pooled = [flat for flat in gathered if self._pooled_numel(flat)]
                 if not pooled:
                     return None
@@ -195,7 +201,7 @@ class Zero3:
     def _pooled_numel(self, flat: FlatLayout) -> int:
         """Elements of a gathered group's shard the peer-gather pool holds: all of it, or none."""
         nbytes = flat.shard_size * torch.empty((), dtype=self.context.compute_dtype).element_size()
-        return flat.shard_size if self.options.peer_gathers == "always" or nbytes >= AUTO_MIN_SHARD_BYTES else 0
+        return flat.shard_size if nbytes >= self._pool_min_bytes else 0
 
     def _casts_master(self, trainable: bool) -> bool:
         """Whether gathers cast the fp32 master instead of reading a compute-dtype shard."""
@@ -428,7 +434,7 @@ def _wait(gathering) -> None:
     if gathering is True or gathering is None:
         return
     if isinstance(gathering, torch.cuda.Event):
-        torch.cuda.current_stream().wait_event(gathering)
+        current_stream().wait_event(gathering)
     else:
         gathering.wait()
 
