@@ -70,6 +70,7 @@ AUTO_MIN_SHARD_BYTES = 32 * 2**20
 AUTO_MEAN_SHARD_BYTES = 4 * 2**20
 BARRIER_CHANNEL = 0  # of the barrier kernel, where stream memory operations cannot be used
 
+
 def pool_threshold(shard_bytes: Sequence[int], policy: str) -> float:
     """The smallest shard, in bytes of the compute dtype, that goes through the pool under
     ``policy``, given every gathered group's shard (see [Note: peer gathers]; the same on every rank)."""
