@@ -2,6 +2,7 @@
 
     python bench/host_overhead.py                       # 24 blocks of width 128, every Linear its own unit
     python bench/host_overhead.py --modes none,tiled --layers 24
+    python bench/host_overhead.py --modes none --cprofile 20      # where the host time goes
 
 Each step is forward, backward and AdamW on one CPU thread, with a model small enough
 (width 128, 8 tokens, vocab 512) that the host's own work is most of the step: the anchor is
@@ -28,9 +29,19 @@ VOCAB, WIDTH, TOKENS = 512, 128, 8
 MODES = ("plain", "none", "tiled", "ckpt", "ckpt_offload")
 
 
-def _step_ms(run_step, steps: int) -> float:
+def _step_ms(run_step, steps: int, profile: int = 0) -> float:
     for _ in range(3):
         run_step()
+    if profile:  # the host's functions by their own time over the timed steps, for this mode
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            run_step()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -39,7 +50,7 @@ def _step_ms(run_step, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _measure(mode: str, layers: int, steps: int) -> tuple[float, int]:
+def _measure(mode: str, layers: int, steps: int, profile: int = 0) -> tuple[float, int]:
     import zkernel
 
     torch.manual_seed(0)
@@ -74,7 +85,7 @@ def _measure(mode: str, layers: int, steps: int) -> tuple[float, int]:
         engine.backward(engine(*batch()))
         engine.step()
 
-    ms = _step_ms(run_step, steps)
+    ms = _step_ms(run_step, steps, profile)
     units = len(engine.groups)
     engine.close()
     return ms, units
@@ -85,12 +96,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--modes", default="plain,none,tiled,ckpt,ckpt_offload", help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="print the N functions with the most own host time under cProfile per zkernel mode")
     args = parser.parse_args()
     torch.set_num_threads(1)
     modes = args.modes.split(",")
     if "plain" not in modes:
         modes.insert(0, "plain")
-    results = {m: _measure(m, args.layers, args.steps) for m in modes}
+    results = {m: _measure(m, args.layers, args.steps, args.cprofile) for m in modes}
     plain = results["plain"][0]
     print(f"GPT {args.layers} x {WIDTH}, {TOKENS} tokens, one CPU thread; median of {args.steps} steps")
     print(f"{'mode':13} {'step ms':>8} {'units':>6} {'vs plain':>9} {'host ms per unit':>17}")

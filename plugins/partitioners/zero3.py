@@ -183,7 +183,7 @@ class Zero3:
                     for _, part in _parts(named)
                     if not self._stays_whole(part)
                 ]
-                element = torch.empty((), dtype=ctx.compute_dtype).element_size()
+                element = ctx.compute_dtype.itemsize
                 self._pool_min_bytes = pool_threshold([flat.shard_size * element for flat in gathered], policy)
                 pooled = [flat for flat in gathered if self._pooled_numel(flat)]
                 if not pooled:
@@ -200,8 +200,7 @@ class Zero3:
 
     def _pooled_numel(self, flat: FlatLayout) -> int:
         """Elements of a gathered group's shard the peer-gather pool holds: all of it, or none."""
-        nbytes = flat.shard_size * torch.empty((), dtype=self.context.compute_dtype).element_size()
-        return flat.shard_size if nbytes >= self._pool_min_bytes else 0
+        return flat.shard_size if flat.shard_size * self.context.compute_dtype.itemsize >= self._pool_min_bytes else 0
 
     def _casts_master(self, trainable: bool) -> bool:
         """Whether gathers cast the fp32 master instead of reading a compute-dtype shard."""
