@@ -114,6 +114,10 @@ def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
             inexact.append(cfg)
     assert not inexact, f"the builtin partitioners and tiers are modelled byte for byte; not for {inexact}"
     assert meta_gpt.wte.weight.is_meta  # read, never materialised
+    from zkernel.estimator import _ALIGN
+    from zkernel_plugins.partitioners._flat import ALIGN
+
+    assert _ALIGN == ALIGN  # the flat layouts' alignment, mirrored
 
 
 def _measure_both(cfgs, zero3):

@@ -52,6 +52,7 @@ from zkernel.model_shape import DTYPE_BYTES as _DTYPE_BYTES
 from zkernel.model_shape import TransformerShape, as_module
 
 CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
+_ALIGN = 16  # elements; as `plugins/partitioners/_flat.ALIGN` (tests/test_estimator.py holds them equal)
 PARTITIONERS = ("none", "zero1", "zero2", "zero3")
 _STEP_COUNTER_BYTES = 4  # the optimizer's 0-dim fp32 ``step`` tensor, one per trainable group
 DEVICE = "device"  # placeholder for the compute device in `TIER_PLACEMENT`
@@ -190,18 +191,27 @@ def _parameters(module: nn.Module) -> list[_Param]:
     return [_Param(n, p.numel(), p.requires_grad) for n, p in module.named_parameters(remove_duplicate=True)]
 
 
-def _buckets(params: list[_Param], bucket_numel: int) -> list[int]:
-    """Numels of the reverse-order buckets of `plugins/partitioners/_flat.split_buckets`."""
-    sizes, current, size = [], 0, 0
+def _buckets(params: list[_Param], bucket_numel: int) -> list[list[int]]:
+    """Element counts, bucket by bucket, of the reverse-order buckets of `plugins/partitioners/_flat.split_buckets`."""
+    buckets, current, size = [], [], 0
     for p in reversed(params):
         if current and size + p.numel > bucket_numel:
-            sizes.append(size)
-            current, size = 0, 0
-        current += 1
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p.numel)
         size += p.numel
     if current:
-        sizes.append(size)
-    return sizes
+        buckets.append(current)
+    return buckets
+
+
+def _extent(numels: Iterable[int]) -> int:
+    """Elements of a flat buffer holding ``numels`` in order, each from a multiple of `_ALIGN`
+    (`plugins/partitioners/_flat.FlatLayout`, [Note: aligned parameters])."""
+    end = 0
+    for numel in numels:
+        end = -(-end // _ALIGN) * _ALIGN + numel
+    return end
 
 
 def _units(module: nn.Module, policy: str) -> list[list[_Param]]:
@@ -231,8 +241,9 @@ def _units(module: nn.Module, policy: str) -> list[list[_Param]]:
 
 
 def _slices(numel: int, shards: int) -> tuple[int, int]:
-    """(shard, padded) elements of a group's flat layout (see [Note: flat layout] in the partitioners)."""
-    shard = max(1, math.ceil(numel / shards))
+    """(shard, padded) elements of a group's flat layout of ``numel`` (its extent; see [Note: flat
+    layout] in the partitioners): every rank's slice a multiple of `_ALIGN`."""
+    shard = -(-max(1, math.ceil(numel / shards)) // _ALIGN) * _ALIGN
     return shard, shard * shards
 
 
@@ -359,15 +370,16 @@ def spill_shares(config: Config, device: str, optimizer_options: Any = None) -> 
 class _Group:
     """One group as the partitioner makes it: its elements, whether it trains, whether zero3 keeps it whole."""
 
-    numel: int
+    numel: int  # its flat extent (alignment gaps included)
     trainable: bool
+    elements: int  # of its parameters alone
     whole: bool = False
 
 
 def _share_total(groups: list[_Group], shards: int) -> int:
     """What the fractions are of: this rank's trainable elements as the tier is told them before
     adoption (its ``demand``), the trainable elements over the shards, rounded up."""
-    return -(-sum(g.numel for g in groups if g.trainable) // shards)
+    return -(-sum(g.elements for g in groups if g.trainable) // shards)
 
 
 def _spills_of(groups: list[_Group], shards: int, partitioner: str, tier: TierPlacement, shares: Mapping[str, float]) -> list[Spill | None]:
@@ -413,18 +425,21 @@ def _groups(module: nn.Module, config: Config, world_size: int, options: Any) ->
     frozen = [p for p in params if not p.trainable]
     if partitioner != "zero3":
         shards = 1 if partitioner == "none" else world_size
-        groups = [_Group(n, True) for n in _buckets([p for p in params if p.trainable], options.bucket_size)]
+        buckets = _buckets([p for p in params if p.trainable], options.bucket_size)
+        groups = [_Group(_extent(numels), True, sum(numels)) for numels in buckets]
     else:
         shards = world_size
-        groups, pooled = [], {True: 0, False: 0}
+        groups, pooled = [], {True: [], False: []}
         for unit in _units(module, options.units):
             for trainable in (True, False):
-                numel = sum(p.numel for p in unit if p.trainable == trainable)
-                if numel < options.persistence_threshold:
-                    pooled[trainable] += numel
-                elif numel:
-                    groups.append(_Group(numel, trainable))
-        groups += [_Group(numel, trainable, whole=True) for trainable, numel in pooled.items() if numel]
+                numels = [p.numel for p in unit if p.trainable == trainable]
+                if sum(numels) < options.persistence_threshold:
+                    pooled[trainable] += numels
+                elif numels:
+                    groups.append(_Group(_extent(numels), trainable, sum(numels)))
+        groups += [
+            _Group(_extent(numels), trainable, sum(numels), whole=True) for trainable, numels in pooled.items() if numels
+        ]
     return groups, shards, frozen
 
 

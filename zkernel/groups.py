@@ -70,7 +70,8 @@ class ParamGroup:
 
     @property
     def numel(self) -> int:
-        """Elements of all parameters in the group, unsharded."""
+        """Elements of the group, unsharded: its parameters' and, in a partitioner's flat layout,
+        the alignment gaps between them."""
         return sum(p.numel() for p in self.params) if self.layout is None else self.layout.numel
 
 
