@@ -42,27 +42,29 @@ def _rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def train_branching(config: dict, steps: int, eval_first: bool, fail_at: int | None = None) -> dict:
+def train_branching(config: dict, steps: int, eval_first: bool, fail_at: int | None = None, direct: bool = False) -> dict:
     """Training that switches branch every step, optionally after an evaluation forward (no_grad,
-    another batch size) and with a forward that raises at step ``fail_at`` (then retried)."""
+    another batch size) and with a forward that raises at step ``fail_at`` (then retried); with
+    ``direct`` those two, and every training forward, call ``engine.module`` instead of the engine."""
     rank, world = _rank_world()
     torch.manual_seed(3)
     engine = zkernel.initialize(BranchNet(), config)
+    model = engine.module if direct else engine
     data = batches(9, steps, 1, world, 3)
     if eval_first:
         with torch.no_grad():
             tokens, targets = batches(99, 1, 1, world, 5)[0][0][rank]
-            engine(tokens, targets, branch="wide")
+            model(tokens, targets, branch="wide")
     losses, leftovers = [], []
     for i, step in enumerate(data):
         tokens, targets = step[0][rank]
         if i == fail_at:
             try:
-                engine(tokens, targets, branch=branch_of(i), fail=True)
+                model(tokens, targets, branch=branch_of(i), fail=True)
             except ValueError:
                 pass
             leftovers.append(sum(g.gathered for g in engine.scheduler.bound if g.layout and not g.layout.persistent))
-        loss = engine(tokens, targets, branch=branch_of(i))
+        loss = model(tokens, targets, branch=branch_of(i))
         engine.backward(loss)
         engine.step()
         total = loss.detach().float()

@@ -7,6 +7,7 @@ sequences, so ten steps lower the loss well clear of noise.
 
 from __future__ import annotations
 
+import copy
 import os
 import resource
 from pathlib import Path
@@ -211,6 +212,32 @@ def tiled_loss_parity(arch: str, width: int, depth: int, steps: int) -> dict:
     return {"losses": losses, "ties": tie_report(engine, lm)}
 
 
+def generate(arch: str, width: int, depth: int) -> dict:
+    """Greedy ``generate`` under zero3, each rank its own prompts and its own number of new tokens
+    (``synced_gpus=True``, as under DeepSpeed's ZeRO-3: a rank that is done keeps running forwards
+    until every rank is), then a training step; rank 0 also generates every prompt with a whole copy."""
+    world, rank = _world_rank()
+    torch.manual_seed(0)
+    model = build(arch, width, depth)
+    whole = copy.deepcopy(model) if rank == 0 else None
+    prompts = torch.randint(1, VOCAB, (2 * world, 5), generator=torch.Generator().manual_seed(3))
+    engine = zkernel.initialize(model, zero3_config(1e-3))
+    mine, new = prompts[2 * rank : 2 * rank + 2], 3 + 2 * rank
+    engine.module.eval()
+    with torch.no_grad():
+        out = engine.module.generate(mine, max_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=True)
+    engine.module.train()
+    train_engine(engine, token_batches(5, 1, world, 2))
+    result = {"tokens": out.tolist()}
+    if rank == 0:
+        with torch.no_grad():
+            result["reference"] = [
+                whole.generate(prompts[2 * r : 2 * r + 2], max_new_tokens=3 + 2 * r, do_sample=False, pad_token_id=0).tolist()
+                for r in range(world)
+            ]
+    return result
+
+
 def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
     """Everything the Hugging Face tests check, in one spawn (importing transformers costs seconds per process)."""
     torch.manual_seed(0)
@@ -220,4 +247,5 @@ def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
     for arch in ARCHS:
         out[f"{arch}:parity"] = parity(arch, *small, steps)
         out[f"{arch}:tiled loss"] = tiled_loss_parity(arch, *small, steps)
+        out[f"{arch}:generate"] = generate(arch, *small)
     return out

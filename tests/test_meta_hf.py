@@ -85,6 +85,15 @@ def test_tiled_loss_around_a_hugging_face_model_matches_its_own_loss(suite, arch
         assert r["ties"]["external"] == [embedding]
 
 
+@pytest.mark.parametrize("arch", hf.ARCHS)
+def test_generate_with_ranks_of_different_lengths_matches_the_whole_model(suite, arch):
+    """HF ``generate(..., synced_gpus=True)`` through zero3's gathers (key-value cache, eval mode,
+    no_grad), each rank stopping at its own length, gives the whole model's tokens; training goes on."""
+    expected = suite[0][f"{arch}:generate"]["reference"]
+    for rank, results in enumerate(suite):
+        assert results[f"{arch}:generate"]["tokens"] == expected[rank], f"rank {rank} {arch}"
+
+
 def _init_stats(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     return {n: (p.mean().item(), p.std().item()) for n, p in model.named_parameters()}
 

@@ -198,7 +198,7 @@ _HEAD = "ranks took different module paths in micro-step "
 _MIDDLE = ": "
 _TAIL = (
     ". Every rank must run the same modules in the same order (a data-dependent branch must take the same path "
-    "on every rank)"
+    "on every rank; Hugging Face's generate needs synced_gpus=True where ranks may stop at different lengths)"
 )
 
 

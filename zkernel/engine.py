@@ -104,6 +104,7 @@ class Engine:
         )
         opt = config.optimizer
         hook = self.hook
+        engine_ref = weakref.ref(self)  # the model's hooks must not keep the engine alive
         self.pipeline = StepPipeline(
             hook,
             parts.optimizer_tier,
@@ -129,6 +130,7 @@ class Engine:
             wait_update=self.pipeline.wait_update,
             update_pending=self.pipeline.update_pending,
             root=module,
+            window=lambda: _window(engine_ref),
         )
         scheduler_ref = weakref.ref(self.scheduler)
         self.micro_steps = 0
@@ -179,28 +181,23 @@ class Engine:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward under the scheduler.
+        """Run the model's forward on the engine's device and dtype, profiled and in the timeline.
 
-        With ZeRO-3 the released-parameter guard (see `zkernel.scheduler`) stays
-        active from here to the end of `backward`, so user code between the two
-        (a regulariser on a weight, say) may read parameters too, as long as
-        every rank does the same reads.
+        The pass itself begins and ends at the model's own hooks ([Note: forward
+        entry] in `zkernel.scheduler`), so calling ``engine.module`` directly (as
+        Hugging Face's ``generate`` does) works too. With ZeRO-3 the
+        released-parameter guard stays active from the forward to the end of
+        `backward`, so user code between the two (a regulariser on a weight, say)
+        may read parameters too, as long as every rank does the same reads.
         """
         self._check_open()
         args, kwargs = tree_map(self._prepare_input, (args, kwargs))
-        self.scheduler.begin_forward(self.is_accumulation_boundary, self.micro_steps)
-        self._enter_guard()
         try:
             with profiler_range("zkernel::forward"), self._compute_span("forward"):
-                out = self._module(*args, **kwargs)
-        except BaseException:
-            self._exit_guard()
+                return self._module(*args, **kwargs)
+        except BaseException:  # also where the model's hooks did not run (KeyboardInterrupt)
             self.scheduler.abandon_forward()
             raise
-        if not torch.is_grad_enabled():
-            self._exit_guard()
-        self.scheduler.finish_forward()
-        return out
 
     @contextlib.contextmanager
     def gathered_parameters(self):
@@ -461,9 +458,6 @@ class Engine:
         if self._closed:
             raise RuntimeError("this zkernel engine is closed; initialize a new one to train again")
 
-    def _enter_guard(self) -> None:
-        self.scheduler.guarding = True
-
     def _exit_guard(self) -> None:
         self.scheduler.guarding = False
 
@@ -500,6 +494,12 @@ def log_context(rank: int, step: int):
     import structlog
 
     return structlog.contextvars.bound_contextvars(rank=rank, step=step)
+
+
+def _window(engine_ref) -> tuple[bool, int]:
+    """(whether the micro-step being computed ends an accumulation window, its number) of the engine."""
+    engine = engine_ref()
+    return (engine.is_accumulation_boundary, engine.micro_steps) if engine is not None else (True, 0)
 
 
 def _publish(hook, params_tier, scheduler_ref, group: ParamGroup) -> None:

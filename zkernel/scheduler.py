@@ -66,8 +66,9 @@ changes, and nothing is started.
 [Note: guard] A parameter used outside its own module's forward (a tied
 embedding reused as the output head, a weight read in a parent's forward) is
 caught by the released parameter's own trap (`zkernel.released`, [Note: fetch
-on first read]): from the engine's forward to the end of its backward
-(``guarding``), the first operation that reads a released parameter fetches
+on first read]): from the start of a forward of the model (through the engine
+or not, [Note: forward entry]) to the end of its backward, or to the end of a
+forward without autograd (``guarding``), the first operation that reads a released parameter fetches
 its group, which is then kept whole until the end of backward, in this and
 every later step. Outside that window, and inside a plugin call (the plugins
 never read a released parameter), the trap raises as it does for any read
@@ -102,6 +103,7 @@ its own parameters at once.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -140,9 +142,12 @@ class Scheduler:
         wait_update: Callable[[ParamGroup], None],
         update_pending: Callable[[ParamGroup], bool],
         root: nn.Module | None = None,
+        window: Callable[[], tuple[bool, int]] = lambda: (True, 0),
     ) -> None:
         self.hook = hook
         self.root = root
+        self._window = window  # () -> (whether the engine's micro-step ends a window, its number)
+        self._forward_depth = 0  # forwards of the root running now, nested ones included
         self._kept: list[ParamGroup] = []  # groups left whole for the backward (see [Note: root kept for backward])
         self.params_tier = params_tier
         self.streams = streams
@@ -193,6 +198,9 @@ class Scheduler:
         for group in self.bound:
             for p in group.params:
                 self.handles.append(set_fetcher(p, fetch))
+        if self.root is not None:  # after the units' hooks: the root's own unit is fetched inside the bracket
+            self.handles.append(self.root.register_forward_pre_hook(self._enter_root, prepend=True))
+            self.handles.append(self.root.register_forward_hook(self._leave_root, always_call=True))
 
     def _make_fetcher(self):
         scheduler_ref = weakref.ref(self)  # held for the model's parameters: see _make_grad_ready_hook
@@ -213,6 +221,31 @@ class Scheduler:
         return not is_released(param)
 
     # -- forward ----------------------------------------------------------------
+
+    def _enter_root(self, _module: nn.Module, _args) -> None:
+        """[Note: forward entry] A forward of the model begins and ends at its root module's
+        hooks, whoever calls it: ``engine(...)``, ``engine.module(...)``, or Hugging Face's
+        ``generate``, which calls the model itself. So the pass is traced and the guard is on
+        for each of them alike (a tied head reading the embedding's parameter fetches it).
+        A root run again inside its own forward, or recomputed in backward, is part of the pass."""
+        if _in_backward():
+            return
+        self._forward_depth += 1
+        if self._forward_depth == 1:
+            self.begin_forward(*self._window())
+            self.guarding = True
+
+    def _leave_root(self, _module: nn.Module, _args, output) -> None:
+        if _in_backward() or self._forward_depth == 0:
+            return
+        self._forward_depth -= 1
+        if self._forward_depth:
+            return
+        # An always_call hook runs inside torch's handler when the forward raised (output None).
+        if output is None and sys.exc_info()[0] is not None:
+            self.abandon_forward()
+        else:
+            self.finish_forward()
 
     def _pre_forward(self, module: nn.Module, _args) -> None:
         if _in_backward():  # a recomputation (see [Note: recompute])
@@ -458,14 +491,17 @@ class Scheduler:
             lookahead.restart()
 
     def finish_forward(self) -> None:
-        """Called by the engine after a forward without autograd: no backward will release."""
+        """At the end of a forward; one without autograd ends its pass (no backward will release)."""
         if not torch.is_grad_enabled():
+            self.guarding = False
             self._release_gathered()
             self._kept.clear()
             self.tracer.end()
 
     def abandon_forward(self) -> None:
         """The forward raised: release every group and drop what was prefetched (nothing stays whole)."""
+        self.guarding = False
+        self._forward_depth = 0
         self._kept.clear()
         with contextlib.suppress(Exception):
             self._release_gathered()
