@@ -42,7 +42,9 @@ def _rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def train_branching(config: dict, steps: int, eval_first: bool, fail_at: int | None = None, direct: bool = False) -> dict:
+def train_branching(
+    config: dict, steps: int, eval_first: bool, fail_at: int | None = None, direct: bool = False
+) -> dict:
     """Training that switches branch every step, optionally after an evaluation forward (no_grad,
     another batch size) and with a forward that raises at step ``fail_at`` (then retried); with
     ``direct`` those two, and every training forward, call ``engine.module`` instead of the engine."""

@@ -53,9 +53,12 @@ def build_on_meta(arch: str, width: int, depth: int) -> torch.nn.Module:
         return build(arch, width, depth)
 
 
-def materialize_whole(model: torch.nn.Module, seed: int = 0, units: str = "modules") -> torch.nn.Module:
-    """What zero3 does to a meta model, unit by unit with the same seeds, but kept whole on one process."""
-    for _ in materialized_units(model, module_units(model, units), torch.device("cpu"), seed, model._init_weights):
+def materialize_whole(
+    model: torch.nn.Module, seed: int = 0, units: str = "modules", device: torch.device = torch.device("cpu")
+) -> torch.nn.Module:
+    """What zero3 does to a meta model, unit by unit with the same seeds, but kept whole on one process
+    (on ``device``: its random numbers are the device's, as zero3's are on the ranks' devices)."""
+    for _ in materialized_units(model, module_units(model, units), device, seed, model._init_weights):
         pass
     return model
 
@@ -100,7 +103,7 @@ def train_reference(model: torch.nn.Module, data, lr: float, clip: float) -> lis
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in data:
-        ids = torch.cat(step)
+        ids = torch.cat(step).to(model.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -181,7 +184,7 @@ def parity(arch: str, width: int, depth: int, steps: int) -> dict:
     engine = zkernel.initialize(model, zero3_config(lr, clip), init_fn=model._init_weights)
     result = {"losses": train_engine(engine, data), "ties": tie_report(engine)}
     if rank == 0:
-        reference = materialize_whole(build_on_meta(arch, width, depth))
+        reference = materialize_whole(build_on_meta(arch, width, depth), device=engine.device)
         assert reference.get_output_embeddings().weight is reference.get_input_embeddings().weight
         result["reference"] = train_reference(reference, data, lr, clip)
     return result
@@ -222,7 +225,7 @@ def generate(arch: str, width: int, depth: int) -> dict:
     whole = copy.deepcopy(model) if rank == 0 else None
     prompts = torch.randint(1, VOCAB, (2 * world, 5), generator=torch.Generator().manual_seed(3))
     engine = zkernel.initialize(model, zero3_config(1e-3))
-    mine, new = prompts[2 * rank : 2 * rank + 2], 3 + 2 * rank
+    mine, new = prompts[2 * rank : 2 * rank + 2].to(engine.device), 3 + 2 * rank  # generate keeps them where they are
     engine.module.eval()
     with torch.no_grad():
         out = engine.module.generate(mine, max_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=True)
@@ -232,7 +235,8 @@ def generate(arch: str, width: int, depth: int) -> dict:
     if rank == 0:
         with torch.no_grad():
             result["reference"] = [
-                whole.generate(prompts[2 * r : 2 * r + 2], max_new_tokens=3 + 2 * r, do_sample=False, pad_token_id=0).tolist()
+                whole.generate(prompts[2 * r : 2 * r + 2], max_new_tokens=3 + 2 * r, do_sample=False, pad_token_id=0)
+                .tolist()
                 for r in range(world)
             ]
     return result

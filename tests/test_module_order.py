@@ -32,12 +32,12 @@ def _check(losses, expected, label):
         assert abs(a - b) <= 1e-5 * abs(b), f"{label} step {i}: {a} vs {b}"
 
 
-@pytest.mark.parametrize(
-    ("params", "optimizer", "direct"), [("none", "none", False), ("none", "none", True), ("cpu", "none", False), ("cpu", "cpu", False)]
-)
+CASES = [("none", "none", False), ("none", "none", True), ("cpu", "none", False), ("cpu", "cpu", False)]
+
+
+@pytest.mark.parametrize(("params", "optimizer", "direct"), CASES)
 def test_branches_eval_pass_and_a_failing_forward_match_torch(params, optimizer, direct):
-    """``direct``: the model is called as ``engine.module(...)``, as Hugging Face's generate calls it
-    ([Note: forward entry]): the same passes, traces and clean-up as through the engine."""
+    """``direct``: every call is ``engine.module(...)``, as Hugging Face's generate calls the model."""
     result = train_branching(_config(params, optimizer), STEPS, eval_first=True, fail_at=2, direct=direct)
     _check(result["losses"], reference_branching(STEPS, 1, LR), f"params {params} optimizer {optimizer} direct {direct}")
     # Nothing stays gathered between steps: not a unit prefetched for the other branch, not one

@@ -68,9 +68,9 @@ embedding reused as the output head, a weight read in a parent's forward) is
 caught by the released parameter's own trap (`zkernel.released`, [Note: fetch
 on first read]): from the start of a forward of the model (through the engine
 or not, [Note: forward entry]) to the end of its backward, or to the end of a
-forward without autograd (``guarding``), the first operation that reads a released parameter fetches
-its group, which is then kept whole until the end of backward, in this and
-every later step. Outside that window, and inside a plugin call (the plugins
+forward without autograd (``guarding``), the first operation that reads a
+released parameter fetches its group, which is then kept whole until the end
+of backward, in this and every later step. Outside that window, and inside a plugin call (the plugins
 never read a released parameter), the trap raises as it does for any read
 outside the engine.
 
