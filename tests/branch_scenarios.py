@@ -47,11 +47,20 @@ def train_branching(
 ) -> dict:
     """Training that switches branch every step, optionally after an evaluation forward (no_grad,
     another batch size) and with a forward that raises at step ``fail_at`` (then retried); with
-    ``direct`` those two, and every training forward, call ``engine.module`` instead of the engine."""
+    ``direct`` those two, and every training forward, call ``engine.module`` instead of the engine,
+    and a hook of the user's reads the embedding's weight (released by then) inside each branch."""
     rank, world = _rank_world()
     torch.manual_seed(3)
     engine = zkernel.initialize(BranchNet(), config)
     model = engine.module if direct else engine
+    if direct:
+        net = engine.module
+
+        def read_embedding(_module, _args, _output) -> None:
+            net.embed.weight.sum()
+
+        for branch in (net.left, net.right):
+            branch.register_forward_hook(read_embedding)
     data = batches(9, steps, 1, world, 3)
     if eval_first:
         with torch.no_grad():

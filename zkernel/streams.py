@@ -60,7 +60,7 @@ class Streams:
         """
         if self.gather is None:
             return contextlib.nullcontext()
-        self.gather.wait_stream(torch.cuda.current_stream(self.gather.device))
+        self.gather.wait_stream(torch.cuda.current_stream(self.gather.device_index))
         return use_stream(self.gather)
 
 

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from zkernel.distributed import every_rank
 from zkernel.log import get_logger
-from zkernel.streams import record_event, use_stream
+from zkernel.streams import current_stream, record_event, use_stream
 from zkernel.timeline import SpanKind
 
 from ._stream_barrier import open_barrier
@@ -174,7 +174,7 @@ class PeerGathers:
             if reused:
                 self._copies[(offset, numel)] = copies
         stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(full.device))
+        stream.wait_stream(current_stream(full.device))
         nbytes = full.numel() * full.element_size()
         with use_stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=label, nbytes=nbytes):
             self.barrier(stream)

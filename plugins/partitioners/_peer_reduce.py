@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from zkernel.log import get_logger
-from zkernel.streams import record_event, use_stream
+from zkernel.streams import current_stream, record_event, use_stream
 from zkernel.timeline import SpanKind
 
 from . import _peer_gather
@@ -150,7 +150,7 @@ class PeerReductions:
         shard = torch.empty(flat.shard_size, dtype=torch.float32, device=self.device)
         peers = torch.empty((self.world - 1, flat.shard_size), dtype=self.dtype, device=self.device)
         stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(current_stream(self.device))
         nbytes = (self.world - 1) * flat.shard_size * slot.element_size()
         with use_stream(stream), self.timeline.span(SpanKind.COLLECTIVE, stream=stream, label=f"{label} reduce", nbytes=nbytes):
             # The slot was last read by the peers' copies two reductions back; every rank was past

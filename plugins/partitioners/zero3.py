@@ -268,7 +268,7 @@ class Zero3:
         full = group.layout.full
         if full.is_cuda:
             # A prefetch allocated it on the gather stream: not reused before compute is done with it.
-            full.record_stream(torch.cuda.current_stream(full.device))
+            full.record_stream(current_stream(full.device))
         full.untyped_storage().resize_(0)
 
     def _point_at(self, group: ParamGroup, full: torch.Tensor) -> None:
@@ -306,7 +306,7 @@ class Zero3:
             )
             if async_op:
                 return event
-            torch.cuda.current_stream(full.device).wait_event(event)
+            current_stream(full.device).wait_event(event)
             return True
         work = all_gather_flat(full, self._gather_source(group), async_op=async_op)
         return work if async_op else True
@@ -326,7 +326,7 @@ class Zero3:
             _wait(state.gathering)
             state.gathering = None
             if state.full.is_cuda:
-                state.full.record_stream(torch.cuda.current_stream(state.full.device))
+                state.full.record_stream(current_stream(state.full.device))
             state.full.untyped_storage().resize_(0)
 
     @hookimpl
