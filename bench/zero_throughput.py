@@ -85,6 +85,7 @@ def _worker(args) -> None:
         if args.init == "gpt2":
             model.apply(gpt2_init)
         model.checkpoint = args.checkpoint
+        _compile_blocks(model, args.compile)
 
         def train_step(batches):
             for idx in batches:
@@ -104,6 +105,7 @@ def _worker(args) -> None:
         if args.init == "gpt2":
             model.apply(gpt2_init)
         model.checkpoint = args.checkpoint
+        _compile_blocks(model, args.compile)
         if mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
         if mode.startswith("fsdp2"):
@@ -184,6 +186,7 @@ def _worker(args) -> None:
         if args.prefetch_mb is not None:
             config["prefetch_bytes"] = int(args.prefetch_mb * 2**20)
         meta_init = gpt2_init if args.init == "gpt2" and partitioner == "zero3" else None
+        _compile_blocks(model, args.compile)
         engine = zkernel.initialize(model, config, init_fn=meta_init)
 
         def train_step(batches):
@@ -287,6 +290,14 @@ def _worker(args) -> None:
         dist.destroy_process_group()
 
 
+def _compile_blocks(model, compile_: bool) -> None:
+    """With ``--compile``: each Block compiled in place (``Block.compile()``), before any engine wraps it,
+    as FSDP2's users compile theirs; zero3's hooks then run between the compiled graphs."""
+    if compile_:
+        for block in model.blocks:
+            block.compile()
+
+
 def _symmetric_bytes() -> int:
     """zero3's peer-gather pool: symmetric memory, outside the caching allocator's peak."""
     try:
@@ -336,6 +347,8 @@ def _run_mode(args, mode: str) -> dict:
         cmd += ["--trace", args.trace]
     if args.checkpoint:
         cmd += ["--checkpoint"]
+    if args.compile:
+        cmd += ["--compile"]
     if args.prefetch_mb is not None:
         cmd += ["--prefetch-mb", str(args.prefetch_mb)]
     if args.kernels:
@@ -395,6 +408,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme", help="offload.nvme_path for +nvme modes")
     parser.add_argument("--checkpoint", action="store_true",
                         help="recompute every Block in backward, in every mode (torch's checkpoint; zkernel's activation_checkpointing)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every Block in place with torch.compile (default backend), in every mode")
     parser.add_argument("--trace", default=None, help="zkernel modes: write the timeline's Chrome trace here ({rank} is replaced)")
     parser.add_argument("--timeline", action="store_true", help="zkernel modes: record the step timeline and print its last step")
     parser.add_argument("--kernels", type=int, default=0,
@@ -430,6 +445,7 @@ def main() -> None:
     extra += f", clipping {args.clip:g}" if args.clip > 0 else ""
     extra += f", {args.accum} micro-batches per step" if args.accum > 1 else ""
     extra += ", every block recomputed" if args.checkpoint else ""
+    extra += ", every block compiled" if args.compile else ""
     print(f"\nGPT-{args.model}, seq {SEQ}, micro-batch {args.micro_batch} per rank, {args.nproc} GPU(s), bf16, "
           f"{args.data} data, {args.init} init{extra}")
     print(f"{'mode':22} {'mb':>3} {'tokens/s':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'peak GiB':>9} {'step s':>7} {'tok/s vs FSDP2':>15} {'mem vs FSDP2':>13} {'vs plain':>9} {'vs FSDP2+off':>13}")

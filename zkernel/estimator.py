@@ -46,6 +46,7 @@ import attrs
 import torch
 from torch import nn
 
+from zkernel.compiled import with_compiled_units
 from zkernel.config import Config, ConfigError, auto_keys, build_options, load_config
 from zkernel.machine import available_host_bytes
 from zkernel.model_shape import DTYPE_BYTES as _DTYPE_BYTES
@@ -223,6 +224,7 @@ def _units(module: nn.Module, policy: str) -> list[list[_Param]]:
         for m in module.modules():
             if isinstance(m, (nn.ModuleList, nn.Sequential)):
                 unit_ids.update(id(child) for child in m.children())
+    unit_ids = with_compiled_units(module, unit_ids)
     seen: set[int] = set()
     units: dict[int, list[_Param]] = {}
 

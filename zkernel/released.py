@@ -115,22 +115,11 @@ class _ReleasedMixin:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        released = _first_released(args)
-        if released is None:
-            released = _first_released((kwargs or {}).values())
-        fetch = _fetchers.get(id(released))
-        if fetch is not None and fetch(released):  # whole now: run on its values (see [Note: fetch on first read])
-            return func(*args, **(kwargs or {}))
-        if _is_metadata(func):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        raise ReleasedParameterError(
-            f"{_describe(func)} on parameter {_name_of(released)!r}, which zero3 has released: "
-            "between uses each rank holds only its shard, so this would see an empty tensor. "
-            "Read parameters inside `with engine.gathered_parameters():` (collective: every rank "
-            "enters it), take `engine.state_dict()` (collective) for the full state dict, or save "
-            "with `engine.save_checkpoint(directory)`; `engine.module.state_dict()` cannot gather them"
-        )
+        if torch.compiler.is_compiling():  # traced: run the trap eagerly (see [Note: hooks under torch.compile])
+            from torch import _dynamo
+
+            return _dynamo.disable(_trap, recursive=True)(func, args, kwargs)
+        return _trap(func, args, kwargs)
 
     def __repr__(self) -> str:
         with torch._C.DisableTorchFunctionSubclass():
@@ -139,6 +128,28 @@ class _ReleasedMixin:
             f"<parameter {_name_of(self)!r} released by zero3 ({dtype}); "
             "read it inside `with engine.gathered_parameters():`>"
         )
+
+
+def _trap(func, args, kwargs):
+    """A torch call on a released parameter: fetch it and run the call, read metadata, or raise."""
+    released = _first_released(args)
+    if released is None:
+        released = _first_released((kwargs or {}).values())
+    if released is None:  # gathered since torch dispatched the call here (under torch.compile, between graphs)
+        return func(*args, **(kwargs or {}))
+    fetch = _fetchers.get(id(released))
+    if fetch is not None and fetch(released):  # whole now: run on its values (see [Note: fetch on first read])
+        return func(*args, **(kwargs or {}))
+    if _is_metadata(func):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    raise ReleasedParameterError(
+        f"{_describe(func)} on parameter {_name_of(released)!r}, which zero3 has released: "
+        "between uses each rank holds only its shard, so this would see an empty tensor. "
+        "Read parameters inside `with engine.gathered_parameters():` (collective: every rank "
+        "enters it), take `engine.state_dict()` (collective) for the full state dict, or save "
+        "with `engine.save_checkpoint(directory)`; `engine.module.state_dict()` cannot gather them"
+    )
 
 
 def _first_released(values) -> _ReleasedMixin | None:

@@ -112,6 +112,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zkernel.divergence import PathCheck
+from zkernel.compiled import eager_hook
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
 from zkernel.lookahead import Lookahead, Stage
@@ -187,8 +188,8 @@ class Scheduler:
     def _install(self) -> None:
         modules = {id(g.module): g.module for g in self.bound}
         for module in modules.values():
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+            self.handles.append(module.register_forward_pre_hook(eager_hook(self._pre_forward)))
+            self.handles.append(module.register_forward_hook(eager_hook(self._post_forward), always_call=True))
         for group in self.groups:
             if not group.requires_grad:
                 continue
@@ -199,8 +200,8 @@ class Scheduler:
             for p in group.params:
                 self.handles.append(set_fetcher(p, fetch))
         if self.root is not None:  # after the units' hooks: the root's own unit is fetched inside the bracket
-            self.handles.append(self.root.register_forward_pre_hook(self._enter_root, prepend=True))
-            self.handles.append(self.root.register_forward_hook(self._leave_root, always_call=True))
+            self.handles.append(self.root.register_forward_pre_hook(eager_hook(self._enter_root), prepend=True))
+            self.handles.append(self.root.register_forward_hook(eager_hook(self._leave_root), always_call=True))
 
     def _make_fetcher(self):
         scheduler_ref = weakref.ref(self)  # held for the model's parameters: see _make_grad_ready_hook

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zkernel.compiled import with_compiled_units
 from zkernel.groups import Fragment, ShardLayout
 
 ALIGN = 16  # elements: 16 bytes in 1-byte dtypes, 32 in bf16, 64 in fp32 (see [Note: aligned parameters])
@@ -235,8 +236,10 @@ def module_units(
     those parameters (DeepSpeed's granularity). ``"blocks"``: the root and every
     element of an ``nn.ModuleList``/``nn.Sequential`` is a unit, holding all
     parameters of its subtree that no nested unit holds (FSDP2's usual
-    per-block wrapping: fewer, larger collectives). A tied parameter belongs
-    to the first unit that reaches it.
+    per-block wrapping: fewer, larger collectives). Under either, a module
+    compiled in place is a unit with its whole subtree (see [Note: compiled
+    units] in `zkernel.compiled`). A tied parameter belongs to the first unit
+    that reaches it.
     """
     if policy == "modules":
         unit_ids = {id(m) for m in module.modules()}
@@ -245,6 +248,7 @@ def module_units(
         for m in module.modules():
             if isinstance(m, (nn.ModuleList, nn.Sequential)):
                 unit_ids.update(id(child) for child in m.children())
+    unit_ids = with_compiled_units(module, unit_ids)
     seen: set[int] = set()
     units: dict[int, tuple[str, nn.Module, list]] = {}
 
