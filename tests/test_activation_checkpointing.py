@@ -164,6 +164,38 @@ def test_close_gives_modules_their_forward_back_and_config_errors_are_clear():
             assert fragment in str(info.value), (raw, str(info.value))
 
 
+class _CachingBlock(torch.nn.Module):
+    """Grows a cache at every call, as a key/value cache does: its recomputation differs from its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.cache: list[torch.Tensor] = []
+
+    def forward(self, x):
+        for past in self.cache:
+            x = x * torch.sigmoid(past)
+        h = self.proj(x)
+        self.cache.append(h.detach())
+        return h
+
+
+@pytest.mark.parametrize("partitioner", ["zero2", "zero3"])
+def test_a_module_that_changes_state_when_recomputed_fails_with_the_cause_and_the_module(partitioner):
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _CachingBlock())
+    engine = zkernel.initialize(model, _config(partitioner, ["1"]))
+    loss = engine(torch.randn(3, 4)).square().mean()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError) as info:
+        engine.backward(loss)
+    message = str(info.value)
+    assert "computed something different when recomputed in backward" in message, message
+    assert "use_cache=False" in message and "torch: torch.utils.checkpoint:" in message, message
+    if partitioner == "zero3":  # the scheduler saw which module was recomputing
+        assert "the last module whose recomputation began: '1.proj', a Linear" in message, message
+    engine.close()
+
+
 @pytest.mark.cuda
 def test_cuda_offload_moves_inputs_to_pinned_host_memory_and_saves_device_memory():
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -252,6 +252,8 @@ class Engine:
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
             norm = self.pipeline.end_backward(boundary, need_norm=self._needs_norm())
+        except torch.utils.checkpoint.CheckpointError as error:
+            raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
             self._exit_guard()
         self._backward_done = True

@@ -167,6 +167,7 @@ class Scheduler:
         for g in self.bound:
             self.groups_of_module.setdefault(id(g.module), []).append(g)
         self.external: set[int] = set()  # group indices kept whole through a step
+        self.recomputed: nn.Module | None = None  # the unit module this backward recomputed last
         # Trainable groups any of whose parameters got a gradient in this accumulation window.
         self.window_used: set[int] = set()
         self.tracer = ModuleTrace()
@@ -250,6 +251,7 @@ class Scheduler:
 
     def _pre_forward(self, module: nn.Module, _args) -> None:
         if _in_backward():  # a recomputation (see [Note: recompute])
+            self.recomputed = module
             self._pre_backward(self.groups_of_module[id(module)])
             return
         for group in self.groups_of_module[id(module)]:
@@ -470,7 +472,28 @@ class Scheduler:
 
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = boundary
+        self.recomputed = None
         self._lookahead[Phase.BACKWARD].restart()
+
+    def explain_recompute_error(self, error: Exception) -> str:
+        """The message for torch's ``CheckpointError`` raised in a backward: which module was being
+        recomputed (the last unit whose recomputation began, where zero3 hooks the modules), the
+        usual cause, and torch's own message."""
+        where = ""
+        if self.recomputed is not None and self.root is not None:
+            name = next((n for n, m in self.root.named_modules() if m is self.recomputed), None)
+            if name is not None:
+                where = (
+                    f" (the last module whose recomputation began: {name or 'the root'!r}, a "
+                    f"{type(self.recomputed).__name__}, inside the checkpointed module that failed)"
+                )
+        return (
+            f"a checkpointed module computed something different when recomputed in backward{where}. "
+            "A recomputed module must do what its forward did: one that changes its own state when it "
+            "runs cannot be checkpointed, such as a model that grows a key/value cache (call a Hugging "
+            "Face model with use_cache=False while it trains with checkpointed layers). torch: "
+            + str(error).split("\n\nTip:")[0]
+        )
 
     def finish_backward(self) -> None:
         """Called by the engine after ``loss.backward()``: release and reduce what is left, in group order."""
