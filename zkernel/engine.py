@@ -29,6 +29,7 @@ import attrs
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointError
 
 from zkernel import lifecycle
 from zkernel.config import Config
@@ -252,7 +253,7 @@ class Engine:
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
             norm = self.pipeline.end_backward(boundary, need_norm=self._needs_norm())
-        except torch.utils.checkpoint.CheckpointError as error:
+        except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
             self._exit_guard()

@@ -111,8 +111,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zkernel.divergence import PathCheck
 from zkernel.compiled import eager_hook
+from zkernel.divergence import PathCheck
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
 from zkernel.lookahead import Lookahead, Stage
