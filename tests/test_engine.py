@@ -56,3 +56,17 @@ def test_a_second_backward_before_step_is_an_error_that_loses_nothing(accumulati
     opt.step()
     assert engine.global_steps == 1
     torch.testing.assert_close(model.weight.detach(), reference.weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_train_and_eval_switch_the_model_as_deepspeeds_engine_does():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    engine = zkernel.initialize(model, {"partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0}})
+    x = torch.randn(4, 8)
+    assert engine.eval() is engine and not engine.training and not model[1].training
+    with torch.no_grad():
+        assert torch.equal(engine(x), engine(x))  # no dropout
+    assert engine.train() is engine and engine.training and model[1].training
+    engine.backward(engine(x).sum())
+    engine.step()
+    engine.close()

@@ -168,6 +168,20 @@ class Engine:
         return self.dist.device
 
     @property
+    def training(self) -> bool:
+        """Whether the model is in training mode."""
+        return self._module.training
+
+    def train(self, mode: bool = True) -> Engine:
+        """Put the model in training mode (``mode`` False: evaluation), as DeepSpeed's engine does; returns the engine."""
+        self._module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """Put the model in evaluation mode; returns the engine."""
+        return self.train(False)
+
+    @property
     def lr(self) -> float:
         """The learning rate of the next step (may be changed between steps)."""
         return self.pipeline.hyper.lr
