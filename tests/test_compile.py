@@ -45,6 +45,8 @@ def train_compiled(how: str) -> dict:
     losses, graphs = [], []
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # compile this model afresh: code cached for an earlier one could serve it
+    counters.clear()
     for step in batches(SEED + 1, STEPS, ACCUM, WORLD, MICRO):
         total = torch.zeros((), device=engine.device)
         for micro in step:
