@@ -343,11 +343,14 @@ def test_table_gives_the_configured_fractions_to_the_configured_tier_only():
 def test_nvme_spill_is_what_memory_report_measures_on_cuda(tmp_path):
     """GPU machine: the nvme tier's gpu_share and host_share, predicted and measured after a step."""
     shares = {"gpu_share": 0.3, "host_share": 0.4}
+    # Model state only, as in the test on two ranks: prefetch_bytes 0 starts no gathers for the next
+    # forward during the step (with the default, the step gathered this small model's every unit).
     cfgs = [
         {
             "partitioner": partitioner,
             "precision": "bf16",
             "partitioner_options": options,
+            "prefetch_bytes": 0,
             "gradient_accumulation_steps": 2,
             "offload": {"optimizer": "nvme", "params": params, "nvme_path": str(tmp_path), "optimizer_options": shares},
         }
