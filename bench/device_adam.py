@@ -14,6 +14,7 @@ device's memory bandwidth as a copy measures it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -51,10 +52,10 @@ def main() -> None:
     master, grad = torch.randn(n, device=device), torch.randn(n, device=device)
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     copy = torch.empty(n, dtype=torch.bfloat16, device=device)
-    step_tensor, counts = torch.zeros((), device=device), _triton_adam.StepCounts()
+    step_tensor, steps = torch.zeros((), device=device), itertools.count(1)
 
     def ours():
-        _triton_adam.adam_step(master, grad, exp_avg, exp_avg_sq, step=counts.advance(step_tensor),
+        _triton_adam.adam_step(master, grad, exp_avg, exp_avg_sq, step=next(steps),
                                grad_scale=args.grad_scale, copy_out=copy, **HYPER)
 
     def torch_fused():

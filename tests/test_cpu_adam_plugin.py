@@ -27,8 +27,9 @@ def _context(**options) -> RuntimeContext:
 
 
 def _group(master: torch.Tensor, grad: torch.Tensor, copy_out: torch.Tensor | None = None) -> ParamGroup:
-    return ParamGroup(index=0, name="g0", params=(), param_names=(), requires_grad=True,
-                      master=master, grad=grad, copy_out=copy_out)
+    """One parameter's group (a step count per parameter)."""
+    return ParamGroup(index=0, name="g0", params=(torch.nn.Parameter(master.clone()),), param_names=("w",),
+                      requires_grad=True, master=master, grad=grad, copy_out=copy_out)
 
 
 def _runtime_manager(plugin):

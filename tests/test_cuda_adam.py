@@ -8,6 +8,7 @@ from torch.optim import adam as torch_adam
 from torch.optim import adamw as torch_adamw
 
 from zkernel_plugins.optimizers import _triton_adam
+from zkernel_plugins.optimizers._adam_state import StepCounts
 
 pytestmark = [
     pytest.mark.cuda,
@@ -29,19 +30,17 @@ def test_triton_adam_matches_torch_fused(decoupled, grad_dtype):
     ours = [master.clone(), torch.zeros_like(master), torch.zeros_like(master)]
     ref = [master.clone(), torch.zeros_like(master), torch.zeros_like(master)]
     ref_step = torch.zeros((), device="cuda")
-    step_tensor, counts = torch.zeros((), device="cuda"), _triton_adam.StepCounts()
     copy = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
     step_fn = torch_adamw.adamw if decoupled else torch_adam.adam
-    for _ in range(3):
+    for step in range(1, 4):
         grad = torch.randn(numel, device="cuda", generator=gen).to(grad_dtype)
-        step = counts.advance(step_tensor)
         _triton_adam.adam_step(*ours[:1], grad, *ours[1:], step=step, grad_scale=0.5, adamw=decoupled, copy_out=copy, **HYPER)
         step_fn(
             [ref[0]], [grad.float() * 0.5], [ref[1]], [ref[2]], [], [ref_step], amsgrad=False,
             beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
             eps=HYPER["eps"], maximize=False, fused=True,
         )
-    assert int(step_tensor.item()) == 3 == int(ref_step.item())
+    assert int(ref_step.item()) == 3
     rounded = ours[0].to(torch.bfloat16)
     assert torch.equal(copy, rounded), f"{int((copy != rounded).sum())} of {numel} rounded differently"
     torch.testing.assert_close(ours[0], ref[0], rtol=2e-6, atol=1e-7, msg="master")
@@ -49,14 +48,17 @@ def test_triton_adam_matches_torch_fused(decoupled, grad_dtype):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()), msg=name)
 
 
-def test_step_count_follows_changes_made_elsewhere():
-    """A step tensor changed behind the kernel's back (a checkpoint load, a rollback) is re-read."""
-    step, counts = torch.zeros((), device="cuda"), _triton_adam.StepCounts()
-    assert [counts.advance(step) for _ in range(2)] == [1, 2]
-    step.sub_(1)  # a rollback
-    assert counts.advance(step) == 2
+def test_step_counts_follow_changes_made_elsewhere():
+    """Per-parameter counts on the device: the host's copy follows its own changes without reading
+    the device, and a tensor changed behind its back (a checkpoint load) is re-read."""
+    step, counts = torch.zeros(4, device="cuda"), StepCounts()
+    counts.add(step, None, 1)
+    counts.add(step, frozenset({0, 2, 3}), 1)
+    assert counts.read(step) == [2, 1, 2, 2] and step.tolist() == [2, 1, 2, 2]
+    counts.add(step, frozenset({2, 3}), -1)  # a rollback
+    assert counts.read(step) == [2, 1, 1, 1] == step.tolist()
     step.fill_(41)  # a checkpoint load
-    assert counts.advance(step) == 42 and int(step.item()) == 42
+    assert counts.read(step) == [41] * 4
 
 
 def test_adam_step_rejects_mismatched_tensors():

@@ -79,7 +79,9 @@ class _Placer:
         self.context = context
         self.trainable_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total_numel = sum(p.numel() for p in model.parameters())
+        self.trainable_params = sum(p.requires_grad for p in model.parameters())
         self.can_rollback = True
+        self.skips_params = True
         self._checked = False
 
     def place(self, groups: Iterable[ParamGroup]) -> list[ParamGroup]:
@@ -92,14 +94,16 @@ class _Placer:
             if group.requires_grad:
                 if group.master is None:
                     raise RuntimeError(f"partitioner gave trainable group {group.name!r} no initial master")
-                declaration = self._declaration(group.master.numel())
+                group.shard_layout = self.hook.zkernel_describe_shard(group=group)
+                declaration = self._declaration(group.master.numel(), len(group.params))
                 self.can_rollback &= declaration.can_rollback
+                self.skips_params &= declaration.skips_params
                 self.optimizer_tier.adopt(group, group.master, declaration.state)
             placed.append(group)
         return placed
 
-    def _declaration(self, numel: int) -> OptimizerDeclaration:
-        declared = self.hook.zkernel_declare_optimizer(numel=numel)
+    def _declaration(self, numel: int, param_count: int) -> OptimizerDeclaration:
+        declared = self.hook.zkernel_declare_optimizer(numel=numel, param_count=param_count)
         return declared if declared is not None else OptimizerDeclaration(state=(), can_rollback=False)
 
     def _check_capacity(self, first: ParamGroup) -> None:
@@ -108,7 +112,7 @@ class _Placer:
         ctx = self.context
         sharded = first.grad_is_shard or (first.param_shard is not None and first.param_shard.numel() < first.numel)
         shards = ctx.world_size if sharded else 1
-        declaration = self._declaration(max(1, -(-self.trainable_numel // shards)))
+        declaration = self._declaration(max(1, -(-self.trainable_numel // shards)), max(1, self.trainable_params))
         demands: dict[Resource, int] = {}
         parts = (
             self.optimizer_tier.demand(-(-self.trainable_numel // shards), declaration.state, ctx.compute_dtype),
@@ -258,6 +262,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         streams=streams,
         timeline=timeline,
         can_rollback=placer.can_rollback and bool(groups),
+        skips_params=placer.skips_params,
         speculate=getattr(optimizer_tier, "speculate", "never"),
         original_dtypes=original_dtypes,
         whole_bytes=whole_bytes,

@@ -50,7 +50,7 @@ _BUILT_IN = {
     "zero_optimization.contiguous_gradients": (True, "gradients always land in contiguous flat buffers"),
     "zero_optimization.reduce_scatter": (True, "zero1/zero2/zero3 always reduce-scatter gradients"),
     "zero_optimization.allgather_partitions": (True, "updated partitions are always all-gathered"),
-    "zero_optimization.ignore_unused_parameters": (True, "parameters without a gradient step on zeros"),
+    "zero_optimization.ignore_unused_parameters": (True, "parameters without a gradient are skipped, as torch skips them"),
     "zero_optimization.load_from_fp32_weights": (True, "fp32 masters are what a checkpoint restores"),
     "zero_optimization.offload_optimizer.pin_memory": (True, "the CPU tier keeps its buffers in pinned memory"),
     "zero_optimization.offload_param.pin_memory": (True, "the CPU tier keeps its buffers in pinned memory"),

@@ -65,6 +65,7 @@ class EngineParts:
     streams: Streams
     timeline: Timeline
     can_rollback: bool
+    skips_params: bool  # the optimizer leaves skipped parameters as they are itself
     speculate: str
     # (parameter name, dtype at initialize), to give the parameters back at close.
     original_dtypes: tuple[tuple[str, torch.dtype], ...]
@@ -115,6 +116,7 @@ class Engine:
             worker=parts.worker,
             timeline=parts.timeline,
             can_rollback=parts.can_rollback,
+            skips_params=parts.skips_params,
             hyper=StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
             publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
             speculate=parts.speculate,
@@ -266,7 +268,7 @@ class Engine:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
-            norm = self.pipeline.end_backward(boundary, need_norm=self._needs_norm())
+            norm = self.pipeline.end_backward(boundary, self._needs_norm(), self.scheduler.window_used)
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
@@ -284,9 +286,10 @@ class Engine:
         if not boundary:
             return
         self.scheduler.release_kept()  # a forward whose backward never came: its values change now
-        if self._coefficient is None:  # no backward in this window: step on what landed (zeros)
+        if self._coefficient is None:  # no backward ended this window: step what got gradients
             self.pipeline.begin_backward(True, known=None, speculative=None)
-            self._coefficient = (self._coefficient_from(self.pipeline.end_backward(True, self._needs_norm())),)
+            norm = self.pipeline.end_backward(True, self._needs_norm(), self.scheduler.window_used)
+            self._coefficient = (self._coefficient_from(norm),)
         (coefficient,), self._coefficient = self._coefficient, None
         with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
             if coefficient is None:

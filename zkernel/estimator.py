@@ -55,7 +55,7 @@ from zkernel.model_shape import TransformerShape, as_module
 CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
 _ALIGN = 16  # elements; as `plugins/partitioners/_flat.ALIGN` (tests/test_estimator.py holds them equal)
 PARTITIONERS = ("none", "zero1", "zero2", "zero3")
-_STEP_COUNTER_BYTES = 4  # the optimizer's 0-dim fp32 ``step`` tensor, one per trainable group
+_STEP_COUNTER_BYTES = 4  # the optimizer's fp32 ``step`` count, one per parameter of a trainable group
 DEVICE = "device"  # placeholder for the compute device in `TIER_PLACEMENT`
 
 
@@ -276,15 +276,15 @@ class _Placement:
         return c == 4 and self.on_device(Role.MASTER) and not self.copied_master
 
 
-def _optimizer_buffers(shard: int, c: int, placement: _Placement) -> list[Buffer]:
-    """What the optimizer tier adds for a trainable group of ``shard`` owned elements."""
-    buffers = [placement.buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES)]
+def _optimizer_buffers(shard: int, c: int, params: int, placement: _Placement) -> list[Buffer]:
+    """What the optimizer tier adds for a trainable group of ``shard`` owned elements and ``params`` parameters."""
+    buffers = [placement.buffer(Role.OPTIMIZER_STATE, 8 * shard + _STEP_COUNTER_BYTES * params)]
     if c != 4 and placement.kept(Role.STAGING):
         buffers.append(placement.buffer(Role.STAGING, shard * c))
     return buffers
 
 
-def _whole_group(numel: int, shards: int, c: int, partitioner: str, placement: _Placement) -> list[Buffer]:
+def _whole_group(numel: int, params: int, shards: int, c: int, partitioner: str, placement: _Placement) -> list[Buffer]:
     """none/zero1/zero2: whole compute-dtype parameters, fp32 master/gradient/state slices."""
     shard, padded = _slices(numel, shards)
     buffers = [placement.buffer(Role.PARAM_FULL, padded * c)]
@@ -298,10 +298,12 @@ def _whole_group(numel: int, shards: int, c: int, partitioner: str, placement: _
             buffers.append(placement.buffer(Role.GRAD_LANDING, 4 * shard))
     else:
         buffers.append(placement.buffer(Role.GRAD_LANDING, 4 * shard))
-    return buffers + _optimizer_buffers(shard, c, placement)
+    return buffers + _optimizer_buffers(shard, c, params, placement)
 
 
-def _zero3_group(numel: int, shards: int, c: int, trainable: bool, whole: bool, placement: _Placement) -> list[Buffer]:
+def _zero3_group(
+    numel: int, params: int, shards: int, c: int, trainable: bool, whole: bool, placement: _Placement
+) -> list[Buffer]:
     """zero3: a compute-dtype shard unless gathers cast an fp32 master that lives on the device."""
     shard, padded = _slices(numel, shards)
     buffers = [placement.buffer(Role.PARAM_FULL, padded * c)] if whole else []
@@ -316,7 +318,7 @@ def _zero3_group(numel: int, shards: int, c: int, trainable: bool, whole: bool, 
     if not (placement.master_is_params(c) and params_on_device):
         buffers.append(placement.buffer(Role.MASTER, 4 * shard))
     buffers.append(placement.buffer(Role.GRAD_LANDING, 4 * shard))
-    return buffers + _optimizer_buffers(shard, c, placement)
+    return buffers + _optimizer_buffers(shard, c, params, placement)
 
 
 def _partitioner_options(config: Config, partitioner: str) -> Any:
@@ -375,6 +377,7 @@ class _Group:
     numel: int  # its flat extent (alignment gaps included)
     trainable: bool
     elements: int  # of its parameters alone
+    params: int  # how many parameters it holds
     whole: bool = False
 
 
@@ -428,7 +431,7 @@ def _groups(module: nn.Module, config: Config, world_size: int, options: Any) ->
     if partitioner != "zero3":
         shards = 1 if partitioner == "none" else world_size
         buckets = _buckets([p for p in params if p.trainable], options.bucket_size)
-        groups = [_Group(_extent(numels), True, sum(numels)) for numels in buckets]
+        groups = [_Group(_extent(numels), True, sum(numels), len(numels)) for numels in buckets]
     else:
         shards = world_size
         groups, pooled = [], {True: [], False: []}
@@ -438,9 +441,11 @@ def _groups(module: nn.Module, config: Config, world_size: int, options: Any) ->
                 if sum(numels) < options.persistence_threshold:
                     pooled[trainable] += numels
                 elif numels:
-                    groups.append(_Group(_extent(numels), trainable, sum(numels)))
+                    groups.append(_Group(_extent(numels), trainable, sum(numels), len(numels)))
         groups += [
-            _Group(_extent(numels), trainable, sum(numels), whole=True) for trainable, numels in pooled.items() if numels
+            _Group(_extent(numels), trainable, sum(numels), len(numels), whole=True)
+            for trainable, numels in pooled.items()
+            if numels
         ]
     return groups, shards, frozen
 
@@ -491,9 +496,9 @@ def group_buffers(
         copied = spill is not None and not spill.at_adopt and (partitioner != "zero3" or group.whole)
         placement = _Placement(row, params_row, tier, copied_master=copied)
         if partitioner != "zero3":
-            out.append(_whole_group(group.numel, shards, c, partitioner, placement))
+            out.append(_whole_group(group.numel, group.params, shards, c, partitioner, placement))
         else:
-            out.append(_zero3_group(group.numel, shards, c, group.trainable, group.whole, placement))
+            out.append(_zero3_group(group.numel, group.params, shards, c, group.trainable, group.whole, placement))
     if partitioner != "zero3":
         # Frozen parameters stay whole on every rank, outside any group.
         out += [[Buffer(Role.PARAM_FULL, p.numel * c)] for p in frozen]

@@ -66,6 +66,10 @@ class ParamGroup:
     # tier has it there (set by the kernel before a gather; the partitioner reads it).
     device_shard: torch.Tensor | None = None
     optim_state: dict[str, Any] = attrs.field(factory=dict)
+    # What this rank's shard holds, set by the kernel from `zkernel_describe_shard` when the group
+    # is placed (None for a partitioner that does not describe it); optimizers read it to step
+    # some parameters of the group and not others (``StepOptions.skip_params``).
+    shard_layout: ShardLayout | None = None
     layout: Any = None
 
     @property
@@ -95,12 +99,15 @@ class StateSpec:
 
     name: str
     dtype: torch.dtype
-    # () for a scalar (e.g. a step count), (numel,) for per-element state.
+    # () for a scalar, (numel,) for per-element state, (len(group.params),) for per-parameter state.
     shape: tuple[int, ...]
+    # One value per parameter of the group (a step count, as torch keeps one per parameter): a
+    # checkpoint stores each parameter's own value, so it loads into any grouping.
+    per_param: bool = False
 
     @property
     def per_element(self) -> bool:
-        return self.shape != ()
+        return self.shape != () and not self.per_param
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +124,10 @@ class OptimizerDeclaration:
     state: tuple[StateSpec, ...]
     # Whether `zkernel_rollback_optimizer` can undo a step (enables speculative steps).
     can_rollback: bool = False
+    # Whether the optimizer leaves the parameters in ``StepOptions.skip_params`` as they are itself
+    # (keeping per-parameter state such as step counts); otherwise the kernel puts their elements
+    # of the master, the per-element state and the copy-out back after the step.
+    skips_params: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -129,6 +140,10 @@ class StepOptions:
     weight_decay: float
     # Multiply the gradient by this before use (loss-scale inverse times clip coefficient).
     grad_scale: float = 1.0
+    # Positions in ``group.params`` of parameters no rank gave a gradient in this window: their
+    # elements and state stay as they are, as torch's optimizers skip a parameter whose ``grad`` is
+    # None (see [Note: parameters without a gradient] in `zkernel.unused_params`).
+    skip_params: frozenset[int] = frozenset()
 
 
 @attrs.frozen

@@ -341,8 +341,10 @@ def zkernel_restore_params(group: ParamGroup, master: torch.Tensor | None, home:
 
 
 @hookspec(firstresult=True)
-def zkernel_declare_optimizer(numel: int) -> OptimizerDeclaration | None:
-    """Declare the state the selected optimizer keeps for a group of ``numel`` elements.
+def zkernel_declare_optimizer(numel: int, param_count: int) -> OptimizerDeclaration | None:
+    """Declare the state the selected optimizer keeps for a group of ``numel`` elements (this
+    rank's shard) holding parts of ``param_count`` parameters (per-parameter state, such as a step
+    count, has shape ``(param_count,)`` and ``per_param`` set).
 
     Called by `zkernel.initialize` once per trainable group, before the group
     is placed, so the optimizer tier can allocate (pin, or give swap space to)
@@ -369,7 +371,12 @@ def zkernel_step_optimizer(group: ParamGroup, options: StepOptions) -> bool | No
         low-precision tensor of the same numel that must receive the updated
         values rounded to its dtype).
     :param options: hyperparameters for this step and the gradient
-        coefficient (unscale times clip).
+        coefficient (unscale times clip); ``options.skip_params`` names the
+        parameters (positions in ``group.params``) that no rank gave a
+        gradient in this window: their elements of ``master``, state and
+        ``copy_out`` must stay as they are, as torch skips a parameter whose
+        ``grad`` is None (``group.shard_layout`` says where each parameter's
+        elements are in the shard).
     :return: True once stepped.
 
     Stops at the first non-None result.

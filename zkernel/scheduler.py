@@ -139,7 +139,7 @@ class Scheduler:
         *,
         params_tier,
         streams,
-        on_reduced: Callable[[ParamGroup, ReducedGradient, bool, bool], None],
+        on_reduced: Callable[[ParamGroup, ReducedGradient, bool, frozenset[int]], None],
         wait_update: Callable[[ParamGroup], None],
         update_pending: Callable[[ParamGroup], bool],
         root: nn.Module | None = None,
@@ -168,8 +168,8 @@ class Scheduler:
             self.groups_of_module.setdefault(id(g.module), []).append(g)
         self.external: set[int] = set()  # group indices kept whole through a step
         self.recomputed: nn.Module | None = None  # the unit module this backward recomputed last
-        # Trainable groups any of whose parameters got a gradient in this accumulation window.
-        self.window_used: set[int] = set()
+        # Trainable group index -> positions of its parameters that got a gradient in this window.
+        self.window_used: dict[int, set[int]] = {}
         self.tracer = ModuleTrace()
         self.paths = PathCheck(self.groups, streams_device(streams), enabled=True)
         self._prefetched: set[int] = set()  # groups whose gather the prefetcher issued and nobody consumed
@@ -194,8 +194,8 @@ class Scheduler:
         for group in self.groups:
             if not group.requires_grad:
                 continue
-            for p in group.params:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group)))
+            for position, p in enumerate(group.params):
+                self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready_hook(group, position)))
         fetch = self._make_fetcher()
         for group in self.bound:
             for p in group.params:
@@ -440,7 +440,7 @@ class Scheduler:
             if position is not None:
                 self._prefetch_after(group, Phase.BACKWARD, position)
 
-    def _make_grad_ready_hook(self, group: ParamGroup):
+    def _make_grad_ready_hook(self, group: ParamGroup, position: int):
         # The hook lives in the parameter's C++ autograd state, which Python's cycle
         # collector cannot see through: a strong reference back to the scheduler
         # would keep the engine alive after the user drops it and the model.
@@ -450,12 +450,15 @@ class Scheduler:
         def on_grad_ready(_param: torch.Tensor) -> None:
             scheduler = scheduler_ref()
             if scheduler is not None:
-                scheduler._grad_ready(index, total)
+                scheduler._grad_ready(index, position, total)
 
         return on_grad_ready
 
-    def _grad_ready(self, index: int, total: int) -> None:
-        self.window_used.add(index)
+    def _grad_ready(self, index: int, position: int, total: int) -> None:
+        used = self.window_used.get(index)
+        if used is None:
+            used = self.window_used[index] = set()
+        used.add(position)
         self._ready_count[index] += 1
         if self._ready_count[index] == total:
             self._group_grads_ready(self._group_by_index[index])
@@ -467,8 +470,13 @@ class Scheduler:
             self.paths.before(group, "reduce", self.micro_step)
             reduced = self.hook.zkernel_reduce_gradients(group=group, boundary=self._boundary)
             if reduced is not None:
-                self._on_reduced(group, reduced, self._boundary, group.index in self.window_used)
+                self._on_reduced(group, reduced, self._boundary, self._unused_in_window(group))
         self._reduced.add(group.index)
+
+    def _unused_in_window(self, group: ParamGroup) -> frozenset[int]:
+        """Positions of ``group``'s parameters that got no gradient in this window so far."""
+        used = self.window_used.get(group.index, ())
+        return frozenset(range(len(group.params))).difference(used) if len(used) < len(group.params) else frozenset()
 
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = boundary

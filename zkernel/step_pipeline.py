@@ -39,12 +39,15 @@ coefficient, or only roll back on an fp16 overflow. Policy ``auto`` speculates
 when the previous step needed neither clipping nor a skip, so a run that clips
 every step pays no rollbacks. Only an optimizer that declared it can roll back
 is ever speculated on.
+
+Parameters no rank gave a gradient in the window are not stepped, as torch
+skips them ([Note: parameters without a gradient] in `zkernel.unused_params`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +61,7 @@ from zkernel.profiling import profiler_range
 from zkernel.streams import current_stream
 from zkernel.tiers import OptimizerTier, ParamsTier
 from zkernel.timeline import SpanKind, Timeline
+from zkernel.unused_params import UnusedParams, keep_elements
 
 log = get_logger()
 
@@ -81,6 +85,7 @@ class StepPipeline:
         timeline: Timeline,
         can_rollback: bool,
         hyper: StepOptions,
+        skips_params: bool = True,
         publish: Callable[[ParamGroup], None],
         speculate: str = "auto",
         max_norm: float = 0.0,
@@ -96,6 +101,7 @@ class StepPipeline:
         self.worker = worker
         self.timeline = timeline
         self.can_rollback = can_rollback
+        self.skips_params = skips_params
         self.speculate = speculate
         self.max_norm = max_norm
         # Hyperparameters of the next step (the engine replaces it when ``engine.lr`` changes).
@@ -105,6 +111,9 @@ class StepPipeline:
         self._landing_order: list[ParamGroup] = []
         self._landed: set[int] = set()
         self._unused: set[int] = set()  # groups no rank gave a gradient in this window: not stepped
+        # Groups some of whose parameters no rank gave a gradient in this window -> their positions.
+        self._skip: dict[int, frozenset[int]] = {}
+        self._unused_params = UnusedParams(self.trainable, distributed)
         # Forward need order, refined after every boundary backward.
         self._order: list[ParamGroup] = list(reversed(self.trainable))
         # Host steps started during backward: group index -> (job, coefficient it used).
@@ -130,6 +139,7 @@ class StepPipeline:
         self._landed = set()
         if boundary:
             self._unused = set()
+            self._skip = {}
         self._early_coefficient = None
         self._early_exact = False
         self._speculative = speculative
@@ -146,11 +156,12 @@ class StepPipeline:
             return False
         return self.speculate == "always" or self._last_clean
 
-    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool, used: bool = True) -> None:
+    def land(self, group: ParamGroup, reduced: ReducedGradient, final: bool, unused: frozenset[int] = frozenset()) -> None:
         """Hand a reduced gradient to the tier (called by the scheduler, in autograd's thread).
 
-        ``used``: some parameter of the group got a gradient in this window on this rank (a
-        group that got none is not stepped, as torch skips parameters whose ``grad`` is None)."""
+        ``unused``: positions of the group's parameters that got no gradient in this window on this
+        rank (see [Note: parameters without a gradient] in `zkernel.unused_params`); a group with any is not
+        stepped early."""
         self.wait_update(group)  # the previous step must be done with the landing buffer
         if reduced.work is not None:
             full = reduced.keepalive if reduced.keepalive is not None else reduced.tensor
@@ -160,40 +171,33 @@ class StepPipeline:
             return
         self._landing_order.append(group)
         self._landed.add(group.index)
-        if not used:
-            self._unused.add(group.index)
+        if unused:
             return
         if self._early_coefficient is not None and self.tier.steps_on_host(group) and not self._abort_speculation:
             self.tier.prepare(group)
-            options = self._step_options(self._early_coefficient)
+            options = self._step_options(self._early_coefficient, group)
             job = self.worker.submit(self._early_step, group, options, self._early_exact)
             self._early[group.index] = (job, self._early_coefficient)
 
-    def end_backward(self, boundary: bool, need_norm: bool) -> float | None:
-        """After a backward: complete landings; at a boundary return the global norm when asked."""
+    def end_backward(self, boundary: bool, need_norm: bool, used: Mapping[int, Collection[int]]) -> float | None:
+        """After a backward: complete landings; at a boundary learn which parameters no rank gave a
+        gradient in the window (``used``: group index -> positions of parameters this rank gave one)
+        and return the global norm when asked."""
         self.tier.flush()
         if not boundary:
             return None
         landed = self._landing_order + [g for g in self.trainable if g.index not in self._landed]
         self._order = list(reversed(landed))
-        self._agree_on_unused()
+        self._agree_on_unused(used)
         return self._global_norm() if need_norm else None
 
-    def _agree_on_unused(self) -> None:
-        """A group is skipped only when no rank used it (all ranks must skip, or publish, together)."""
-        if not self.distributed:
-            return
-        flags = torch.tensor([g.index not in self._unused for g in self.trainable], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
-            flags = flags.pin_memory().to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        if not self._unused:
-            # Every group was used here, so by the rule above none is skipped: this rank only
-            # takes part for the others, and its host does not wait for the result.
-            return
-        work.wait()
-        # .cpu() waits for the device with the interpreter lock released (the path watcher's reporter needs it).
-        self._unused = {g.index for g, used in zip(self.trainable, flags.cpu().tolist()) if not used}
+    def _agree_on_unused(self, used: Mapping[int, Collection[int]]) -> None:
+        """A parameter is skipped only where no rank gave it a gradient (see `zkernel.unused_params`)."""
+        for group, positions in self._unused_params.agree(used).items():
+            if len(positions) == len(group.params):
+                self._unused.add(group.index)
+            else:
+                self._skip[group.index] = positions
 
     def _global_norm(self) -> float:
         sharded = [g for g in self.trainable if g.grad_is_shard]
@@ -240,7 +244,7 @@ class StepPipeline:
         for group in self._order:
             if group.index in self._unused:  # as torch skips a parameter whose grad is None
                 early = self._early.pop(group.index, None)
-                job = self.worker.submit(self._after_early, early[0], group, self._step_options(early[1]), None) if early else None
+                job = self.worker.submit(self._after_early, early[0], group, self._step_options(early[1], group), None) if early else None
                 if job is not None:
                     self._updates[group.index] = job
                 elif self.tier.steps_on_host(group):
@@ -291,17 +295,17 @@ class StepPipeline:
         return [*rest[:position], last, *rest[position:]]
 
     def _submit_host(self, group: ParamGroup, coefficient: float | None) -> Future:
-        final = None if coefficient is None else self._step_options(coefficient)
+        final = None if coefficient is None else self._step_options(coefficient, group)
         early = self._early.get(group.index)
         if early is None:
             if final is None:
                 return self.worker.submit(self._host_skip, group)
             return self.worker.submit(self._host_step, group, final, True)
         job, used = early
-        return self.worker.submit(self._after_early, job, group, self._step_options(used), final)
+        return self.worker.submit(self._after_early, job, group, self._step_options(used, group), final)
 
-    def _step_options(self, coefficient: float) -> StepOptions:
-        return attrs.evolve(self.hyper, grad_scale=coefficient)
+    def _step_options(self, coefficient: float, group: ParamGroup) -> StepOptions:
+        return attrs.evolve(self.hyper, grad_scale=coefficient, skip_params=self._skip.get(group.index, frozenset()))
 
     # Host jobs (worker thread). Each returns the event of the parameter-shard upload, or None.
 
@@ -377,12 +381,13 @@ class StepPipeline:
         if coefficient is not None:
             self.tier.acquire(group)
             self.params_tier.before_update(group)
-            self._optimizer_step(group, self._step_options(coefficient))
+            self._optimizer_step(group, self._step_options(coefficient, group))
             event = self._finish_update(group)
         self.tier.end_window(group)
         return event
 
     def _optimizer_step(self, group: ParamGroup, options: StepOptions) -> None:
+        restore = keep_elements(group, options.skip_params) if options.skip_params and not self.skips_params else None
         with profiler_range("zkernel::optimizer_step"):
             stepped = self.hook.zkernel_step_optimizer(group=group, options=options)
         if not stepped:
@@ -390,6 +395,8 @@ class StepPipeline:
                 f"no optimizer stepped group {group.name!r}: the selected optimizer returned nothing "
                 "from zkernel_step_optimizer"
             )
+        if restore is not None:
+            restore()
 
     def _publish(self, group: ParamGroup, event: Any) -> None:
         if event is not None:
@@ -434,3 +441,4 @@ class StepPipeline:
             for other in errors[1:]:
                 errors[0].add_note(f"also failed: {other}")
             raise errors[0]
+

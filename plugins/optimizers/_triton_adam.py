@@ -15,10 +15,10 @@ The arithmetic is torch's fused AdamW's, in fp32, with the bias corrections
 computed on the host in double precision as torch does; torch's kernel does
 some products in double, so results differ from it by a few roundings (the
 test holds the master to 2e-6 relative). The bf16 copy is rounded to nearest,
-as ``copy_`` rounds. The step count stays the 0-dim device tensor torch keeps (so
-checkpoints and rollback read it as before); the host keeps its value beside
-it and reads the device only when something other than this kernel changed it
-(a checkpoint load, a rollback).
+as ``copy_`` rounds. The step counts stay on the device, where torch keeps
+them (so checkpoints and rollback read them as before); the host keeps their
+values beside them (`_adam_state.StepCounts`) and reads the device only when
+something other than a step changed them (a checkpoint load).
 """
 
 from __future__ import annotations
@@ -74,25 +74,6 @@ def _build():
             tl.store(copy_ptr + offsets, param.to(copy_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
     return adam_kernel
-
-
-class StepCounts:
-    """The host's copy of each group's device step count (see [Note: Adam at bandwidth])."""
-
-    def __init__(self) -> None:
-        self._known: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(tensor) -> (value, version, tensor)
-
-    def advance(self, step: torch.Tensor) -> int:
-        """Add one to ``step`` (a 0-dim device tensor) and return the new count, without a sync
-        unless the tensor changed behind this object's back."""
-        known = self._known.get(id(step))
-        if known is not None and known[2] is step and known[1] == step._version:
-            value = known[0] + 1
-        else:
-            value = int(step.item()) + 1
-        step.add_(1)
-        self._known[id(step)] = (value, step._version, step)
-        return value
 
 
 def adam_step(

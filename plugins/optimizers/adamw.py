@@ -10,7 +10,10 @@ tensor): fused where the device supports it, foreach otherwise, on the GPU or
 on the CPU (with an offloaded master: a valid, slower choice than
 ``cpu_adam``); there the gradient is multiplied by the coefficient into a
 temporary and the result copied into ``copy_out`` after. The gradient is never
-changed in place, so a step can be rolled back from it.
+changed in place, so a step can be rolled back from it. A group whose
+parameters are at different step counts, or some of which are skipped this
+step, takes one call per run of the shard at one count ([Note: per-parameter
+steps] in ``_adam_state``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from zkernel import hookimpl
 from zkernel.config import boolean, choice
 
 from . import _triton_adam
-from ._adam_state import adam_declaration, rollback_group, rollback_possible
+from ._adam_state import StepCounts, adam_declaration, init_state, rollback_group, rollback_possible, step_group
 
 
 @attrs.frozen(kw_only=True)
@@ -47,15 +50,15 @@ class TorchAdamW:
     def __init__(self, context) -> None:
         self.options = context.options or AdamWOptions()
         self._can_rollback = rollback_possible(context.config, self.options.decoupled_weight_decay)
-        self._step_counts = _triton_adam.StepCounts()
+        self._step_counts = StepCounts()
 
     @hookimpl
-    def zkernel_declare_optimizer(self, numel):
-        return adam_declaration(numel, can_rollback=self._can_rollback)
+    def zkernel_declare_optimizer(self, numel, param_count):
+        return adam_declaration(numel, param_count, can_rollback=self._can_rollback)
 
     @hookimpl
     def zkernel_rollback_optimizer(self, group, options):
-        rollback_group(group, options, self.options.decoupled_weight_decay, native_kernel=False)
+        rollback_group(group, options, self.options.decoupled_weight_decay, native_kernel=False, counts=self._step_counts)
         return True
 
     @hookimpl
@@ -70,72 +73,75 @@ class TorchAdamW:
                 )
             self._triton_step(group, options)
         else:
-            torch_adam_step(group, options, implementation, self.options.decoupled_weight_decay)
+            torch_adam_step(group, options, self._step_counts, implementation, self.options.decoupled_weight_decay)
         return True
 
     def _triton_step(self, group, options) -> None:
-        state = group.optim_state
-        if not state:
-            _init_state(group.master, state)
-        grad = group.grad
-        if grad.device != group.master.device:
-            grad = grad.to(group.master.device)
-        _triton_adam.adam_step(
-            group.master,
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            step=self._step_counts.advance(state["step"]),
-            lr=options.lr,
-            betas=options.betas,
-            eps=options.eps,
-            weight_decay=options.weight_decay,
-            grad_scale=options.grad_scale,
-            adamw=self.options.decoupled_weight_decay,
-            copy_out=group.copy_out,
-        )
+        if not group.optim_state:
+            init_state(group)
+
+        def update(run, t) -> None:
+            _triton_adam.adam_step(
+                t["master"],
+                t["grad"],
+                t["exp_avg"],
+                t["exp_avg_sq"],
+                step=run.step,
+                lr=options.lr,
+                betas=options.betas,
+                eps=options.eps,
+                weight_decay=options.weight_decay,
+                grad_scale=options.grad_scale,
+                adamw=self.options.decoupled_weight_decay,
+                copy_out=t["copy_out"],
+            )
+
+        grad = group.grad if group.grad.device == group.master.device else group.grad.to(group.master.device)
+        step_group(group, options, self._step_counts, update, grad)
 
 
-def torch_adam_step(group, options, implementation: str = "auto", decoupled: bool = True) -> None:
-    """One torch Adam/AdamW update of ``group.master`` (any device), ``group.grad`` read only."""
-    master, grad = group.master, group.grad
-    if grad.dtype != master.dtype or grad.device != master.device:
-        grad = grad.to(device=master.device, dtype=master.dtype)
-    if options.grad_scale != 1.0:
-        grad = grad * options.grad_scale
-    state = group.optim_state
-    if not state:
-        _init_state(master, state)
+def torch_adam_step(group, options, counts: StepCounts, implementation: str = "auto", decoupled: bool = True) -> None:
+    """One torch Adam/AdamW update of ``group.master`` (any device), ``group.grad`` read only, run by
+    run (see [Note: per-parameter steps])."""
+    master = group.master
+    if not group.optim_state:
+        init_state(group)
     if implementation == "auto":
         implementation = "fused" if _fused_supported(master.device) else "foreach"
     beta1, beta2 = options.betas
     adam = torch_adamw.adamw if decoupled else _adam
-    adam(
-        [master],
-        [grad],
-        [state["exp_avg"]],
-        [state["exp_avg_sq"]],
-        [],
-        [state["step"]],
-        amsgrad=False,
-        beta1=beta1,
-        beta2=beta2,
-        lr=options.lr,
-        weight_decay=options.weight_decay,
-        eps=options.eps,
-        maximize=False,
-        fused=implementation == "fused",
-        foreach=implementation == "foreach",
-    )
-    if group.copy_out is not None:
-        group.copy_out.copy_(master)
 
+    def update(run, t) -> None:
+        grad = t["grad"]
+        if grad.dtype != master.dtype or grad.device != master.device:
+            grad = grad.to(device=master.device, dtype=master.dtype)
+        if options.grad_scale != 1.0:
+            grad = grad * options.grad_scale
+        # torch counts the step itself: it adds one to this before the update. Its fused kernels
+        # read the count on the device, the others on the host.
+        fused = implementation == "fused"
+        step = torch.full((), run.step - 1, dtype=torch.float32, device=master.device if fused else "cpu")
+        adam(
+            [t["master"]],
+            [grad],
+            [t["exp_avg"]],
+            [t["exp_avg_sq"]],
+            [],
+            [step],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=options.lr,
+            weight_decay=options.weight_decay,
+            eps=options.eps,
+            maximize=False,
+            fused=fused,
+            foreach=implementation == "foreach",
+        )
+        if t["copy_out"] is not None:
+            t["copy_out"].copy_(t["master"])
 
-def _init_state(master: torch.Tensor, state: dict) -> None:
-    """Zero moments and step count, for a tier that does not allocate declared state."""
-    state["exp_avg"] = torch.zeros_like(master)
-    state["exp_avg_sq"] = torch.zeros_like(master)
-    state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+    step_group(group, options, counts, update)
 
 
 def _adam(*args, **kwargs):

@@ -1,7 +1,8 @@
 """Optimizer ``cpu_adam``: the native SIMD, multi-threaded Adam/AdamW over CPU shards.
 
 Each group's master shard is one flat fp32 CPU tensor, so a step is one call
-into `zkernel.native.adam_step`, which in a single pass over memory widens a
+(one per run of parameters at one step count, see [Note: per-parameter steps]
+in ``_adam_state``) into `zkernel.native.adam_step`, which in a single pass over memory widens a
 bf16 gradient (or reads an fp32 one), multiplies it by the step's gradient
 coefficient (unscale times clip), applies Adam or AdamW, writes the moments and
 the fp32 master, and rounds the new master into ``group.copy_out`` (bf16/fp16)
@@ -13,8 +14,9 @@ A group whose master the tier keeps on the GPU (the GPU share of an
 offloaded optimizer) is stepped with torch's fused AdamW there: the same math.
 
 State per group (``group.optim_state``): ``exp_avg`` and ``exp_avg_sq`` fp32
-CPU tensors and ``step``, a 0-dim fp32 tensor, the same keys and types as the
-``adamw`` optimizer keeps, so a checkpoint of one resumes with the other.
+CPU tensors and ``step``, one fp32 count per parameter (see [Note: per-parameter
+steps] in ``_adam_state``), the same keys and types as the ``adamw`` optimizer
+keeps, so a checkpoint of one resumes with the other.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from zkernel import hookimpl, native
 from zkernel.config import boolean, integer
 from zkernel.log import get_logger
 
-from ._adam_state import adam_declaration, rollback_group, rollback_possible
+from ._adam_state import StepCounts, adam_declaration, init_state, rollback_group, rollback_possible, step_group
 from .adamw import torch_adam_step
 
 log = get_logger()
@@ -49,21 +51,22 @@ class CpuAdam:
         self.options = (context.options if context is not None else None) or CpuAdamOptions()
         native.load()  # fail at selection time, naming the build step, if unbuilt
         self._can_rollback = context is not None and rollback_possible(context.config, self.options.decoupled_weight_decay)
+        self._step_counts = StepCounts()
 
     @hookimpl
-    def zkernel_declare_optimizer(self, numel):
-        return adam_declaration(numel, can_rollback=self._can_rollback)
+    def zkernel_declare_optimizer(self, numel, param_count):
+        return adam_declaration(numel, param_count, can_rollback=self._can_rollback)
 
     @hookimpl
     def zkernel_rollback_optimizer(self, group, options):
-        rollback_group(group, options, self.options.decoupled_weight_decay, native_kernel=True)
+        rollback_group(group, options, self.options.decoupled_weight_decay, native_kernel=True, counts=self._step_counts)
         return True
 
     @hookimpl
     def zkernel_step_optimizer(self, group, options) -> bool:
         master = group.master
         if master.device.type == "cuda":
-            torch_adam_step(group, options, "auto", self.options.decoupled_weight_decay)
+            torch_adam_step(group, options, self._step_counts, "auto", self.options.decoupled_weight_decay)
             return True
         if master.device.type != "cpu":
             raise RuntimeError(
@@ -71,32 +74,29 @@ class CpuAdam:
                 f"AdamW), but group {group.name!r} keeps its master shard on {master.device}; "
                 'use offload.optimizer = "cpu" or optimizer name "adamw"'
             )
-        grad = group.grad
-        if grad.device.type != "cpu":
-            grad = grad.to("cpu")
-        state = group.optim_state
-        if not state:
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-            state["step"] = torch.zeros((), dtype=torch.float32)
+        if not group.optim_state:
+            init_state(group)
             log.debug("zkernel.cpu_adam.state_created", group=group.name, numel=master.numel())
-        step = state["step"]
-        step.add_(1)
-        native.adam_step(
-            master,
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            step=int(step.item()),
-            lr=options.lr,
-            betas=options.betas,
-            eps=options.eps,
-            weight_decay=options.weight_decay,
-            grad_scale=options.grad_scale,
-            adamw=self.options.decoupled_weight_decay,
-            copy_out=group.copy_out,
-            threads=self.options.threads,
-        )
+
+        def update(run, t) -> None:
+            native.adam_step(
+                t["master"],
+                t["grad"],
+                t["exp_avg"],
+                t["exp_avg_sq"],
+                step=run.step,
+                lr=options.lr,
+                betas=options.betas,
+                eps=options.eps,
+                weight_decay=options.weight_decay,
+                grad_scale=options.grad_scale,
+                adamw=self.options.decoupled_weight_decay,
+                copy_out=t["copy_out"],
+                threads=self.options.threads,
+            )
+
+        grad = group.grad
+        step_group(group, options, self._step_counts, update, grad if grad.device.type == "cpu" else grad.to("cpu"))
         return True
 
 

@@ -185,7 +185,11 @@ class _ShardLoader:
                 batch.add(name, f"state.{state_name}", frag.start, tensor[span])
         batch.run(self.reader)
         for state_name, dtype in specs.scalars.items():
-            state[state_name] = self._scalar(group, names, state_name, dtype)
+            if state_name in specs.per_param:
+                values = [self._saved_scalar(name, state_name, group) for name in names]
+                state[state_name] = torch.tensor([v for _, v in values], dtype=torch.float64).to(dtype)
+            else:
+                state[state_name] = self._scalar(group, names, state_name, dtype)
         def hand_over() -> None:
             self.engine.optimizer_tier.write_state(group, ShardState(master=master, state=state))
             self.engine.refresh_param_shard(group)
@@ -206,6 +210,15 @@ class _ShardLoader:
         if extra and not self._warned:
             self._warned = True
             log.warning("zkernel.checkpoint.state_ignored", names=extra, reason="the selected optimizer keeps none")
+
+    def _saved_scalar(self, name: str, state_name: str, group: ParamGroup) -> list:
+        found = self.index.params[name]["scalars"].get(state_name)
+        if found is None:
+            raise CheckpointError(
+                f"optimizer state {state_name!r} of parameter {name!r} (group {group.name!r}) is missing in "
+                f"checkpoint {self.index.dir}"
+            )
+        return found
 
     def _scalar(self, group: ParamGroup, names: list[str], state_name: str, dtype: torch.dtype) -> torch.Tensor:
         values = {repr(self.index.params[n]["scalars"].get(state_name)) for n in set(names)}

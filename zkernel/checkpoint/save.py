@@ -183,7 +183,9 @@ class _GroupStateCache:
         self.group: ParamGroup | None = None
         self.state: ShardState | None = None
         self.shard: torch.Tensor | None = None
-        self.scalars: dict[int, dict[str, list]] = {}  # group index -> scalar name -> [dtype, value]
+        # group index -> scalar name -> [dtype, value] (a list of values, one per parameter, for per-parameter state)
+        self.scalars: dict[int, dict[str, list]] = {}
+        self.per_param: frozenset[str] = frozenset()  # names of per-parameter state
 
     def tensor(self, group: ParamGroup, kind: str) -> torch.Tensor:
         if self.group is not group:
@@ -191,7 +193,9 @@ class _GroupStateCache:
             if group.requires_grad:
                 self.state = self.engine.optimizer_tier.read_state(group)
                 self.scalars[group.index] = {
-                    name: [dtype_name(t.dtype), t.item()] for name, t in self.state.state.items() if t.dim() == 0
+                    name: [dtype_name(t.dtype), t.item() if t.dim() == 0 else t.tolist()]
+                    for name, t in self.state.state.items()
+                    if t.dim() == 0 or name in self.per_param
                 }
             else:
                 self.shard = self.engine.params_tier.read_shard(group)
@@ -212,7 +216,7 @@ class _RankPlan:
         self.entries: list[Entry] = []
         self.fragments: dict[str, list[list[int]]] = {}  # canonical name -> [[start, numel], ...]
         self.stored: dict[str, str] = {}  # canonical name -> "master" | "param"
-        self.scalar_groups: dict[str, int] = {}  # canonical name -> group index (trainable)
+        self.scalar_groups: dict[str, tuple[int, int]] = {}  # canonical name -> (group index, position) (trainable)
         self.cache = _GroupStateCache(engine)
         self.specs: StateSpecs | None = None
         groups = engine.groups
@@ -231,6 +235,7 @@ class _RankPlan:
         if group.requires_grad:
             specs = state_specs(self.engine, group, layout.numel)
             self.specs = self.specs or specs
+            self.cache.per_param = specs.per_param
             kinds = [("master", torch.float32)] + [(f"state.{n}", d) for n, d in specs.per_element.items()]
         else:
             shard = group.param_shard
@@ -251,7 +256,7 @@ class _RankPlan:
             self.fragments.setdefault(name, []).append([frag.start, frag.numel])
             self.stored[name] = "master" if group.requires_grad else "param"
             if group.requires_grad:
-                self.scalar_groups[name] = group.index
+                self.scalar_groups[name] = (group.index, frag.param)
 
     def _slice(self, group: ParamGroup, kind: str, frag, numel: int) -> torch.Tensor:
         tensor = self.cache.tensor(group, kind)
@@ -281,7 +286,13 @@ class _RankPlan:
         return {"format": FORMAT, "version": str(FORMAT_VERSION), "tag": tag, "rank": str(self.rank)}
 
     def report(self, record) -> dict[str, Any]:
-        scalars = {name: self.cache.scalars.get(index, {}) for name, index in self.scalar_groups.items()}
+        scalars = {
+            name: {
+                key: [dtype, value[position] if isinstance(value, list) else value]
+                for key, (dtype, value) in self.cache.scalars.get(index, {}).items()
+            }
+            for name, (index, position) in self.scalar_groups.items()
+        }
         specs = self.specs
         return {
             "file": record.to_json(),

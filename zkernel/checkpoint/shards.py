@@ -65,18 +65,24 @@ def whole_params(view: ModelView, groups: list[ParamGroup], layouts: list[ShardL
 
 @attrs.frozen
 class StateSpecs:
-    """The optimizer state a trainable group keeps: per-element tensors and 0-dim scalars, with dtypes."""
+    """The optimizer state a trainable group keeps: per-element tensors and scalars, with dtypes.
+
+    A checkpoint stores a scalar per parameter: a 0-dim state's value for each parameter of the
+    group, a ``per_param`` state's (named in ``per_param``, also in ``scalars``) each its own."""
 
     per_element: dict[str, torch.dtype]
     scalars: dict[str, torch.dtype]
+    per_param: frozenset[str] = frozenset()
 
 
 def state_specs(engine, group: ParamGroup, numel: int) -> StateSpecs:
     """What the optimizer declared for a shard of ``numel`` elements, plus what it created lazily."""
-    declared = engine.hook.zkernel_declare_optimizer(numel=numel)
-    per_element, scalars = {}, {}
+    declared = engine.hook.zkernel_declare_optimizer(numel=numel, param_count=len(group.params))
+    per_element, scalars, per_param = {}, {}, set()
     for spec in declared.state if declared is not None else ():
         (per_element if spec.per_element else scalars)[spec.name] = spec.dtype
+        if spec.per_param:
+            per_param.add(spec.name)
     for name, value in group.optim_state.items():
         if name in per_element or name in scalars or not isinstance(value, torch.Tensor):
             continue
@@ -87,6 +93,6 @@ def state_specs(engine, group: ParamGroup, numel: int) -> StateSpecs:
         else:
             raise CheckpointError(
                 f"optimizer state {name!r} of group {group.name!r} has shape {tuple(value.shape)}: a checkpoint "
-                f"re-shards only per-element state (shape ({numel},)) and scalars"
+                f"re-shards only per-element state (shape ({numel},)), scalars and declared per-parameter state"
             )
-    return StateSpecs(per_element, scalars)
+    return StateSpecs(per_element, scalars, frozenset(per_param))
