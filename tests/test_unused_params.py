@@ -28,8 +28,10 @@ def _check(result: dict, expected: dict, label: str) -> None:
     for i, (a, b) in enumerate(zip(result["losses"], expected["losses"], strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"{label} step {i}: {a} vs {b}"
     assert result["state"].keys() == expected["state"].keys()
+    # A step on a zero gradient moves a parameter by lr * weight_decay * |p| (2e-4 here) or more; two
+    # GPUs against this CPU oracle differ by up to 1.5e-6 (as plain data parallel does there).
     for name, value in expected["state"].items():
-        torch.testing.assert_close(result["state"][name].float(), value.float(), rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
+        torch.testing.assert_close(result["state"][name].float(), value.float(), rtol=1e-5, atol=1e-5, msg=f"{label}: {name}")
 
 
 CONFIGS = {
