@@ -148,6 +148,20 @@ def step_group(
     counts.add(state["step"], _stepped(group, options.skip_params), 1)
 
 
+def kernel_arguments(step: int, options: StepOptions, decoupled: bool) -> dict:
+    """The keyword arguments every Adam kernel here takes (`zkernel.native.adam_step`, its rollback,
+    the Triton kernel, `zkernel.adam_math.adam_rollback`) for one run at count ``step``."""
+    return dict(
+        step=step,
+        lr=options.lr,
+        betas=options.betas,
+        eps=options.eps,
+        weight_decay=options.weight_decay,
+        grad_scale=options.grad_scale,
+        adamw=decoupled,
+    )
+
+
 def _tensors(group: ParamGroup, grad: torch.Tensor) -> dict:
     state = group.optim_state
     return {"master": group.master, "grad": grad, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"],
@@ -184,17 +198,8 @@ def rollback_group(group, options, decoupled: bool, native_kernel: bool, counts:
     elif not on_host:
         grad = grad.to(group.master.device, group.master.dtype)
     tensors = _tensors(group, grad)
+    rollback = native.adam_rollback if on_host else adam_math.adam_rollback
     for run in step_runs(group, counts.read(state["step"]), options.skip_params, advance=0):
         t = _slices(tensors, run)
-        kwargs = dict(
-            step=run.step,
-            lr=options.lr,
-            betas=options.betas,
-            eps=options.eps,
-            weight_decay=options.weight_decay,
-            grad_scale=options.grad_scale,
-            adamw=decoupled,
-        )
-        rollback = native.adam_rollback if on_host else adam_math.adam_rollback
-        rollback(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], **kwargs)
+        rollback(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], **kernel_arguments(run.step, options, decoupled))
     counts.add(state["step"], _stepped(group, options.skip_params), -1)

@@ -26,7 +26,15 @@ from zkernel import hookimpl
 from zkernel.config import boolean, choice
 
 from . import _triton_adam
-from ._adam_state import StepCounts, adam_declaration, init_state, rollback_group, rollback_possible, step_group
+from ._adam_state import (
+    StepCounts,
+    adam_declaration,
+    init_state,
+    kernel_arguments,
+    rollback_group,
+    rollback_possible,
+    step_group,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -86,13 +94,7 @@ class TorchAdamW:
                 t["grad"],
                 t["exp_avg"],
                 t["exp_avg_sq"],
-                step=run.step,
-                lr=options.lr,
-                betas=options.betas,
-                eps=options.eps,
-                weight_decay=options.weight_decay,
-                grad_scale=options.grad_scale,
-                adamw=self.options.decoupled_weight_decay,
+                **kernel_arguments(run.step, options, self.options.decoupled_weight_decay),
                 copy_out=t["copy_out"],
             )
 

@@ -28,7 +28,15 @@ from zkernel import hookimpl, native
 from zkernel.config import boolean, integer
 from zkernel.log import get_logger
 
-from ._adam_state import StepCounts, adam_declaration, init_state, rollback_group, rollback_possible, step_group
+from ._adam_state import (
+    StepCounts,
+    adam_declaration,
+    init_state,
+    kernel_arguments,
+    rollback_group,
+    rollback_possible,
+    step_group,
+)
 from .adamw import torch_adam_step
 
 log = get_logger()
@@ -84,13 +92,7 @@ class CpuAdam:
                 t["grad"],
                 t["exp_avg"],
                 t["exp_avg_sq"],
-                step=run.step,
-                lr=options.lr,
-                betas=options.betas,
-                eps=options.eps,
-                weight_decay=options.weight_decay,
-                grad_scale=options.grad_scale,
-                adamw=self.options.decoupled_weight_decay,
+                **kernel_arguments(run.step, options, self.options.decoupled_weight_decay),
                 copy_out=t["copy_out"],
                 threads=self.options.threads,
             )
