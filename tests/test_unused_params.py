@@ -13,12 +13,13 @@ import torch
 
 from tests.harness import run_ranks
 from tests.unused_scenarios import (
+    TWO_RANK_CONFIGS,
     config,
     reference,
     reference_rank_routes,
     resume_switching,
-    train_rank_routes,
     train_switching,
+    two_rank_runs,
 )
 from zkernel.groups import Fragment, ParamGroup, ShardLayout
 from zkernel_plugins.optimizers._adam_state import Run, step_runs
@@ -63,22 +64,25 @@ def test_an_optimizer_that_does_not_skip_itself_has_the_skipped_elements_put_bac
     _check(train_switching(cfg), reference(1, momentum_sgd=True), f"{partitioner}, momentum SGD")
 
 
-@pytest.mark.parametrize(
-    "label, cfg",
-    [("zero2 clipped", config("zero2", gradient_clipping=0.5)), ("zero3 blocks on cpu", config("zero3", "cpu", "cpu"))],
-)
-def test_two_ranks_agree_on_what_to_skip(label, cfg):
-    expected = reference(2, cfg.get("gradient_clipping", 0.0))
-    for rank, result in enumerate(run_ranks(2, train_switching, cfg)):
-        _check(result, expected, f"{label}, rank {rank}")
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The two-rank runs, one pair of processes for all (each rank's results by run)."""
+    return run_ranks(2, two_rank_runs)
 
 
-def test_a_parameter_one_rank_used_is_stepped_on_every_rank():
+@pytest.mark.parametrize("label", list(TWO_RANK_CONFIGS))
+def test_two_ranks_agree_on_what_to_skip(two_ranks, label):
+    expected = reference(2, TWO_RANK_CONFIGS[label].get("gradient_clipping", 0.0))
+    for rank, runs in enumerate(two_ranks):
+        _check(runs[label], expected, f"{label}, rank {rank}")
+
+
+def test_a_parameter_one_rank_used_is_stepped_on_every_rank(two_ranks):
     """Rank 0 takes one branch and rank 1 the other (both in one zero2 bucket): as under DDP, a
     parameter either rank gave a gradient is stepped everywhere, and only the branch neither took
     (the right one, at the first step) is skipped."""
-    for rank, (result, expected) in enumerate(zip(run_ranks(2, train_rank_routes, config("zero2")), reference_rank_routes(2))):
-        _check(result, expected, f"zero2, rank {rank}")
+    for rank, (runs, expected) in enumerate(zip(two_ranks, reference_rank_routes(2))):
+        _check(runs["rank routes"], expected, f"zero2, rank {rank}")
 
 
 def test_a_checkpoint_keeps_each_parameters_step_count_across_groupings(tmp_path):

@@ -221,3 +221,14 @@ def reference_rank_routes(world: int) -> list[dict]:
         opt.zero_grad()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return [{"losses": per_rank, "state": state} for per_rank in losses]
+
+
+TWO_RANK_CONFIGS = {"zero2 clipped": config("zero2", gradient_clipping=0.5), "zero3 blocks on cpu": config("zero3", "cpu", "cpu")}
+
+
+def two_rank_runs() -> dict:
+    """Every two-rank run of the tests in one pair of processes: `train_switching` under each of
+    `TWO_RANK_CONFIGS`, and `train_rank_routes` under zero2."""
+    runs = {label: train_switching(cfg) for label, cfg in TWO_RANK_CONFIGS.items()}
+    runs["rank routes"] = train_rank_routes(config("zero2"))
+    return runs
