@@ -50,6 +50,18 @@ def test_parameters_without_a_gradient_are_skipped_as_torch_skips_them(label):
     _check(train_switching(CONFIGS[label]), reference(1, CONFIGS[label].get("gradient_clipping", 0.0)), label)
 
 
+def test_speculative_steps_rolled_back_at_per_parameter_counts():
+    """Small buckets step during backward on the coefficient that assumes no clipping and roll
+    back when the window clips after all; a bucket holding both branches of a block has its
+    parameters at different counts (the right branch skipped the first step), so the rollback
+    undoes each run at its own count."""
+    cfg = config("zero1", "cpu", gradient_clipping=1.0, partitioner_options={"bucket_size": 200})
+    cfg["offload"]["optimizer_options"] = {"speculate": "always"}
+    result = train_switching(cfg)
+    assert result["rollbacks"] > 0
+    _check(result, reference(1, 1.0), "zero1 small buckets, speculative, rolled back")
+
+
 def test_optimizer_on_nvme_skips_them_too(tmp_path):
     cfg = config("zero2", "nvme", gradient_clipping=0.5)
     _check(train_switching(cfg, str(tmp_path)), reference(1, 0.5), "zero2, optimizer on nvme")

@@ -128,8 +128,9 @@ def train_switching(cfg: dict, nvme_dir: str | None = None) -> dict:
     engine = zkernel.initialize(SwitchNet(), cfg, plugins=[MomentumPlugin()])
     losses = _train(engine, engine.module, 0, STEPS, world, rank)
     state = engine.state_dict()
+    rollbacks = engine.pipeline.rollbacks
     engine.close()
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "rollbacks": rollbacks}
 
 
 def resume_switching(saved: dict, resumed: dict, directory: str) -> dict:
