@@ -40,7 +40,8 @@ from zkernel.loss_scale import DynamicLossScaler
 from zkernel.machine import available_host_bytes
 from zkernel.profiling import profiler_range
 from zkernel.released import is_released
-from zkernel.scheduler import Scheduler
+from zkernel.reduction_order import ReductionOrder
+from zkernel.scheduler import Scheduler, streams_device
 from zkernel.sizes import format_bytes
 from zkernel.step_pipeline import StepPipeline
 from zkernel.streams import Streams
@@ -134,6 +135,7 @@ class Engine:
             update_pending=self.pipeline.update_pending,
             root=module,
             window=lambda: _window(engine_ref),
+            order=ReductionOrder.of_model(module, self.groups, streams_device(parts.streams)) if dist_info.distributed else None,
         )
         scheduler_ref = weakref.ref(self.scheduler)
         self.micro_steps = 0
@@ -263,7 +265,7 @@ class Engine:
         unscale = self._unscale()
         known = None if self._needs_norm() else unscale
         self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
-        self.scheduler.begin_backward(boundary)
+        self.scheduler.begin_backward(boundary, loss)
         try:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward()

@@ -20,7 +20,9 @@ made whole around that module's forward and backward:
   (post-accumulate-grad hooks, which fire once per backward even for a module
   called twice) -> release(BACKWARD), then the gradient handoff:
   ``zkernel_reduce_gradients`` and, with its result, the ``on_reduced``
-  callback (the engine's step pipeline hands it to the optimizer tier).
+  callback (the engine's step pipeline hands it to the optimizer tier). With
+  several ranks the handoffs follow one order on every rank (see [Note:
+  reduction order] in `zkernel.reduction_order`).
 * `finish_backward` reduces what is left (unused parameters) and releases
   every module-bound group, which also drops prefetches nobody consumed.
 
@@ -117,6 +119,7 @@ from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
 from zkernel.lookahead import Lookahead, Stage
 from zkernel.profiling import profiler_range
+from zkernel.reduction_order import ReductionOrder, unreachable_params
 from zkernel.released import is_released, set_fetcher
 from zkernel.trace import ModuleTrace
 
@@ -144,6 +147,7 @@ class Scheduler:
         update_pending: Callable[[ParamGroup], bool],
         root: nn.Module | None = None,
         window: Callable[[], tuple[bool, int]] = lambda: (True, 0),
+        order: ReductionOrder | None = None,
     ) -> None:
         self.hook = hook
         self.root = root
@@ -178,6 +182,9 @@ class Scheduler:
         self.micro_step = 0  # the engine's micro-step, for errors
         self._ready_count = {g.index: 0 for g in self.groups}
         self._reduced: set[int] = set()
+        self._complete: set[int] = set()  # groups whose gradients are all in, this backward
+        self.order = order  # the order reductions are issued in, with several ranks
+        self._presumed: set[tuple[int, int]] = set()  # (group, position) the graph cannot reach
         self._boundary = True
         self.in_hook = False
         self.guarding = False  # from the engine's forward to the end of its backward (see [Note: guard])
@@ -356,7 +363,11 @@ class Scheduler:
         order = self.tracer.trace if phase is Phase.FORWARD else self.tracer.backward
         lookahead = self._lookahead[phase]
         gathers, uploads, reads = lookahead.take(order, pos, (gather_bytes, device_bytes, host_bytes))
-        reduced = self._reduced if phase is Phase.BACKWARD else ()
+        # Gradients done: nothing in this backward reads the group again. Which groups are done
+        # depends on what this rank used, so with several ranks it decides only rank-local stages,
+        # never a gather, a collective (see [Note: reduction order]).
+        done = self._complete if phase is Phase.BACKWARD else ()
+        done_here = done if self.order is None else ()
         prefetched = self._prefetched
         with self.plugin_call():
             for i in gathers:
@@ -365,12 +376,12 @@ class Scheduler:
                     if lookahead.repeats(i):  # in use or in flight for an earlier occurrence: later
                         lookahead.again(Stage.GATHER, i)
                     continue
-                if nxt.index not in reduced:  # its gradients done: nothing in this backward reads it again
+                if nxt.index not in done_here:
                     self._start_gather(nxt, phase)
             for stage, indices in ((Stage.DEVICE, uploads), (Stage.HOST, reads)):
                 for i in indices:
                     nxt = order[i]
-                    if nxt.gathered or nxt.index in reduced or nxt.index in prefetched:
+                    if nxt.gathered or nxt.index in done or nxt.index in prefetched:
                         continue
                     if self._update_pending(nxt):  # rank-local stages: skip what is not ready, until later
                         lookahead.again(stage, i)
@@ -459,13 +470,33 @@ class Scheduler:
         if used is None:
             used = self.window_used[index] = set()
         used.add(position)
+        if self._presumed and (index, position) in self._presumed:
+            self._presumed.discard((index, position))  # counted already: see [Note: reduction order]
+            if index in self._reduced:
+                group = self._group_by_index[index]
+                raise RuntimeError(
+                    f"parameter {group.param_names[position]!r} got a gradient in backward that the autograd "
+                    "graph of the loss did not reach when the backward began (something computed inside the "
+                    f"backward used it), after its group {group.name!r} was reduced without it. Compute it in "
+                    "the forward, or use a non-reentrant checkpoint (torch.utils.checkpoint with use_reentrant=False)"
+                )
+            return
         self._ready_count[index] += 1
         if self._ready_count[index] == total:
-            self._group_grads_ready(self._group_by_index[index])
+            self._grads_complete(self._group_by_index[index])
 
-    def _group_grads_ready(self, group: ParamGroup) -> None:
-        if group.module is not None and group.index not in self.external:
+    def _grads_complete(self, group: ParamGroup, release: bool = True) -> None:
+        """Every gradient of ``group`` is in: release it, and reduce what the order allows now."""
+        self._complete.add(group.index)
+        if release and group.module is not None and group.index not in self.external:
             self._release(group, Phase.BACKWARD)
+        if self.order is None:
+            self._reduce(group)
+            return
+        for index in self.order.complete(group.index):
+            self._reduce(self._group_by_index[index])
+
+    def _reduce(self, group: ParamGroup) -> None:
         with profiler_range("zkernel::reduce"), self.plugin_call():
             self.paths.before(group, "reduce", self.micro_step)
             reduced = self.hook.zkernel_reduce_gradients(group=group, boundary=self._boundary)
@@ -478,10 +509,33 @@ class Scheduler:
         used = self.window_used.get(group.index, ())
         return frozenset(range(len(group.params))).difference(used) if len(used) < len(group.params) else frozenset()
 
-    def begin_backward(self, boundary: bool) -> None:
+    def begin_backward(self, boundary: bool, loss: torch.Tensor | None = None) -> None:
         self._boundary = boundary
         self.recomputed = None
         self._lookahead[Phase.BACKWARD].restart()
+        for counts in (self._complete, self._presumed, self._reduced):  # after a backward that raised too
+            counts.clear()
+        self._ready_count = dict.fromkeys(self._ready_count, 0)
+        if self.order is not None:
+            self.order.begin()
+            if self.order.search_unreachable and loss is not None:
+                self._count_unreachable(loss)
+
+    def _count_unreachable(self, loss: torch.Tensor) -> None:
+        """Count the parameters ``loss``'s graph cannot reach as done (see [Note: reduction order])."""
+        trainable = [g for g in self.groups if g.requires_grad]
+        unreachable = unreachable_params(loss, (p for g in trainable for p in g.params))
+        if not unreachable:
+            return
+        for group in trainable:
+            for position, p in enumerate(group.params):
+                if id(p) in unreachable:
+                    self._presumed.add((group.index, position))
+                    self._ready_count[group.index] += 1
+            if self._ready_count[group.index] == len(group.params):
+                # Not released here: whether it is whole must not differ between ranks while the
+                # backward may still gather it (the end of backward releases it).
+                self._grads_complete(group, release=False)
 
     def explain_recompute_error(self, error: Exception) -> str:
         """The message for torch's ``CheckpointError`` raised in a backward: which module was being
@@ -504,13 +558,22 @@ class Scheduler:
         )
 
     def finish_backward(self) -> None:
-        """Called by the engine after ``loss.backward()``: release and reduce what is left, in group order."""
+        """Called by the engine after ``loss.backward()``: release and reduce what is left, in group
+        order (with several ranks, in the order every rank reduces in)."""
         for group in self.groups:
-            if group.requires_grad and group.index not in self._reduced:
-                self._group_grads_ready(group)
+            if group.requires_grad and group.index not in self._complete:
+                if self.order is None:
+                    self._grads_complete(group)
+                elif group.module is not None and group.index not in self.external:
+                    self._release(group, Phase.BACKWARD)
+        if self.order is not None:
+            for index in self.order.finish():
+                self._reduce(self._group_by_index[index])
         self._release_gathered()
         self._kept.clear()
         self._reduced.clear()
+        self._complete.clear()
+        self._presumed.clear()
         for index in self._ready_count:
             self._ready_count[index] = 0
         self.tracer.end()
