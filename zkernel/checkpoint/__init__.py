@@ -18,12 +18,15 @@ takes back what it stores (`OptimizerTier.read_state`/`write_state`,
                                       per-MiB block checksums
     DIR/<tag>/rank00000.safetensors   one per rank: tensors "<kind>/<name>/<start>", kind one of
                                       master, state.<optimizer state>, param (frozen values),
-                                      buffer (rank 0); each a 1-D run of elements
+                                      buffer (rank 0); each a 1-D run of elements; and
+                                      extra/<key>/0 (rank 0): a module's extra state, the
+                                      bytes torch.save wrote (`extra_state`)
 
-Nothing is unpickled on load: tensors come from safetensors, the rest from JSON.
+Tensors come from safetensors, the rest from JSON; a module's extra state is
+unpickled with ``weights_only=True`` (tensors, containers, primitive values).
 Modules: `format` (names, manifest, atomic files), `checksum`, `blockio` and
 `safetensors_io` (streaming writes, verified ranged reads), `save`, `load`,
-`reader` (the index over fragments), `state_dict`, `consolidate`.
+`reader` (the index over fragments), `state_dict`, `consolidate`, `extra_state`.
 """
 
 from zkernel.checkpoint.consolidate import consolidate, consolidate_to_file

@@ -10,7 +10,9 @@ tensor), which is what ``zkernel consolidate DIR OUT.safetensors`` runs.
 Trainable parameters come from their fp32 masters; frozen parameters and
 buffers are floating-point values widened to fp32 (integer and boolean
 buffers keep their dtype). Keys are the plain model's state-dict keys, tied
-parameters under each of their names.
+parameters under each of their names, and modules' extra state
+(``get_extra_state``) as the module gave it; a safetensors file holds only
+tensors, so there an extra state must be one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from zkernel.checkpoint import extra_state
 from zkernel.checkpoint.format import FORMAT, CheckpointError
 from zkernel.checkpoint.model import BUFFER, EXTRA
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
@@ -35,9 +38,17 @@ def _output_dtype(index: CheckpointIndex, kind: str, name: str) -> torch.dtype:
 def _keys(index: CheckpointIndex) -> list[tuple[str, str, str]]:
     keys = [tuple(k) for k in index.manifest["state_dict"]]
     for key, kind, _ in keys:
-        if kind == EXTRA:
+        if kind == EXTRA and key not in index.extra_state:
             raise CheckpointError(f"checkpoint {index.dir}: state-dict key {key!r} is not stored")
     return keys
+
+
+def _read_extra(index: CheckpointIndex, reader: RangeReader, key: str):
+    data = torch.empty(index.extra_state[key]["bytes"], dtype=torch.uint8)
+    batch = ReadBatch(index)
+    batch.add(key, extra_state.KIND, 0, data)
+    batch.run(reader)
+    return extra_state.deserialize(key, data, str(index.dir))
 
 
 def _read(index: CheckpointIndex, reader: RangeReader, kind: str, name: str) -> torch.Tensor:
@@ -56,6 +67,8 @@ def _bar(total: int, enabled: bool | None, desc: str):
 
 
 def _nbytes(index: CheckpointIndex, kind: str, name: str) -> int:
+    if kind == EXTRA:
+        return index.extra_state[name]["bytes"]
     numel = 1
     for d in index.shape(name, kind):
         numel *= d
@@ -75,7 +88,7 @@ def consolidate(
     made: dict[tuple[str, str], torch.Tensor] = {}
     with RangeReader() as reader, _bar(sum(_nbytes(index, *u) for u in unique), progress, "consolidate") as bar:
         for kind, name in unique:
-            made[(kind, name)] = _read(index, reader, kind, name)
+            made[(kind, name)] = _read_extra(index, reader, name) if kind == EXTRA else _read(index, reader, kind, name)
             bar.update(_nbytes(index, kind, name))
     return {key: made[(kind, name)] for key, kind, name in keys}
 
@@ -88,6 +101,14 @@ def consolidate_to_file(
     keys = _keys(index)
     path = Path(out)
     with RangeReader() as reader, _bar(sum(_nbytes(index, k, n) for _, k, n in keys), progress, "consolidate") as bar:
+        extras = {key: _read_extra(index, reader, key) for key, kind, _ in keys if kind == EXTRA}
+        refused = sorted(key for key, value in extras.items() if not isinstance(value, torch.Tensor))
+        if refused:
+            raise CheckpointError(
+                f"checkpoint {index.dir}: the extra state {refused[:3]} is not a tensor, and a safetensors file "
+                "holds only tensors; zkernel.consolidate(directory) returns it with the rest"
+            )
+        keys = [(key, kind, name) for key, kind, name in keys if kind != EXTRA]
         entries = [
             Entry(
                 key,
@@ -96,7 +117,7 @@ def consolidate_to_file(
                 lambda kind=kind, name=name: _read(index, reader, kind, name),
             )
             for key, kind, name in keys
-        ]
+        ] + [Entry(key, value.dtype, tuple(value.shape), lambda v=value: v.contiguous()) for key, value in extras.items()]
         metadata = {"format": "pt", "source": FORMAT, "tag": index.tag}
         write_file(path, entries, metadata, on_bytes=bar.update)
     return path

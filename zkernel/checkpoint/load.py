@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from zkernel.checkpoint import rng
+from zkernel.checkpoint import extra_state, rng
 from zkernel.checkpoint.blockio import host_buffer
 from zkernel.checkpoint.collective import exchange_json
 from zkernel.checkpoint.format import CheckpointError, parse_dtype
@@ -88,9 +89,11 @@ def load(engine, directory: str | os.PathLike, tag: str | None = None) -> str:
 
 
 def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> None:
-    """Every group's shard, then whole parameters and buffers, into this rank's tiers (no collectives)."""
+    """Every group's shard, then whole parameters, buffers and modules' extra state, into this rank's
+    tiers and modules (no collectives)."""
     view = view_of(engine.module)
     _check_model(engine, view, index)
+    extras = _read_extra_state(view, index)  # before anything changes: a refused value leaves the engine as it was
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     largest = max((layout.numel for layout in layouts if layout is not None), default=0)
@@ -122,6 +125,21 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
             touched[0] = True
             loader.whole(name, buf, "buffer")
             bar.update(1)
+    if extras:
+        touched[0] = True
+        extra_state.restore(engine.module, extras)
+
+
+def _read_extra_state(view: ModelView, index: CheckpointIndex) -> dict[str, Any]:
+    values = {}
+    with RangeReader() as reader:
+        for key in view.extra:
+            data = torch.empty(index.extra_state[key]["bytes"], dtype=torch.uint8)
+            batch = ReadBatch(index)
+            batch.add(key, extra_state.KIND, 0, data)
+            batch.run(reader)
+            values[key] = extra_state.deserialize(key, data, str(index.dir))
+    return values
 
 
 def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:
@@ -138,6 +156,12 @@ def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:
             shape = tuple(engine.original_tensors[name][0]) if name in engine.original_tensors else tuple(mine[name].shape)
             if tuple(theirs[name]["shape"]) != shape:
                 problems.append(f"{name}: shape {tuple(theirs[name]['shape'])} in the checkpoint, {shape} in the model")
+    missing = sorted(set(view.extra) - set(index.extra_state))
+    if missing:
+        problems.append(f"modules' extra state (get_extra_state) missing from the checkpoint: {missing[:5]}")
+    unexpected = sorted(set(index.extra_state) - set(view.extra))
+    if unexpected:
+        problems.append(f"extra state of modules the model does not have or that keep none: {unexpected[:5]}")
     if problems:
         raise CheckpointError(f"checkpoint {index.dir} does not match this model: " + "; ".join(problems[:8]))
 

@@ -88,6 +88,7 @@ class CheckpointIndex:
             checksum_function(record.algorithm)  # refuse an unknown algorithm up front
         self.params: dict[str, Any] = manifest["params"]
         self.buffers: dict[str, Any] = manifest["buffers"]
+        self.extra_state: dict[str, Any] = manifest.get("extra_state", {})  # key -> {"bytes": n}
         self._files: dict[str, VerifiedFile] = {}
 
     @property
@@ -118,6 +119,8 @@ class CheckpointIndex:
 
     def fragments(self, name: str, kind: str) -> list[tuple[int, int, int]]:
         """(rank, start, numel) of each stored run of ``name``'s elements, in element order."""
+        if kind == "extra":  # a module's serialised extra state, in rank 0's file
+            return [(0, 0, self.extra_state[name]["bytes"])]
         if kind == "buffer":
             shape = self.shape(name, "buffer")
             numel = 1

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import torch
 
-from zkernel.checkpoint import rng
+from zkernel.checkpoint import extra_state, rng
 from zkernel.checkpoint.collective import exchange_json
 from zkernel.checkpoint.format import (
     FORMAT,
@@ -71,11 +71,6 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
     started = time.perf_counter()
 
     view = view_of(engine.module)
-    if view.extra:  # the same on every rank: all raise here
-        raise CheckpointError(
-            f"state-dict entries {sorted(view.extra)[:3]} are neither parameters nor buffers (get_extra_state); "
-            "zkernel checkpoints store only tensors"
-        )
     _agree(_attempt(info.rank == 0, _prepare, root, staging), info, "preparing", staging, cleanup=False)
     error, report = None, None
     try:
@@ -219,6 +214,7 @@ class _RankPlan:
         self.scalar_groups: dict[str, tuple[int, int]] = {}  # canonical name -> (group index, position) (trainable)
         self.cache = _GroupStateCache(engine)
         self.specs: StateSpecs | None = None
+        self.extra: dict[str, int] = {}  # state-dict key -> bytes of its serialised extra state (rank 0)
         groups = engine.groups
         layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
         for group, layout in zip(groups, layouts):
@@ -229,6 +225,10 @@ class _RankPlan:
                 self._add_whole(PARAM, name, view.params[name], stored="param")
             for name, buf in view.buffers.items():
                 self._add_whole("buffer", name, buf)
+            for key, value in view.extra.items():  # see [Note] in `zkernel.checkpoint.extra_state`
+                data = extra_state.serialize(key, value)
+                self.entries.append(Entry(entry_name(extra_state.KIND, key, 0), torch.uint8, (data.numel(),), lambda d=data: d))
+                self.extra[key] = data.numel()
 
     def _add_group(self, group: ParamGroup, layout: ShardLayout) -> None:
         names = [self.view.names[id(p)] for p in group.params]
@@ -306,6 +306,7 @@ class _RankPlan:
                 "scalar": {n: dtype_name(d) for n, d in specs.scalars.items()},
             },
             "rng": rng.capture(),
+            "extra": self.extra,
         }
 
 
@@ -354,6 +355,7 @@ def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[st
         "params": params,
         "buffers": buffers,
         "state_dict": [list(k) for k in view.keys],
+        "extra_state": {key: {"bytes": n} for key, n in reports[0]["extra"].items()},
         "optimizer_state": state or {"per_element": {}, "scalar": {}},
         "engine": engine.training_state(),
         "ranks": [{"rng": rep["rng"]} for rep in reports],

@@ -1,0 +1,66 @@
+"""Modules' extra state (``get_extra_state``) in a checkpoint: serialised by rank 0, restored on every rank.
+
+A module that overrides ``get_extra_state`` puts a value that is neither a
+parameter nor a buffer into the state dict under ``<module>._extra_state``
+(an FP8 recipe's scaling history, a tokenizer's vocabulary, a step counter).
+Rank 0 serialises each with ``torch.save`` into a byte tensor that its rank
+file stores like any other entry (``extra/<key>/0``: checksummed, committed
+with the rest), and the manifest lists the keys and sizes (``extra_state``).
+Every rank reads them back whatever the world size, before it changes
+anything else, and hands each to its module's ``set_extra_state`` once the
+tensors are in. Values are loaded with ``weights_only=True``: tensors,
+containers and primitive values load as they are; any other class must be
+allowed first with ``torch.serialization.add_safe_globals``, since loading it
+would run code from the file.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+from zkernel.checkpoint.format import CheckpointError
+
+KIND = "extra"
+
+
+def serialize(key: str, value: Any) -> torch.Tensor:
+    """``value`` as a byte tensor (what ``torch.save`` writes)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+    except Exception as exc:  # noqa: BLE001 - name the key, whatever failed
+        raise CheckpointError(
+            f"the extra state {key!r} (get_extra_state of its module) cannot be serialised with torch.save: {exc}"
+        ) from exc
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def deserialize(key: str, data: torch.Tensor, where: str) -> Any:
+    """The value `serialize` stored (``data``: its bytes), loaded with ``weights_only=True``."""
+    try:
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"checkpoint {where}: the extra state {key!r} holds an object that weights_only loading refuses, "
+            "since loading it would run code from the file. If you trust the checkpoint, allow its classes with "
+            f"torch.serialization.add_safe_globals([...]) before loading. torch: {str(exc).splitlines()[0]}"
+        ) from exc
+
+
+def owner(root: nn.Module, key: str) -> nn.Module:
+    """The module whose ``set_extra_state`` takes the value stored under state-dict ``key``."""
+    if not key.endswith(_EXTRA_STATE_KEY_SUFFIX):
+        raise CheckpointError(f"state-dict key {key!r} is neither a parameter, a buffer, nor a module's extra state")
+    path = key[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
+    return root.get_submodule(path) if path else root
+
+
+def restore(root: nn.Module, values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        owner(root, key).set_extra_state(value)
