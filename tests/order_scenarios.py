@@ -109,7 +109,7 @@ def train(model_name: str, cfg: dict) -> dict:
         used.append(sorted((g, tuple(sorted(p))) for g, p in engine.scheduler.window_used.items()))
         engine.step()
         losses.append(loss.item())
-    searched = engine.scheduler.order.search_unreachable
+    searched = engine.scheduler.readiness.order.search_unreachable
     state = engine.state_dict()
     engine.close()
     return {"losses": losses, "used": used, "searched": searched, "state": state}

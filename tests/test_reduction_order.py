@@ -99,7 +99,7 @@ def test_a_parameter_the_graph_did_not_reach_that_gets_a_gradient_after_its_redu
     others = [g.index for g in engine.groups if g is not hidden]
     order = ReductionOrder([hidden.index, *others], agree=lambda record: record)
     order.learned = order.search_unreachable = True
-    engine.scheduler.order = order
+    engine.scheduler.readiness.order = order
     with pytest.raises(RuntimeError, match="'hidden.weight' got a gradient in backward that the autograd graph"):
         engine.backward(engine(torch.randn(3, 4)))
     engine.close()

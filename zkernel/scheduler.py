@@ -115,11 +115,12 @@ from torch.utils._pytree import tree_flatten
 
 from zkernel.compiled import eager_hook
 from zkernel.divergence import PathCheck
+from zkernel.grad_readiness import GradReadiness
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
 from zkernel.lookahead import Lookahead, Stage
 from zkernel.profiling import profiler_range
-from zkernel.reduction_order import ReductionOrder, unreachable_params
+from zkernel.reduction_order import ReductionOrder
 from zkernel.released import is_released, set_fetcher
 from zkernel.trace import ModuleTrace
 
@@ -161,7 +162,6 @@ class Scheduler:
         self._update_pending = update_pending
         self._leading: set[int] | None = None  # groups the next forward starts with (see [Note: prefetch across the step])
         self.groups = list(groups)
-        self._group_by_index = {g.index: g for g in self.groups}
         self.prefetch_bytes = prefetch_bytes
         self.group_of_param = {id(p): g for g in self.groups for p in g.params}
         # Sizes are taken now: under the guard, touching a released parameter would fetch it.
@@ -172,19 +172,15 @@ class Scheduler:
             self.groups_of_module.setdefault(id(g.module), []).append(g)
         self.external: set[int] = set()  # group indices kept whole through a step
         self.recomputed: nn.Module | None = None  # the unit module this backward recomputed last
+        self.readiness = GradReadiness(self.groups, order)
         # Trainable group index -> positions of its parameters that got a gradient in this window.
-        self.window_used: dict[int, set[int]] = {}
+        self.window_used = self.readiness.window_used
         self.tracer = ModuleTrace()
         self.paths = PathCheck(self.groups, streams_device(streams), enabled=True)
         self._prefetched: set[int] = set()  # groups whose gather the prefetcher issued and nobody consumed
         sizes = self._group_bytes
         self._lookahead = {phase: Lookahead(lambda g: sizes[g.index]) for phase in (Phase.FORWARD, Phase.BACKWARD)}
         self.micro_step = 0  # the engine's micro-step, for errors
-        self._ready_count = {g.index: 0 for g in self.groups}
-        self._reduced: set[int] = set()
-        self._complete: set[int] = set()  # groups whose gradients are all in, this backward
-        self.order = order  # the order reductions are issued in, with several ranks
-        self._presumed: set[tuple[int, int]] = set()  # (group, position) the graph cannot reach
         self._boundary = True
         self.in_hook = False
         self.guarding = False  # from the engine's forward to the end of its backward (see [Note: guard])
@@ -366,8 +362,8 @@ class Scheduler:
         # Gradients done: nothing in this backward reads the group again. Which groups are done
         # depends on what this rank used, so with several ranks it decides only rank-local stages,
         # never a gather, a collective (see [Note: reduction order]).
-        done = self._complete if phase is Phase.BACKWARD else ()
-        done_here = done if self.order is None else ()
+        done = self.readiness.complete if phase is Phase.BACKWARD else ()
+        done_here = done if self.readiness.order is None else ()
         prefetched = self._prefetched
         with self.plugin_call():
             for i in gathers:
@@ -456,86 +452,40 @@ class Scheduler:
         # collector cannot see through: a strong reference back to the scheduler
         # would keep the engine alive after the user drops it and the model.
         scheduler_ref = weakref.ref(self)
-        index, total = group.index, len(group.params)
+        index = group.index
 
         def on_grad_ready(_param: torch.Tensor) -> None:
             scheduler = scheduler_ref()
             if scheduler is not None:
-                scheduler._grad_ready(index, position, total)
+                complete = scheduler.readiness.arrived(index, position)
+                if complete is not None:
+                    scheduler._grads_complete(complete)
 
         return on_grad_ready
 
-    def _grad_ready(self, index: int, position: int, total: int) -> None:
-        used = self.window_used.get(index)
-        if used is None:
-            used = self.window_used[index] = set()
-        used.add(position)
-        if self._presumed and (index, position) in self._presumed:
-            self._presumed.discard((index, position))  # counted already: see [Note: reduction order]
-            if index in self._reduced:
-                group = self._group_by_index[index]
-                raise RuntimeError(
-                    f"parameter {group.param_names[position]!r} got a gradient in backward that the autograd "
-                    "graph of the loss did not reach when the backward began (something computed inside the "
-                    f"backward used it), after its group {group.name!r} was reduced without it. Compute it in "
-                    "the forward, or use a non-reentrant checkpoint (torch.utils.checkpoint with use_reentrant=False)"
-                )
-            return
-        self._ready_count[index] += 1
-        if self._ready_count[index] == total:
-            self._grads_complete(self._group_by_index[index])
-
     def _grads_complete(self, group: ParamGroup, release: bool = True) -> None:
         """Every gradient of ``group`` is in: release it, and reduce what the order allows now."""
-        self._complete.add(group.index)
         if release and group.module is not None and group.index not in self.external:
             self._release(group, Phase.BACKWARD)
-        if self.order is None:
-            self._reduce(group)
-            return
-        for index in self.order.complete(group.index):
-            self._reduce(self._group_by_index[index])
+        for ready in self.readiness.to_reduce(group):
+            self._reduce(ready)
 
     def _reduce(self, group: ParamGroup) -> None:
         with profiler_range("zkernel::reduce"), self.plugin_call():
             self.paths.before(group, "reduce", self.micro_step)
             reduced = self.hook.zkernel_reduce_gradients(group=group, boundary=self._boundary)
             if reduced is not None:
-                self._on_reduced(group, reduced, self._boundary, self._unused_in_window(group))
-        self._reduced.add(group.index)
-
-    def _unused_in_window(self, group: ParamGroup) -> frozenset[int]:
-        """Positions of ``group``'s parameters that got no gradient in this window so far."""
-        used = self.window_used.get(group.index, ())
-        return frozenset(range(len(group.params))).difference(used) if len(used) < len(group.params) else frozenset()
+                self._on_reduced(group, reduced, self._boundary, self.readiness.unused_in_window(group))
+        self.readiness.reduced.add(group.index)
 
     def begin_backward(self, boundary: bool, loss: torch.Tensor | None = None) -> None:
         self._boundary = boundary
         self.recomputed = None
         self._lookahead[Phase.BACKWARD].restart()
-        for counts in (self._complete, self._presumed, self._reduced):  # after a backward that raised too
-            counts.clear()
-        self._ready_count = dict.fromkeys(self._ready_count, 0)
-        if self.order is not None:
-            self.order.begin()
-            if self.order.search_unreachable and loss is not None:
-                self._count_unreachable(loss)
-
-    def _count_unreachable(self, loss: torch.Tensor) -> None:
-        """Count the parameters ``loss``'s graph cannot reach as done (see [Note: reduction order])."""
-        trainable = [g for g in self.groups if g.requires_grad]
-        unreachable = unreachable_params(loss, (p for g in trainable for p in g.params))
-        if not unreachable:
-            return
-        for group in trainable:
-            for position, p in enumerate(group.params):
-                if id(p) in unreachable:
-                    self._presumed.add((group.index, position))
-                    self._ready_count[group.index] += 1
-            if self._ready_count[group.index] == len(group.params):
-                # Not released here: whether it is whole must not differ between ranks while the
-                # backward may still gather it (the end of backward releases it).
-                self._grads_complete(group, release=False)
+        for group in self.readiness.begin(loss):
+            # Not released here: whether it is whole must not differ between ranks while the
+            # backward may still gather it (the end of backward releases it).
+            self._grads_complete(group, release=False)
 
     def explain_recompute_error(self, error: Exception) -> str:
         """The message for torch's ``CheckpointError`` raised in a backward: which module was being
@@ -560,22 +510,14 @@ class Scheduler:
     def finish_backward(self) -> None:
         """Called by the engine after ``loss.backward()``: release and reduce what is left, in group
         order (with several ranks, in the order every rank reduces in)."""
-        for group in self.groups:
-            if group.requires_grad and group.index not in self._complete:
-                if self.order is None:
-                    self._grads_complete(group)
-                elif group.module is not None and group.index not in self.external:
-                    self._release(group, Phase.BACKWARD)
-        if self.order is not None:
-            for index in self.order.finish():
-                self._reduce(self._group_by_index[index])
+        for group in self.readiness.incomplete():
+            if group.module is not None and group.index not in self.external:
+                self._release(group, Phase.BACKWARD)
+        for group in self.readiness.flush():
+            self._reduce(group)
+        self.readiness.reset()
         self._release_gathered()
         self._kept.clear()
-        self._reduced.clear()
-        self._complete.clear()
-        self._presumed.clear()
-        for index in self._ready_count:
-            self._ready_count[index] = 0
         self.tracer.end()
 
     def begin_forward(self, boundary: bool, micro_step: int) -> None:
