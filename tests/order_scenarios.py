@@ -144,6 +144,10 @@ CONFIGS = {
     ("forked", "zero1"): {"partitioner": "zero1", "partitioner_options": SMALL_BUCKETS, "gradient_clipping": 0.5},
     ("forked", "zero2"): {"partitioner": "zero2", "partitioner_options": SMALL_BUCKETS},
     ("forked", "zero3 blocks"): {"partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0, "units": "blocks"}},
+    # One unit per module, but each Fork one unit with its branches: rank 1 does not run every branch.
+    ("forked", "zero3 leaf forks"): {
+        "partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0, "leaf_modules": ["Fork"]},
+    },
 }
 if importlib.util.find_spec("transformers") is not None:
     CONFIGS[("switch", "zero2")] = {"partitioner": "zero2", "partitioner_options": {"bucket_size": 2000}}

@@ -41,6 +41,22 @@ def test_ranks_using_different_parameters_train_as_ddp(two_rank_runs, key):
         assert all(run[key]["searched"] for run in two_rank_runs)
 
 
+def test_leaf_modules_are_units_with_their_subtree_and_a_name_that_matches_nothing_is_named():
+    from zkernel_plugins.partitioners._flat import module_units
+
+    model = scenarios.Forked()
+    units = {name: [n for n, _ in named] for name, _, named in module_units(model, "modules", ("Fork",))}
+    assert units["blocks.0"] == ["blocks.0.left.weight", "blocks.0.left.bias", "blocks.0.right.weight", "blocks.0.right.bias"]
+    assert "blocks.0.left" not in units and "embed" in units and "head" in units
+    by_pattern = {name for name, _, _ in module_units(model, "modules", ("blocks.*.right",))}
+    assert "blocks.1.right" in by_pattern and "blocks.1.left" in by_pattern
+    from zkernel.estimator import _units  # the estimator counts the same units
+
+    assert [[p.name for p in unit] for unit in _units(model, "modules", ("Fork",))] == list(units.values())
+    with pytest.raises(zkernel.ConfigError, match=r"partitioner_options.leaf_modules 'Expert' matches no module.*Fork"):
+        zkernel.initialize(scenarios.Forked(), {"partitioner": "zero3", "partitioner_options": {"leaf_modules": ["Expert"]}})
+
+
 def test_order_issues_complete_groups_in_order_and_learns_the_first_backward():
     agreed = []
     order = ReductionOrder([0, 1, 2, 3], agree=lambda record: agreed.append(record) or [3, 2, 1, 0])

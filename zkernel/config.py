@@ -92,7 +92,9 @@ def _betas(value: Any) -> tuple[float, float]:
     return (b1, b2)
 
 
-def _str_tuple(key: str):
+def str_tuple(key: str):
+    """An attrs converter to a tuple of strings; anything else is a `ConfigError` naming ``key``."""
+
     def convert(value: Any) -> tuple[str, ...]:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list of strings, got {value!r}")
@@ -157,7 +159,7 @@ class TilingConfig:
 
     name: str = attrs.field(default="linear", validator=_name("tiling.name"))
     # fnmatch patterns of module names (``"blocks.*.fc"``) of the layers to tile.
-    modules: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple("tiling.modules"))
+    modules: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("tiling.modules"))
     # Also tile every layer whose weight has at least this many elements; 0 = off.
     min_numel: int = attrs.field(default=0, validator=_non_negative_int("tiling.min_numel"))
     tiles: int = attrs.field(default=4, validator=_positive_int("tiling.tiles"))
@@ -173,7 +175,7 @@ class ActivationCheckpointingConfig:
 
     name: str = attrs.field(default="recompute", validator=_name("activation_checkpointing.name"))
     # Class names (``"Block"``) or fnmatch patterns of module names (``"blocks.*"``).
-    modules: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple("activation_checkpointing.modules"))
+    modules: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("activation_checkpointing.modules"))
     # Where the saved inputs of each checkpointed module wait for backward.
     offload: str = attrs.field(
         default="none", validator=_one_of("activation_checkpointing.offload", ACTIVATION_OFFLOADS)
@@ -261,9 +263,9 @@ class Config:
     )
     loss_scale_window: int = attrs.field(default=1000, validator=_positive_int("loss_scale_window"))
     # Extra plugins by dotted module path, and installed plugins to ignore.
-    plugins: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple("plugins"))
+    plugins: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("plugins"))
     blocked_plugins: tuple[str, ...] = attrs.field(
-        default=(), converter=_str_tuple("blocked_plugins")
+        default=(), converter=str_tuple("blocked_plugins")
     )
     trace_hooks: bool = attrs.field(default=False, validator=_bool("trace_hooks"))
     log_format: str = attrs.field(default="console", validator=_one_of("log_format", LOG_FORMATS))

@@ -199,8 +199,8 @@ _MIDDLE = ": "
 _TAIL = (
     ". Every rank must run the same modules in the same order (a data-dependent branch must take the same path "
     "on every rank; under zero3, modules only some ranks run, such as experts skipped when no token chose them, "
-    "belong inside a unit every rank runs: partitioner_options units = \"blocks\" makes each element of a "
-    "ModuleList one; Hugging Face's generate needs synced_gpus=True where ranks may stop at different lengths)"
+    "belong inside a unit every rank runs: name their parent in partitioner_options leaf_modules; Hugging "
+    "Face's generate needs synced_gpus=True where ranks may stop at different lengths)"
 )
 
 

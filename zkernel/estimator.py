@@ -46,11 +46,11 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.compiled import with_compiled_units
 from zkernel.config import Config, ConfigError, auto_keys, build_options, load_config
 from zkernel.machine import available_host_bytes
 from zkernel.model_shape import DTYPE_BYTES as _DTYPE_BYTES
 from zkernel.model_shape import TransformerShape, as_module
+from zkernel.unit_modules import unit_module_ids
 
 CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
 _ALIGN = 16  # elements; as `plugins/partitioners/_flat.ALIGN` (tests/test_estimator.py holds them equal)
@@ -215,16 +215,9 @@ def _extent(numels: Iterable[int]) -> int:
     return end
 
 
-def _units(module: nn.Module, policy: str) -> list[list[_Param]]:
+def _units(module: nn.Module, policy: str, leaf_modules: tuple[str, ...] = ()) -> list[list[_Param]]:
     """ZeRO-3's units (`plugins/partitioners/_flat.module_units`): parameters gathered together."""
-    if policy == "modules":
-        unit_ids = {id(m) for m in module.modules()}
-    else:
-        unit_ids = {id(module)}
-        for m in module.modules():
-            if isinstance(m, (nn.ModuleList, nn.Sequential)):
-                unit_ids.update(id(child) for child in m.children())
-    unit_ids = with_compiled_units(module, unit_ids)
+    unit_ids = unit_module_ids(module, policy, leaf_modules)
     seen: set[int] = set()
     units: dict[int, list[_Param]] = {}
 
@@ -435,7 +428,7 @@ def _groups(module: nn.Module, config: Config, world_size: int, options: Any) ->
     else:
         shards = world_size
         groups, pooled = [], {True: [], False: []}
-        for unit in _units(module, options.units):
+        for unit in _units(module, options.units, getattr(options, "leaf_modules", ())):
             for trainable in (True, False):
                 numels = [p.numel for p in unit if p.trainable == trainable]
                 if sum(numels) < options.persistence_threshold:

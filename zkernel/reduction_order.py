@@ -26,13 +26,16 @@ DDP solves this with a fixed bucket order, and we do the same:
   autograd graph cannot reach (DDP's ``find_unused_parameters``) and counts
   them as done at once (`unreachable_params`). The search is skipped where
   the graph holds a reentrant checkpoint (which reaches its parameters only
-  when it runs), and a parameter counted as done that gets a gradient anyway
-  is an error before its group is reduced without it, never a silently
-  wrong gradient.
+  when it runs). A parameter counted as done that gets a gradient anyway
+  joins its group's reduction where that has not been issued yet, and is an
+  error naming it where it has: never a silently wrong gradient.
 
 Only the order in which reductions are *issued* is fixed; a module-bound
 group still releases its gathered parameters as soon as its gradients are
-complete. With one rank there is no collective and no order.
+complete (but not one complete at the start of backward, which the backward
+may still gather). Which groups are complete differs between ranks, so under
+zero3 it decides no gather, a collective too (the prefetcher's rank-local
+stages only). With one rank there is no collective and no order.
 """
 
 from __future__ import annotations

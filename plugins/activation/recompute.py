@@ -25,7 +25,6 @@ partitioner parameters are whole and nothing changes for them.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 
 import attrs
@@ -37,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from zkernel import hookimpl
 from zkernel.config import ConfigError
 from zkernel.log import get_logger
+from zkernel.module_select import select_modules
 
 from ._offload import SavedInputOffloader
 
@@ -101,7 +101,7 @@ class Recompute:
 
     @hookimpl
     def zkernel_apply_activation_checkpointing(self, module, context):
-        for name, target in select_modules(module, self.section.modules):
+        for name, target in select_modules(module, self.section.modules, "activation_checkpointing.modules"):
             if isinstance(target.__dict__.get("forward"), CheckpointedForward):
                 raise ConfigError(
                     f"activation_checkpointing: module {name!r} is checkpointed already (by another engine "
@@ -123,37 +123,6 @@ class Recompute:
             else:
                 entry.module.forward = entry.previous
         self.wrapped.clear()
-
-
-def select_modules(model: nn.Module, selectors: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    """Modules matching a class name or a name pattern, outermost only, in model order.
-
-    A selector that matches nothing is an error listing what could match.
-    """
-    if not selectors:
-        return []
-    named = list(model.named_modules())
-    matched: dict[int, tuple[str, nn.Module]] = {}
-    for selector in selectors:
-        hits = [(n, m) for n, m in named if type(m).__name__ == selector or fnmatch.fnmatchcase(n, selector)]
-        if not hits:
-            classes = sorted({type(m).__name__ for _, m in named})
-            raise ConfigError(
-                f"activation_checkpointing.modules {selector!r} matches no module (by class name or by "
-                f"fnmatch pattern of module names); classes in the model: {', '.join(classes[:12])}"
-                + (", ..." if len(classes) > 12 else "")
-            )
-        for name, module in hits:
-            matched.setdefault(id(module), (name, module))
-    chosen = []
-    for name, module in matched.values():
-        inside = any(
-            other_name != name and (other_name == "" or name.startswith(other_name + "."))
-            for other_name, _ in matched.values()
-        )
-        if not inside:
-            chosen.append((name, module))
-    return chosen
 
 
 @hookimpl

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkernel.compiled import with_compiled_units
 from zkernel.groups import Fragment, ShardLayout
+from zkernel.unit_modules import UNIT_POLICIES, unit_module_ids  # noqa: F401 - UNIT_POLICIES: zero3's option
 
 ALIGN = 16  # elements: 16 bytes in 1-byte dtypes, 32 in bf16, 64 in fp32 (see [Note: aligned parameters])
 # A gradient at least this large is copied by the copy engines where a stream of its own moves it.
@@ -224,11 +224,8 @@ def split_trainable(
     return trainable, frozen
 
 
-UNIT_POLICIES = ("modules", "blocks")
-
-
 def module_units(
-    module: nn.Module, policy: str = "modules"
+    module: nn.Module, policy: str = "modules", leaf_modules: tuple[str, ...] = ()
 ) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
     """The units of ZeRO-3: modules with the parameters gathered around their forward.
 
@@ -238,17 +235,11 @@ def module_units(
     parameters of its subtree that no nested unit holds (FSDP2's usual
     per-block wrapping: fewer, larger collectives). Under either, a module
     compiled in place is a unit with its whole subtree (see [Note: compiled
-    units] in `zkernel.compiled`). A tied parameter belongs to the first unit
-    that reaches it.
+    units] in `zkernel.compiled`), and so is each module ``leaf_modules``
+    selects (see [Note: leaf modules] in `zkernel.unit_modules`). A tied
+    parameter belongs to the first unit that reaches it.
     """
-    if policy == "modules":
-        unit_ids = {id(m) for m in module.modules()}
-    else:
-        unit_ids = {id(module)}
-        for m in module.modules():
-            if isinstance(m, (nn.ModuleList, nn.Sequential)):
-                unit_ids.update(id(child) for child in m.children())
-    unit_ids = with_compiled_units(module, unit_ids)
+    unit_ids = unit_module_ids(module, policy, leaf_modules)
     seen: set[int] = set()
     units: dict[int, tuple[str, nn.Module, list]] = {}
 
