@@ -1,6 +1,6 @@
 """Modules' extra state (``get_extra_state``) in a checkpoint: serialised by rank 0, restored on every rank.
 
-A module that overrides ``get_extra_state`` puts a value that is neither a
+[Note: extra state] A module that overrides ``get_extra_state`` puts a value that is neither a
 parameter nor a buffer into the state dict under ``<module>._extra_state``
 (an FP8 recipe's scaling history, a tokenizer's vocabulary, a step counter).
 Rank 0 serialises each with ``torch.save`` into a byte tensor that its rank

@@ -225,7 +225,7 @@ class _RankPlan:
                 self._add_whole(PARAM, name, view.params[name], stored="param")
             for name, buf in view.buffers.items():
                 self._add_whole("buffer", name, buf)
-            for key, value in view.extra.items():  # see [Note] in `zkernel.checkpoint.extra_state`
+            for key, value in view.extra.items():  # see [Note: extra state]
                 data = extra_state.serialize(key, value)
                 self.entries.append(Entry(entry_name(extra_state.KIND, key, 0), torch.uint8, (data.numel(),), lambda d=data: d))
                 self.extra[key] = data.numel()
