@@ -41,10 +41,17 @@ def serialize(key: str, value: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 
-def deserialize(key: str, data: torch.Tensor, where: str) -> Any:
-    """The value `serialize` stored (``data``: its bytes), loaded with ``weights_only=True``."""
+def deserialize(key: str, data: torch.Tensor, where: str, device: torch.device | None = None) -> Any:
+    """The value `serialize` stored (``data``: its bytes), loaded with ``weights_only=True``; tensors
+    rank 0 kept on a GPU land on ``device`` (this rank's), or in host memory where it is None."""
+
+    def place(storage, location: str):
+        if location.startswith("cuda"):
+            return storage.to(device=device) if device is not None and device.type == "cuda" else storage
+        return None  # where it was saved
+
     try:
-        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True, map_location=place)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"checkpoint {where}: the extra state {key!r} holds an object that weights_only loading refuses, "

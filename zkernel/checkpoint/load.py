@@ -93,7 +93,7 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
     tiers and modules (no collectives)."""
     view = view_of(engine.module)
     _check_model(engine, view, index)
-    extras = _read_extra_state(view, index)  # before anything changes: a refused value leaves the engine as it was
+    extras = _read_extra_state(view, index, engine.device)  # before anything changes: a refused value leaves it as it was
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     largest = max((layout.numel for layout in layouts if layout is not None), default=0)
@@ -130,7 +130,7 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
         extra_state.restore(engine.module, extras)
 
 
-def _read_extra_state(view: ModelView, index: CheckpointIndex) -> dict[str, Any]:
+def _read_extra_state(view: ModelView, index: CheckpointIndex, device: torch.device) -> dict[str, Any]:
     values = {}
     with RangeReader() as reader:
         for key in view.extra:
@@ -138,7 +138,7 @@ def _read_extra_state(view: ModelView, index: CheckpointIndex) -> dict[str, Any]
             batch = ReadBatch(index)
             batch.add(key, extra_state.KIND, 0, data)
             batch.run(reader)
-            values[key] = extra_state.deserialize(key, data, str(index.dir))
+            values[key] = extra_state.deserialize(key, data, str(index.dir), device)
     return values
 
 
