@@ -62,9 +62,9 @@ class GradReadiness:
         self._presumed.clear()
         self._count = dict.fromkeys(self._count, 0)
 
-    def arrived(self, index: int, position: int) -> ParamGroup | None:
-        """The parameter at ``position`` of group ``index`` got its gradient: the group, if that
-        completes it."""
+    def arrived(self, index: int, position: int, total: int) -> ParamGroup | None:
+        """The parameter at ``position`` of group ``index`` (of ``total``) got its gradient: the
+        group, if that completes it."""
         used = self.window_used.get(index)
         if used is None:
             used = self.window_used[index] = set()
@@ -80,16 +80,18 @@ class GradReadiness:
                     "the forward, or use a non-reentrant checkpoint (torch.utils.checkpoint with use_reentrant=False)"
                 )
             return None
-        self._count[index] += 1
-        group = self._by_index[index]
-        return group if self._count[index] == len(group.params) else None
+        count = self._count[index] = self._count[index] + 1
+        return self._by_index[index] if count == total else None
 
     def to_reduce(self, group: ParamGroup) -> list[ParamGroup]:
         """``group`` is complete: the groups to reduce now, in order."""
         self.complete.add(group.index)
         if self.order is None:
             return [group]
-        return [self._by_index[i] for i in self.order.complete(group.index)]
+        ready = self.order.complete(group.index)
+        if len(ready) == 1 and ready[0] == group.index:
+            return [group]
+        return [self._by_index[i] for i in ready]
 
     def incomplete(self) -> list[ParamGroup]:
         """At the end of backward: the trainable groups some of whose gradients never came, in group order."""

@@ -91,7 +91,12 @@ class ReductionOrder:
 
     def complete(self, index: int) -> list[int]:
         """Group ``index`` has all its gradients: the groups to reduce now, in order."""
-        self._completed.append(index)
+        if not self.learned:
+            self._completed.append(index)
+        order, at = self.order, self._next
+        if not self._waiting and at < len(order) and order[at] == index:  # the usual case: next in order
+            self._next = at + 1
+            return [index]
         self._waiting.add(index)
         ready = []
         while self._next < len(self.order) and self.order[self._next] in self._waiting:

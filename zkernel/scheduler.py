@@ -452,12 +452,12 @@ class Scheduler:
         # collector cannot see through: a strong reference back to the scheduler
         # would keep the engine alive after the user drops it and the model.
         scheduler_ref = weakref.ref(self)
-        index = group.index
+        index, total = group.index, len(group.params)
 
         def on_grad_ready(_param: torch.Tensor) -> None:
             scheduler = scheduler_ref()
             if scheduler is not None:
-                complete = scheduler.readiness.arrived(index, position)
+                complete = scheduler.readiness.arrived(index, position, total)
                 if complete is not None:
                     scheduler._grads_complete(complete)
 
