@@ -121,11 +121,13 @@ def diverge(config: dict, branch_on_rank1: str) -> str:
     return "no error"
 
 
-def deferred_statements(count: int, diverge_at: int | None, transport: str = "auto") -> str:
+def deferred_statements(count: int, diverge_at: int | None, transports: list[str]) -> dict[str, str]:
     """The NCCL form of the path check (statements in shared memory or on the device ring, and
     the watchdog), run over gloo: ``count`` statements, rank 1 naming another group from
-    ``diverge_at`` on; what the watchdog said."""
+    ``diverge_at`` on; what the watchdog said, by transport. The transports' checks are open at
+    once (each its own ring and watchdog): every statement goes to each, and one wait serves all."""
     import threading
+    import time
     from types import SimpleNamespace
 
     from zkernel.distributed import init_distributed
@@ -135,27 +137,35 @@ def deferred_statements(count: int, diverge_at: int | None, transport: str = "au
 
     rank, _ = _rank_world()
     groups = [SimpleNamespace(index=i, name=f"layers.{i}") for i in range(3)]
-    said: list[str] = []
-    done = threading.Event()
+    said: dict[str, list[str]] = {}
+    done: dict[str, threading.Event] = {}
+    checks: dict[str, PathCheck] = {}
 
-    def record(message: str) -> None:
-        said.append(message)
-        done.set()
+    def recorder(transport: str):
+        def record(message: str) -> None:
+            said[transport].append(message)
+            done[transport].set()
 
-    check = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, deferred=True, on_divergence=record,
-                      transport=transport)
-    if transport == "shared" and rank == 0:  # mapped by every rank, and unlinked at once
-        import os
+        return record
 
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"zkernel-paths-{os.getpid()}-")]
+    for transport in transports:
+        said[transport], done[transport] = [], threading.Event()
+        checks[transport] = PathCheck(groups, torch.device("cpu"), enabled=True, poll_s=0.05, deferred=True,
+                                      on_divergence=recorder(transport), transport=transport)
+        if transport == "shared" and rank == 0:  # mapped by every rank, and unlinked at once
+            assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"zkernel-paths-{os.getpid()}-")]
     for n in range(count):
         index = 2 if (rank == 1 and diverge_at is not None and n >= diverge_at) else n % 2
-        check.before(groups[index], "forward" if n % 3 else "reduce", micro_step=n // 10)
+        for check in checks.values():
+            check.before(groups[index], "forward" if n % 3 else "reduce", micro_step=n // 10)
         if diverge_at is not None and n == diverge_at:
             break  # a real job would now hang in the mismatched collective
-    done.wait(3.0)
-    check.close()
-    return said[0] if said else "no error"
+    deadline = time.monotonic() + 3.0
+    for transport in transports:
+        done[transport].wait(max(0.0, deadline - time.monotonic()))
+    for check in checks.values():
+        check.close()
+    return {transport: said[transport][0] if said[transport] else "no error" for transport in transports}
 
 
 def deferred_statements_then_close(diverge_at: int, transport: str = "auto") -> str:

@@ -66,20 +66,37 @@ def test_ranks_that_run_different_modules_stop_with_an_error_naming_them():
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize("transport", ["shared", "ring"])
-def test_deferred_path_check_names_the_divergence_and_tolerates_agreement(transport):
-    # The NCCL form (statements in host shared memory or on a device ring, compared by a watchdog
-    # thread), over gloo.
-    quiet = run_ranks(2, deferred_statements, 1100, None, transport, timeout=120)  # past one turn of the ring
-    assert quiet == ["no error", "no error"]
-    said = run_ranks(2, deferred_statements, 1100, 1034, transport, timeout=120)
-    for text in said:
+TRANSPORTS = ["shared", "ring"]
+
+
+def _deferred_runs() -> dict:
+    """The deferred path check's runs for every transport in one pair of processes (one spawn, not
+    six): the NCCL form (statements in host shared memory or on a device ring, compared by a
+    watchdog thread), over gloo. Each run opens and closes checks of its own."""
+    quiet = deferred_statements(1100, None, TRANSPORTS)  # past one turn of the ring
+    said = deferred_statements(1100, 1034, TRANSPORTS)
+    return {
+        transport: {"quiet": quiet[transport], "said": said[transport], "closed": deferred_statements_then_close(40, transport)}
+        for transport in TRANSPORTS
+    }
+
+
+@pytest.fixture(scope="module")
+def deferred_runs() -> list[dict]:
+    return run_ranks(2, _deferred_runs, timeout=120)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_deferred_path_check_names_the_divergence_and_tolerates_agreement(deferred_runs, transport):
+    runs = [by_transport[transport] for by_transport in deferred_runs]
+    assert [r["quiet"] for r in runs] == ["no error", "no error"]
+    for text in [r["said"] for r in runs]:
         assert "micro-step 103" in text, text
         assert "rank 0 was about to gather for forward 'layers.0'" in text, text
         assert "rank 1 was about to gather for forward 'layers.2'" in text, text
 
     # Diverged into units of equal sizes and ended before the watchdog looked: close still says so.
-    for text in run_ranks(2, deferred_statements_then_close, 40, transport, timeout=120):
+    for text in [r["closed"] for r in runs]:
         assert "micro-step 7: rank 0 was about to gather for forward 'layers.0', rank 1 was about to gather for forward 'layers.2'" in text, text
 
 
