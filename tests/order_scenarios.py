@@ -9,6 +9,7 @@ whose experts each rank's tokens choose differently (where transformers is insta
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -115,6 +116,7 @@ def train(model_name: str, cfg: dict) -> dict:
     return {"losses": losses, "used": used, "searched": searched, "state": state}
 
 
+@functools.cache
 def reference(model_name: str, world: int, clip: float = 0.0) -> list[dict]:
     """DDP's result on one process: each step, the mean of the ranks' losses back-propagated once."""
     build, loss_of = MODELS[model_name]
