@@ -45,8 +45,10 @@ class GradReadiness:
         if not self.order.search_unreachable or loss is None:
             return []
         unreachable = unreachable_params(loss, (p for g in self.trainable for p in g.params))
+        if not unreachable:
+            return []
         done = []
-        for group in self.trainable if unreachable else ():
+        for group in self.trainable:
             for position, p in enumerate(group.params):
                 if id(p) in unreachable:
                     self._presumed.add((group.index, position))

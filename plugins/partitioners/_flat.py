@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zkernel.groups import Fragment, ShardLayout
-from zkernel.unit_modules import UNIT_POLICIES, unit_module_ids  # noqa: F401 - UNIT_POLICIES: zero3's option
+from zkernel.unit_modules import unit_module_ids
 
 ALIGN = 16  # elements: 16 bytes in 1-byte dtypes, 32 in bf16, 64 in fp32 (see [Note: aligned parameters])
 # A gradient at least this large is copied by the copy engines where a stream of its own moves it.

@@ -69,8 +69,9 @@ from zkernel.groups import ParamGroup, Phase
 from zkernel.profiling import profiler_range
 from zkernel.released import mark_gathered, mark_released
 from zkernel.streams import current_stream, record_event
+from zkernel.unit_modules import UNIT_POLICIES
 
-from ._flat import UNIT_POLICIES, FlatLayout, all_gather_flat, flatten_into, module_units
+from ._flat import FlatLayout, all_gather_flat, flatten_into, module_units
 from ._peer_gather import PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere, pool_threshold
 from ._peer_reduce import PEER_REDUCTION_POLICIES, PeerReductions
 from ._reduce import reduce_every_micro_batch

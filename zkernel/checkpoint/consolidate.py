@@ -43,14 +43,6 @@ def _keys(index: CheckpointIndex) -> list[tuple[str, str, str]]:
     return keys
 
 
-def _read_extra(index: CheckpointIndex, reader: RangeReader, key: str):
-    data = torch.empty(index.extra_state[key]["bytes"], dtype=torch.uint8)
-    batch = ReadBatch(index)
-    batch.add(key, extra_state.KIND, 0, data)
-    batch.run(reader)
-    return extra_state.deserialize(key, data, str(index.dir))
-
-
 def _read(index: CheckpointIndex, reader: RangeReader, kind: str, name: str) -> torch.Tensor:
     shape = index.shape(name, kind)
     out = torch.empty(shape, dtype=_output_dtype(index, kind, name))
@@ -88,7 +80,7 @@ def consolidate(
     made: dict[tuple[str, str], torch.Tensor] = {}
     with RangeReader() as reader, _bar(sum(_nbytes(index, *u) for u in unique), progress, "consolidate") as bar:
         for kind, name in unique:
-            made[(kind, name)] = _read_extra(index, reader, name) if kind == EXTRA else _read(index, reader, kind, name)
+            made[(kind, name)] = extra_state.read(index, reader, name) if kind == EXTRA else _read(index, reader, kind, name)
             bar.update(_nbytes(index, kind, name))
     return {key: made[(kind, name)] for key, kind, name in keys}
 
@@ -101,7 +93,7 @@ def consolidate_to_file(
     keys = _keys(index)
     path = Path(out)
     with RangeReader() as reader, _bar(sum(_nbytes(index, k, n) for _, k, n in keys), progress, "consolidate") as bar:
-        extras = {key: _read_extra(index, reader, key) for key, kind, _ in keys if kind == EXTRA}
+        extras = {key: extra_state.read(index, reader, key) for key, kind, _ in keys if kind == EXTRA}
         refused = sorted(key for key, value in extras.items() if not isinstance(value, torch.Tensor))
         if refused:
             raise CheckpointError(

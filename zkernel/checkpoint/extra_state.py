@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from zkernel.checkpoint.format import CheckpointError
+from zkernel.checkpoint.reader import ReadBatch
 
 KIND = "extra"
 
@@ -58,6 +59,16 @@ def deserialize(key: str, data: torch.Tensor, where: str, device: torch.device |
             "since loading it would run code from the file. If you trust the checkpoint, allow its classes with "
             f"torch.serialization.add_safe_globals([...]) before loading. torch: {str(exc).splitlines()[0]}"
         ) from exc
+
+
+def read(index, reader, key: str, device: torch.device | None = None) -> Any:
+    """The extra state stored under ``key`` in checkpoint ``index`` (a `CheckpointIndex`), read through
+    ``reader`` (a `RangeReader`; its checksums verified) and deserialised as `deserialize` does."""
+    data = torch.empty(index.extra_state[key]["bytes"], dtype=torch.uint8)
+    batch = ReadBatch(index)
+    batch.add(key, KIND, 0, data)
+    batch.run(reader)
+    return deserialize(key, data, str(index.dir), device)
 
 
 def owner(root: nn.Module, key: str) -> nn.Module:

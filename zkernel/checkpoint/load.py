@@ -134,11 +134,7 @@ def _read_extra_state(view: ModelView, index: CheckpointIndex, device: torch.dev
     values = {}
     with RangeReader() as reader:
         for key in view.extra:
-            data = torch.empty(index.extra_state[key]["bytes"], dtype=torch.uint8)
-            batch = ReadBatch(index)
-            batch.add(key, extra_state.KIND, 0, data)
-            batch.run(reader)
-            values[key] = extra_state.deserialize(key, data, str(index.dir), device)
+            values[key] = extra_state.read(index, reader, key, device)
     return values
 
 
