@@ -39,10 +39,12 @@ zkernel_imports_here() {
     "$PYTHON" - <<'PY' >/dev/null 2>&1
 import importlib.metadata, pathlib
 import pytest  # the [test] extra
-import zkernel, zkernel._native
+import zkernel, zkernel._native, zkernel_plugins
 here = (pathlib.Path.cwd() / "zkernel").resolve()
 assert pathlib.Path(zkernel.__file__).resolve().parent == here
 assert pathlib.Path(zkernel._native.__file__).resolve().parent == here
+# zkernel imports from the working directory; the plugins only through the install's path mapping.
+assert pathlib.Path(zkernel_plugins.__file__).resolve().parent == (pathlib.Path.cwd() / "plugins").resolve()
 importlib.metadata.version("zkernel")  # entry points of the builtin plugins are registered
 PY
 }

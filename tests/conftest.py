@@ -1,4 +1,4 @@
-"""Shared test set-up: skip CUDA-marked tests where there is no GPU; show zkernel's debug events on demand."""
+"""Shared test set-up: skip CUDA-marked tests where there is no GPU and slow ones unless asked; show zkernel's debug events on demand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    # `slow` tests run only when a marker expression is given (`-m slow`, `-m "slow or not slow"`).
+    if not config.getoption("markexpr"):
+        skip_slow = pytest.mark.skip(reason="slow: run with -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")

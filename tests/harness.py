@@ -33,7 +33,18 @@ def gpus_hidden_if_short(world: int, env: dict[str, str] | None = None) -> dict[
     return env
 
 
-def _child(rank: int, world: int, port: int, out: str, fn, args, hide_gpus: bool) -> None:
+def _context():
+    """Ranks fork from a server that imported torch once (3 s of a core per process otherwise). The
+    server is a fresh interpreter that never touches CUDA, so each rank still picks its devices."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def _child(rank: int, world: int, port: int, out: str, fn, args, hide_gpus: bool, env: dict[str, str]) -> None:
+    # A forkserver child has the server's environment, not the parent's at the time of the call.
+    os.environ.clear()
+    os.environ.update(env)
     if hide_gpus:  # before anything touches CUDA: zkernel then forms a gloo group on the CPU
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(
@@ -59,21 +70,26 @@ def _child(rank: int, world: int, port: int, out: str, fn, args, hide_gpus: bool
     Path(out).write_bytes(pickle.dumps(result))
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
+def run_ranks(world: int, fn, *args, timeout: float = 300.0, fresh: bool = False) -> list:
     """``fn(*args)`` on ``world`` spawned processes forming a gloo group; results by rank.
 
     A rank that raises fails the call with its traceback; a hang is killed
     after ``timeout`` seconds and reported, never left behind. With a GPU per
     rank the ranks use them (zkernel picks NCCL); on a machine with fewer GPUs
     than ranks they see none and run on the CPU, as on a machine without one.
+    ``fresh``: each rank a new interpreter that writes to this process's file descriptors as they
+    are now (a forked rank writes where the server's pointed when it started).
     """
     hide_gpus = too_few_gpus(world)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh else _context()
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [ctx.Process(target=_child, args=(r, world, port, outs[r], fn, args, hide_gpus)) for r in range(world)]
-        # Fixed mmap threshold: freed large blocks go back to the OS, so RSS tracks live memory.
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_child, args=(r, world, port, outs[r], fn, args, hide_gpus, env))
+                 for r in range(world)]  # fmt: skip
+        # Fixed mmap threshold: freed large blocks go back to the OS, so RSS tracks live memory. glibc
+        # reads it at start: the forkserver, started by the first call, passes it to every rank.
         saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         try:

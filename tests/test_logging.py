@@ -108,11 +108,11 @@ def test_a_plain_program_on_two_ranks_prints_nothing_unless_it_asks(monkeypatch,
     for name in [k for k in os.environ if k.startswith(("ZKERNEL_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))]:
         monkeypatch.delenv(name)
     capfd.readouterr()
-    run_ranks(2, user_program, False, timeout=120)
+    run_ranks(2, user_program, False, timeout=120, fresh=True)
     quiet_out, quiet_err = capfd.readouterr()
     assert quiet_out == "" and quiet_err == "", (quiet_out, quiet_err)
 
-    run_ranks(2, user_program, True, timeout=120)  # with logging.basicConfig(level=DEBUG)
+    run_ranks(2, user_program, True, timeout=120, fresh=True)  # with logging.basicConfig(level=DEBUG)
     loud_out, loud_err = capfd.readouterr()
     assert loud_out == "", loud_out
     lines = loud_err.splitlines()

@@ -53,11 +53,15 @@ def checkout(tmp_path):
         f'exec {sys.executable} "$@"\n'
     )
     shim.chmod(0o755)
+    # What the editable install's path mapping provides: `plugins/` importable as `zkernel_plugins`.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "zkernel_plugins").symlink_to(clone / "plugins")
     return clone, shim, log
 
 
 def _install(clone: Path, shim: Path, **env_extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHON=str(shim), PYTHONPATH=str(clone), **env_extra)
+    env = dict(os.environ, PYTHON=str(shim), PYTHONPATH=f"{clone}{os.pathsep}{clone.parent / 'site'}", **env_extra)
     return subprocess.run(
         ["bash", "-c", "set -euo pipefail; source scripts/install.sh"],
         cwd=clone, env=env, capture_output=True, text=True, timeout=120,
@@ -94,10 +98,13 @@ def test_install_runs_on_a_fresh_clone_then_only_when_the_build_changes(checkout
     for so in (clone / "zkernel").glob("_native*.so"):
         so.unlink()
     run("extension missing")
+    (clone.parent / "site" / "zkernel_plugins").unlink()  # the editable install maps another checkout's plugins
+    run("plugins not this checkout's")
     assert steps == [
         ("fresh clone", 1),
         ("unchanged", 1),
         ("native source edited, plugin module added", 2),
         ("extension missing", 3),
+        ("plugins not this checkout's", 4),
     ]
     assert (clone / "zkernel" / NATIVE.name).exists()
