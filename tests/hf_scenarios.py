@@ -8,6 +8,7 @@ sequences, so ten steps lower the loss well clear of noise.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import resource
 from pathlib import Path
@@ -30,9 +31,12 @@ SEQ = 16
 ARCHS = ("gpt2", "llama")
 
 
-def build(arch: str, width: int, depth: int) -> torch.nn.Module:
-    """A tied-embedding causal LM of ``arch``, ``depth`` layers of ``width`` (under the caller's device context)."""
+def build(arch: str, width: int, depth: int, attention: str | None = None) -> torch.nn.Module:
+    """A tied-embedding causal LM of ``arch``, ``depth`` layers of ``width`` (under the caller's device
+    context), with the ``attention`` implementation given (Hugging Face's default: None)."""
     common = {"vocab_size": VOCAB, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0}
+    if attention is not None:
+        common["attn_implementation"] = attention
     if arch == "gpt2":
         cfg = GPT2Config(
             n_layer=depth, n_embd=width, n_head=4, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -48,9 +52,9 @@ def build(arch: str, width: int, depth: int) -> torch.nn.Module:
     raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHS}")
 
 
-def build_on_meta(arch: str, width: int, depth: int) -> torch.nn.Module:
+def build_on_meta(arch: str, width: int, depth: int, attention: str | None = None) -> torch.nn.Module:
     with torch.device("meta"):
-        return build(arch, width, depth)
+        return build(arch, width, depth, attention)
 
 
 def materialize_whole(
@@ -215,6 +219,49 @@ def tiled_loss_parity(arch: str, width: int, depth: int, steps: int) -> dict:
     return {"losses": losses, "ties": tie_report(engine, lm)}
 
 
+LAYER_CLASS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def checkpointed_layers(arch: str, width: int, depth: int, steps: int) -> dict:
+    """`parity`'s run with every decoder layer checkpointed by zkernel (``use_cache`` left on, as a user
+    leaves it: the layers are handed the model's key/value cache); then an evaluation forward with
+    gradients on, which fills the cache. Eager attention: under SDPA a cache holding each key twice
+    happens to give the same outputs."""
+    lr, clip = 1e-2, 1.0
+    world, rank = _world_rank()
+    data = token_batches(11, steps, world, 2)
+    model = build_on_meta(arch, width, depth, attention="eager")
+    config = {**zero3_config(lr, clip), "activation_checkpointing": {"modules": [LAYER_CLASS[arch]]}}
+    handler = _Messages()
+    logging.getLogger("zkernel").addHandler(handler)
+    try:
+        engine = zkernel.initialize(model, config, init_fn=model._init_weights)
+        losses = train_engine(engine, data)
+        ids = data[0][rank].to(engine.device)
+        engine.module.eval()
+        with torch.no_grad():
+            plain = engine(input_ids=ids, use_cache=False).logits
+        out = engine(input_ids=ids, use_cache=True)  # gradients on: the layers run without checkpointing
+        engine.module.train()
+    finally:
+        logging.getLogger("zkernel").removeHandler(handler)
+    return {
+        "losses": losses,
+        "cache_warnings": sum("zkernel.activation.cache_dropped" in m for m in handler.messages),
+        "eval_logits_equal": torch.equal(out.logits.detach(), plain),
+        "eval_cache_length": out.past_key_values.get_seq_length(),
+    }
+
+
 def generate(arch: str, width: int, depth: int) -> dict:
     """Greedy ``generate`` under zero3, each rank its own prompts and its own number of new tokens
     (``synced_gpus=True``, as under DeepSpeed's ZeRO-3: a rank that is done keeps running forwards
@@ -252,4 +299,8 @@ def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
         out[f"{arch}:parity"] = parity(arch, *small, steps)
         out[f"{arch}:tiled loss"] = tiled_loss_parity(arch, *small, steps)
         out[f"{arch}:generate"] = generate(arch, *small)
+        try:  # a failure here fails its own test, not the whole module's fixture
+            out[f"{arch}:checkpointed"] = checkpointed_layers(arch, *small, steps)
+        except Exception as exc:  # noqa: BLE001
+            out[f"{arch}:checkpointed"] = {"error": f"{type(exc).__name__}: {exc}"}
     return out

@@ -94,6 +94,22 @@ def test_generate_with_ranks_of_different_lengths_matches_the_whole_model(suite,
         assert results[f"{arch}:generate"]["tokens"] == expected[rank], f"rank {rank} {arch}"
 
 
+@pytest.mark.parametrize("arch", hf.ARCHS)
+def test_checkpointed_decoder_layers_with_the_cache_on_train_like_torch(suite, arch):
+    """zkernel's activation checkpointing of every decoder layer while the model passes its key/value
+    cache (``use_cache`` on, the default): the recomputation in backward must not add the layer's keys
+    and values a second time (it did: the attention then ran over twice the sequence and failed)."""
+    expected = suite[0][f"{arch}:parity"]["reference"]
+    for rank, results in enumerate(suite):
+        r = results[f"{arch}:checkpointed"]
+        assert "error" not in r, f"rank {rank} {arch}: {r.get('error')}"
+        for i, (a, b) in enumerate(zip(r["losses"], expected, strict=True)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {arch} step {i}: checkpointed {a!r} vs torch {b!r}"
+        assert r["cache_warnings"] == 1  # once per engine, not once per layer and step
+        # Evaluation with gradients on runs the layers whole: the cache holds each position once.
+        assert r["eval_logits_equal"] and r["eval_cache_length"] == hf.SEQ
+
+
 def _init_stats(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     return {n: (p.mean().item(), p.std().item()) for n, p in model.named_parameters()}
 

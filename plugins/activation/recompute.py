@@ -8,7 +8,9 @@ preserved, so dropout draws the same mask again): its forward keeps only its
 inputs, and backward recomputes the rest just before it needs it. Positional
 and keyword arguments, tensors or not, nested in lists, tuples and dicts,
 are flattened into the checkpoint's own inputs, so every tensor among them is
-saved (and offloaded) like a positional one.
+saved (and offloaded) like a positional one. A Hugging Face key/value cache
+among them is not passed in training (see [Note: key/value caches under
+recompute]).
 
 With ``offload = "cpu"`` those saved inputs wait in host memory instead of
 on the device (see [Note: saved-input offload] in `_offload`): activation
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import attrs
 import torch
@@ -57,17 +60,53 @@ class RecomputeOptions:
     )
 
 
+def _is_kv_cache(value) -> bool:
+    """A Hugging Face key/value cache (``transformers.cache_utils.Cache``); without transformers imported there is none."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_cls = getattr(cache_utils, "Cache", None)
+    return cache_cls is not None and isinstance(value, cache_cls)
+
+
+# [Note: key/value caches under recompute]
+# A Hugging Face decoder layer appends this step's keys and values to the cache object it is passed
+# (`past_key_values`). Recomputing the layer in backward calls it again with the same object, which
+# appends them a second time: attention then runs over twice the sequence and fails with a shape
+# error, or, where shapes happen to agree, attends to stale entries. Hugging Face's own gradient
+# checkpointing turns `use_cache` off in training for this reason, and so does this wrapper at the
+# layer: in training, a checkpointed module is passed None for the cache (a WARNING, once per engine,
+# says so). Outside training (an evaluation with gradients on) the module runs without
+# checkpointing, so a cache being filled for generation stays right.
+
+
 class CheckpointedForward:
     """A module's ``forward`` run under ``torch.utils.checkpoint``; set as the module's ``forward`` attribute."""
 
-    def __init__(self, forward, offloader: SavedInputOffloader | None) -> None:
+    def __init__(
+        self, forward, offloader: SavedInputOffloader | None, name: str = "", warned: set[str] | None = None
+    ) -> None:
         self.forward = forward
         self.offloader = offloader
+        self.name = name
+        self.warned = set() if warned is None else warned  # shared by one engine's modules: each warning once
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs), is_leaf=_is_kv_cache)
+        caches = [i for i, leaf in enumerate(leaves) if _is_kv_cache(leaf)]
+        if caches:
+            module = getattr(self.forward, "__self__", None)
+            if module is not None and not module.training:
+                return self.forward(*args, **kwargs)
+            if "cache" not in self.warned:
+                self.warned.add("cache")
+                log.warning(
+                    "zkernel.activation.cache_dropped", module=self.name, cache=type(leaves[caches[0]]).__name__,
+                    hint="a checkpointed module is recomputed in backward and would add its keys and values to "
+                    "the cache twice, so it gets none in training (nor do the other checkpointed modules); pass use_cache=False to the model to silence this",
+                )
+            for i in caches:
+                leaves[i] = None
         run = functools.partial(_run_unflattened, self.forward, spec)
         with self.offloader.region() if self.offloader is not None else contextlib.nullcontext():
             return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
@@ -98,6 +137,7 @@ class Recompute:
             else None
         )
         self.wrapped: list[_Wrapped] = []
+        self.warned: set[str] = set()
 
     @hookimpl
     def zkernel_apply_activation_checkpointing(self, module, context):
@@ -108,7 +148,7 @@ class Recompute:
                     "that was not closed?)"
                 )
             previous = target.__dict__.get("forward", _MISSING)
-            target.forward = CheckpointedForward(target.forward, self.offloader)
+            target.forward = CheckpointedForward(target.forward, self.offloader, name, self.warned)
             self.wrapped.append(_Wrapped(target, previous))
         if self.wrapped:
             log.debug(
