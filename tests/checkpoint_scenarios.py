@@ -133,6 +133,20 @@ def failed_load(config: dict, directory: str) -> str:
     return "no error"
 
 
+def save_to_per_rank_directories(config: dict, root: str) -> str:
+    """Each rank passes its own directory to `save_checkpoint` (a per-node path on a non-shared disk)."""
+    _, rank = world_rank()
+    torch.manual_seed(0)
+    engine = zkernel.initialize(TrickyNet(), config)
+    try:
+        engine.save_checkpoint(os.path.join(root, f"mine{rank}"))
+    except zkernel.CheckpointError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "no error"
+
+
 def job(tasks: list[tuple[str, tuple]]) -> list:
     """Run several scenarios of this module in one spawned job (one process start for all)."""
     return [globals()[name](*args) for name, args in tasks]

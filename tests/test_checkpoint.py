@@ -125,6 +125,7 @@ def resumed(saved):
     raw[offset + 64] ^= 1
     rank1.write_bytes(bytes(raw))
     tasks.append(("failed_load", (config("zero2"), str(damaged))))
+    tasks.append(("save_to_per_rank_directories", (config("zero3"), str(root / "per-rank"))))
     return run_ranks(2, _job, tasks)
 
 
@@ -154,9 +155,18 @@ def test_reshard_across_partitioners_and_tiers_matches_torch(saved, resumed):
 def test_a_damaged_file_on_one_rank_fails_the_load_on_every_rank(saved, resumed):
     root, _ = saved
     for rank in range(2):
-        message = resumed[rank][-1]
+        message = resumed[rank][-2]
         assert "rank 1: checksum mismatch in checkpoint file" in message, message
         assert str(root / "damaged" / f"step{SAVE_AT}" / "rank00001.safetensors") in message
+
+
+def test_ranks_saving_to_different_directories_fail_together_and_leave_nothing(saved, resumed):
+    """Rank 1 cannot see the directory rank 0 created: both raise, naming the cause, and no file is left."""
+    root, _ = saved
+    for rank in range(2):
+        message = resumed[rank][-1]
+        assert "rank 1:" in message and "every rank must pass the same directory" in message, message
+    assert [str(p.relative_to(root / "per-rank")) for p in (root / "per-rank").rglob("*")] == ["mine0"]
 
 
 def test_reshard_to_three_ranks(saved):

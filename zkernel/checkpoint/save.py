@@ -74,6 +74,11 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
     _agree(_attempt(info.rank == 0, _prepare, root, staging), info, "preparing", staging, cleanup=False)
     error, report = None, None
     try:
+        if not staging.is_dir():
+            raise CheckpointError(
+                f"{staging}, which rank 0 has just created, is not there for rank {info.rank}: every rank must "
+                "pass the same directory, on a filesystem all ranks share"
+            )
         plan = _RankPlan(engine, view)
         with progress(sum(e.nbytes for e in plan.entries), "saving checkpoint") as bar:
             record = write_file(staging / rank_file(info.rank), plan.entries, plan.metadata(tag), on_bytes=bar.update)
