@@ -56,7 +56,8 @@ def run_steps(engine, data, accum: int) -> list[float]:
             engine.backward(loss)
             engine.step()
             total += loss.detach().float().cpu() / accum
-        if world > 1:
+        if world > 1:  # on the engine's device: NCCL has no CPU tensors
+            total = total.to(engine.device)
             dist.all_reduce(total)
             total /= world
         losses.append(total.item())
