@@ -2,7 +2,9 @@
 
 Tiny GPT-2 and Llama configurations with tied input/output embeddings, random
 init, no hub access. Each step trains on the same global batch of bigram
-sequences, so ten steps lower the loss well clear of noise.
+sequences, so ten steps lower the loss well clear of noise. The `ZOO` of other
+architectures (encoder-decoder, shared layers, mixtures of experts, vision) is
+built eagerly and trained against torch AdamW on random batches.
 """
 
 from __future__ import annotations
@@ -289,6 +291,108 @@ def generate(arch: str, width: int, depth: int) -> dict:
     return result
 
 
+# -- other architectures through the public API ------------------------------------------------
+
+_ZOO_TEXT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 64}
+# name: (model class, config type, config keywords, inputs). Chosen for what they do to an engine: an
+# encoder-decoder with a shared embedding and a relative-position bias only the first block owns (T5);
+# one layer's parameters run at every depth (ALBERT); routers whose experts some ranks' tokens skip
+# (Mixtral, Qwen2-MoE with a shared expert); a masked-LM head tied across modules (BERT); a vision
+# transformer with a classifier (ViT).
+ZOO = {
+    "t5": ("AutoModelForSeq2SeqLM", "t5", {"num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_ff": 64,
+                                           "num_heads": 4, "d_kv": 8, "dropout_rate": 0.0, "decoder_start_token_id": 0},
+           "seq2seq"),
+    "albert": ("AutoModelForMaskedLM", "albert", {"num_hidden_layers": 3, "hidden_size": 32, "embedding_size": 16,
+                                                  "intermediate_size": 64, "num_attention_heads": 4, **_ZOO_TEXT}, "text"),
+    "bert": ("AutoModelForMaskedLM", "bert", {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+                                              "num_attention_heads": 4, **_ZOO_TEXT}, "text"),
+    "mixtral": ("AutoModelForCausalLM", "mixtral", {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+                                                    "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                    "num_local_experts": 4, "num_experts_per_tok": 2}, "text"),
+    "qwen2_moe": ("AutoModelForCausalLM", "qwen2_moe", {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+                                                        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+                                                        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+                                                        "num_experts_per_tok": 2}, "text"),
+    "vit": ("AutoModelForImageClassification", "vit", {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+                                                       "num_attention_heads": 4, "image_size": 16, "patch_size": 4,
+                                                       "num_labels": 5, "hidden_dropout_prob": 0.0,
+                                                       "attention_probs_dropout_prob": 0.0}, "image"),
+}  # fmt: skip
+ZOO_CONFIGS = {
+    "zero3": {"partitioner": "zero3"},
+    "zero3 params+optimizer cpu": {"partitioner": "zero3", "offload": {"params": "cpu", "optimizer": "cpu"}},
+    "zero2 accumulation 2": {"partitioner": "zero2", "gradient_accumulation_steps": 2},
+}
+
+
+def zoo_model(name: str) -> torch.nn.Module:
+    import transformers
+
+    cls, kind, kwargs, _ = ZOO[name]
+    config = transformers.AutoConfig.for_model(kind, vocab_size=VOCAB, attn_implementation="eager", **kwargs)
+    torch.manual_seed(0)
+    return getattr(transformers, cls).from_config(config)
+
+
+def zoo_batches(name: str, steps: int, world: int, micro: int = 2) -> list[list[dict]]:
+    """[step][rank] -> keyword inputs with ``labels``; each step a fresh random global batch."""
+    inputs = ZOO[name][3]
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(steps):
+        n = world * micro
+        if inputs == "image":
+            whole = {"pixel_values": torch.randn(n, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (n,), generator=g)}
+        elif inputs == "seq2seq":
+            whole = {"input_ids": torch.randint(1, VOCAB, (n, SEQ), generator=g),
+                     "labels": torch.randint(1, VOCAB, (n, SEQ // 2), generator=g)}  # fmt: skip
+        else:
+            ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+            whole = {"input_ids": ids, "labels": ids}
+        out.append([{k: v[r * micro : (r + 1) * micro] for k, v in whole.items()} for r in range(world)])
+    return out
+
+
+def zoo_parity(name: str, config_name: str, steps: int) -> dict:
+    """One architecture under one configuration through the public API (fp32, clipping); rank 0 also
+    trains the same model with torch AdamW on each optimizer step's whole batch."""
+    lr, clip = 1e-2, 1.0
+    world, rank = _world_rank()
+    config = {**copy.deepcopy(ZOO_CONFIGS[config_name]), "precision": "fp32", "gradient_clipping": clip,
+              "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.0}}  # fmt: skip
+    accum = config.get("gradient_accumulation_steps", 1)
+    data = zoo_batches(name, steps * accum, world)
+    engine = zkernel.initialize(zoo_model(name), config)
+    losses = []
+    for micro_batches in data:
+        loss = engine(**{k: v.to(engine.device) for k, v in micro_batches[rank].items()}).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    result = {"losses": [sum(losses[i : i + accum]) / accum for i in range(0, len(losses), accum)],
+              "state": {k: v.float() for k, v in engine.state_dict().items()}, "device": engine.device.type}  # fmt: skip
+    engine.close()
+    if rank == 0:
+        model = zoo_model(name)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        reference = []
+        for i in range(0, len(data), accum):
+            batch = {k: torch.cat([part[k] for step in data[i : i + accum] for part in step]) for k in data[i][0]}
+            loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            reference.append(loss.item())
+        result["reference"] = reference
+        result["reference_state"] = {k: v.float() for k, v in model.state_dict().items()}
+    return result
+
+
 def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
     """Everything the Hugging Face tests check, in one spawn (importing transformers costs seconds per process)."""
     torch.manual_seed(0)
@@ -303,4 +407,10 @@ def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
             out[f"{arch}:checkpointed"] = checkpointed_layers(arch, *small, steps)
         except Exception as exc:  # noqa: BLE001
             out[f"{arch}:checkpointed"] = {"error": f"{type(exc).__name__}: {exc}"}
+    for name in ZOO:
+        for cfg in ZOO_CONFIGS:
+            try:
+                out[f"zoo:{name}:{cfg}"] = zoo_parity(name, cfg, 3)
+            except Exception as exc:  # noqa: BLE001
+                out[f"zoo:{name}:{cfg}"] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
