@@ -1,4 +1,5 @@
-"""Run a function on N real gloo processes and collect each rank's result (or its traceback)."""
+"""Run a function on N real gloo processes (forked from a server that imported torch once) and collect
+each rank's result (or its traceback)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _child(rank: int, world: int, port: int, out: str, fn, args, hide_gpus: bool
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 300.0, fresh: bool = False) -> list:
-    """``fn(*args)`` on ``world`` spawned processes forming a gloo group; results by rank.
+    """``fn(*args)`` on ``world`` new processes forming a gloo group; results by rank.
 
     A rank that raises fails the call with its traceback; a hang is killed
     after ``timeout`` seconds and reported, never left behind. With a GPU per

@@ -101,9 +101,12 @@ class CheckpointedForward:
             if "cache" not in self.warned:
                 self.warned.add("cache")
                 log.warning(
-                    "zkernel.activation.cache_dropped", module=self.name, cache=type(leaves[caches[0]]).__name__,
+                    "zkernel.activation.cache_dropped",
+                    module=self.name,
+                    cache=type(leaves[caches[0]]).__name__,
                     hint="a checkpointed module is recomputed in backward and would add its keys and values to "
-                    "the cache twice, so it gets none in training (nor do the other checkpointed modules); pass use_cache=False to the model to silence this",
+                    "the cache twice, so in training it gets none (nor do the other checkpointed modules); "
+                    "pass use_cache=False to the model to silence this",
                 )
             for i in caches:
                 leaves[i] = None
