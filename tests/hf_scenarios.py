@@ -236,8 +236,8 @@ class _Messages(logging.Handler):
 def checkpointed_layers(arch: str, width: int, depth: int, steps: int) -> dict:
     """`parity`'s run with every decoder layer checkpointed by zkernel (``use_cache`` left on, as a user
     leaves it: the layers are handed the model's key/value cache); then an evaluation forward with
-    gradients on, which fills the cache. Eager attention: under SDPA a cache holding each key twice
-    happens to give the same outputs."""
+    gradients on, which fills the cache, and its backward. Eager attention: under SDPA a cache
+    holding each key twice happens to give the same outputs."""
     lr, clip = 1e-2, 1.0
     world, rank = _world_rank()
     data = token_batches(11, steps, world, 2)
@@ -253,6 +253,10 @@ def checkpointed_layers(arch: str, width: int, depth: int, steps: int) -> dict:
         with torch.no_grad():
             plain = engine(input_ids=ids, use_cache=False).logits
         out = engine(input_ids=ids, use_cache=True)  # gradients on: the layers run without checkpointing
+        # A backward in evaluation (gradients of the inputs' score, say): a checkpointed layer would
+        # be recomputed now, adding its keys and values to the cache again.
+        engine.backward(out.logits.float().logsumexp(-1).mean())
+        engine.step()
         engine.module.train()
     finally:
         logging.getLogger("zkernel").removeHandler(handler)

@@ -107,7 +107,7 @@ def train(model_name: str, cfg: dict) -> dict:
         tokens, targets = step[0][rank]
         loss = loss_of(engine, tokens, targets, fork_route(rank, i))
         engine.backward(loss)
-        used.append(sorted((g, tuple(sorted(p))) for g, p in engine.scheduler.window_used.items()))
+        used.append(sorted((g, tuple(sorted(p))) for g, p in engine.scheduler.readiness.window_used.items()))
         engine.step()
         losses.append(loss.item())
     searched = engine.scheduler.readiness.order.search_unreachable

@@ -107,7 +107,8 @@ def test_checkpointed_decoder_layers_with_the_cache_on_train_like_torch(suite, a
         for i, (a, b) in enumerate(zip(r["losses"], expected, strict=True)):
             assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {arch} step {i}: checkpointed {a!r} vs torch {b!r}"
         assert r["cache_warnings"] == 1  # once per engine, not once per layer and step
-        # Evaluation with gradients on runs the layers whole: the cache holds each position once.
+        # Evaluation with gradients on runs the layers whole: after its forward and backward the
+        # cache holds each position once.
         assert r["eval_logits_equal"] and r["eval_cache_length"] == hf.SEQ
 
 

@@ -270,7 +270,7 @@ class Engine:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
-            norm = self.pipeline.end_backward(boundary, self._needs_norm(), self.scheduler.window_used)
+            norm = self.pipeline.end_backward(boundary, self._needs_norm(), self.scheduler.readiness.window_used)
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
@@ -290,7 +290,7 @@ class Engine:
         self.scheduler.release_kept()  # a forward whose backward never came: its values change now
         if self._coefficient is None:  # no backward ended this window: step what got gradients
             self.pipeline.begin_backward(True, known=None, speculative=None)
-            norm = self.pipeline.end_backward(True, self._needs_norm(), self.scheduler.window_used)
+            norm = self.pipeline.end_backward(True, self._needs_norm(), self.scheduler.readiness.window_used)
             self._coefficient = (self._coefficient_from(norm),)
         (coefficient,), self._coefficient = self._coefficient, None
         with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
@@ -302,7 +302,7 @@ class Engine:
             self.scheduler.prefetch_next_forward()
         if self.loss_scaler is not None:
             self.loss_scaler.update(coefficient is None)
-        self.scheduler.window_used.clear()
+        self.scheduler.readiness.window_used.clear()
         self.timeline.end_step(self.global_steps)
         self.global_steps += 1
 

@@ -173,8 +173,6 @@ class Scheduler:
         self.external: set[int] = set()  # group indices kept whole through a step
         self.recomputed: nn.Module | None = None  # the unit module this backward recomputed last
         self.readiness = GradReadiness(self.groups, order)
-        # Trainable group index -> positions of its parameters that got a gradient in this window.
-        self.window_used = self.readiness.window_used
         self.tracer = ModuleTrace()
         self.paths = PathCheck(self.groups, streams_device(streams), enabled=True)
         self._prefetched: set[int] = set()  # groups whose gather the prefetcher issued and nobody consumed

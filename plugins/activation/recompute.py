@@ -61,7 +61,8 @@ class RecomputeOptions:
 
 
 def _is_kv_cache(value) -> bool:
-    """A Hugging Face key/value cache (``transformers.cache_utils.Cache``); without transformers imported there is none."""
+    """Whether ``value`` is a Hugging Face key/value cache (``transformers.cache_utils.Cache``); without
+    transformers imported there is none."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     cache_cls = getattr(cache_utils, "Cache", None)
     return cache_cls is not None and isinstance(value, cache_cls)
