@@ -61,13 +61,17 @@ def weight_penalty(model: nn.Module) -> torch.Tensor:
     return 0.01 * model.block[0].weight.pow(2).sum()
 
 
-def reference_losses(model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8, penalty=None):
-    """Single-process torch AdamW on the global batches: the oracle."""
+def reference_losses(
+    model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8, penalty=None, schedule=None
+):
+    """Single-process torch AdamW on the global batches: the oracle. ``schedule``: (lr, betas) per step."""
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
     )
     losses = []
-    for step in data:
+    for i, step in enumerate(data):
+        if schedule is not None:
+            opt.param_groups[0]["lr"], opt.param_groups[0]["betas"] = schedule[i]
         total = 0.0
         for micro in step:
             tokens = torch.cat([t for t, _ in micro])

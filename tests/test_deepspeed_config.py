@@ -134,7 +134,8 @@ def test_hugging_face_auto_values_take_defaults_and_are_named():
         "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 1},
         "bf16": {"enabled": "auto"},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "total_num_steps": "auto"}},
+        # The Hugging Face Trainer's templates (ds_config_zero2.json, ds_config_zero3.json).
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "allgather_bucket_size": 2e8},
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
@@ -144,9 +145,9 @@ def test_hugging_face_auto_values_take_defaults_and_are_named():
         "wall_clock_breakdown": False,
     }
     config, warning, _ = mapped(raw)
-    assert config == Config(
-        partitioner="zero2", initial_loss_scale=4096.0, loss_scale_window=500
-    ), "auto values fall back to zkernel's defaults"
+    assert config == config_from_dict(
+        {"partitioner": "zero2", "initial_loss_scale": 4096.0, "loss_scale_window": 500, "lr_schedule": {"name": "warmup"}}
+    ), "auto values fall back to zkernel's defaults (a warmup to [optimizer] lr over 1000 steps)"
     assert warning["auto_defaults"] == [
         "fp16.enabled",
         "bf16.enabled",
@@ -157,10 +158,12 @@ def test_hugging_face_auto_values_take_defaults_and_are_named():
         "optimizer.params.weight_decay",
         "gradient_accumulation_steps",
         "gradient_clipping",
+        "scheduler.params.warmup_min_lr",
+        "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps",
     ]
     assert warning["ignored"] == [
         "zero_optimization.allgather_bucket_size (each bucket is all-gathered in one call)",
-        "scheduler (set engine.lr between steps)",
         "steps_per_print (no equivalent in zkernel)",
         "wall_clock_breakdown (no equivalent in zkernel)",
     ]
@@ -204,12 +207,84 @@ def test_adam_weight_decay_mode(adam, decoupled):
         ({"bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas [0.9] is not valid"),
         ({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 0}, "gradient_accumulation_steps 0 is not valid; valid: an integer >= 1"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, "offload.nvme_path is required"),
+        ({"bf16": {"enabled": True}, "scheduler": {"type": "CosineLR"}}, "scheduler.type 'CosineLR' is not valid; valid: WarmupLR, WarmupDecayLR"),
+        (
+            {"bf16": {"enabled": True}, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+            'scheduler.params.total_num_steps is "auto", and WarmupDecayLR has no default for it',
+        ),
+        ({"bf16": {"enabled": True}, "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 1}}}, "scheduler.params.cycle_min_lr is absent"),
+        (
+            {"bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}},
+            "scheduler.params.total_num_steps is not a parameter of WarmupLR; valid: warmup_min_lr, warmup_max_lr",
+        ),
+        ({"bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}, "warmup_type 'cos' is not valid; valid: log, linear"),
+        ({"bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1.5}}}, "warmup_num_steps 1.5 is not valid"),
     ],
 )
 def test_values_that_cannot_be_honoured_are_errors_naming_the_key(raw, message):
     with pytest.raises(ConfigError) as info:
         zkernel.from_deepspeed_config(raw)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "schedule", "ignored"),
+    [
+        # WarmupLR's own default peak (0.001) is not [optimizer] lr, which zkernel's warmup would take.
+        ({"type": "WarmupLR"}, {"name": "warmup", "warmup_max_lr": 0.001}, []),
+        (
+            {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 1e3, "warmup_type": "linear", "last_batch_iteration": -1}},
+            {"name": "warmup", "warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 1000, "warmup_type": "linear"},
+            [],
+        ),
+        (
+            {"type": "WarmupDecayLR", "params": {"total_num_steps": 5000, "warmup_max_lr": 1e-4, "last_batch_iteration": 99}},
+            {"name": "warmup_decay", "total_num_steps": 5000, "warmup_max_lr": 1e-4},
+            ["scheduler.params.last_batch_iteration=99 (the schedule follows the engine's applied steps, which a checkpoint restores)"],
+        ),
+        (
+            {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}},
+            {"name": "warmup_cosine", "total_num_steps": 5000, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01},
+            [],
+        ),
+        (
+            {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3, "cycle_first_stair_count": 4, "cycle_momentum": False}},
+            {"name": "one_cycle", "cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3, "cycle_momentum": False},
+            ["scheduler.params.cycle_first_stair_count (DeepSpeed's OneCycle does not use it either)"],
+        ),
+        (
+            {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-5, "lr_range_test_staircase": True}},
+            {"name": "lr_range_test", "lr_range_test_min_lr": 1e-5, "lr_range_test_staircase": True},
+            [],
+        ),
+    ],
+)
+def test_schedulers_map_to_the_schedule_of_the_same_definition(scheduler, schedule, ignored):
+    raw = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}}, "scheduler": scheduler}
+    config, warning, _ = mapped(raw)
+    assert config == config_from_dict(
+        {"precision": "bf16", "optimizer": {"name": "adamw", "lr": 2e-4}, "lr_schedule": schedule}
+    )
+    assert (warning["ignored"] if warning else []) == ignored
+    engine = zkernel.initialize(TrickyNet(), config)  # every mapped schedule builds
+    assert engine.lr_schedule is not None
+    engine.close()
+
+
+def test_aio_block_size_goes_to_every_nvme_tier(tmp_path):
+    aio = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
+    config, warning, _ = mapped({**zero3_nvme(str(tmp_path)), "optimizer": {"type": "AdamW"}, "aio": aio})
+    assert config.offload.optimizer_options == config.offload.params_options == {"aio_block_size": 1048576}
+    assert [k for k in warning["ignored"] if k.startswith("aio.")] == [
+        "aio.queue_depth (requests in flight at the disk are offload.<role>_options.aio_threads)",
+        "aio.thread_count (requests in flight at the disk are offload.<role>_options.aio_threads)",
+        "aio.single_submit (no equivalent in zkernel)",
+        "aio.overlap_events (no equivalent in zkernel)",
+    ]
+    _, warning, _ = mapped({**ZERO2_CPU, "optimizer": {"type": "AdamW"}, "aio": {"block_size": 1048576}})
+    assert warning["ignored"] == ["aio.block_size (no offload device is nvme)"]
+    with pytest.raises(ConfigError, match="aio.block_size 1000 is not valid here; valid: a positive multiple of 4096"):
+        zkernel.from_deepspeed_config({**zero3_nvme(str(tmp_path)), "aio": {"block_size": 1000}})
 
 
 def test_cpu_offload_without_pinned_memory_maps_to_the_tier_option():

@@ -16,6 +16,7 @@ from zkernel.distributed import init_distributed, local_world_size
 from zkernel.engine import Engine, EngineParts
 from zkernel.groups import OptimizerDeclaration, ParamGroup
 from zkernel.log import get_logger
+from zkernel.lr_schedule import LRSchedule
 from zkernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager, resolve_components
 from zkernel.runtime import RuntimeContext
 from zkernel.streams import Streams
@@ -64,7 +65,7 @@ def _component(obj: Any, interface: type, key: str, name: str) -> Any:
     if not isinstance(obj, interface):
         raise TypeError(
             f"{key} {name!r} built a {type(obj).__name__}, which does not implement "
-            f"zkernel.tiers.{interface.__name__}"
+            f"{interface.__module__}.{interface.__name__}"
         )
     return obj
 
@@ -208,6 +209,8 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     optimizer_tier = _component(tiers[-1], OptimizerTier, "offload.optimizer", cfg.offload.optimizer)
     tiers.append(selection["offload.params"].build(base))
     params_tier = _component(tiers[-1], ParamsTier, "offload.params", cfg.offload.params)
+    schedule = selection["lr_schedule.name"].build(base)
+    lr_schedule = _component(schedule, LRSchedule, "lr_schedule.name", cfg.lr_schedule.name)
     placement = PlacementInfo(
         masters_on_compute_device=optimizer_tier.masters_on_compute_device,
         params_on_compute_device=params_tier.on_compute_device,
@@ -268,6 +271,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         whole_bytes=whole_bytes,
         original_tensors=original_tensors,
         placement_plan=plan,
+        lr_schedule=lr_schedule,
     )
     return Engine(model, cfg, dist_info, parts)
 

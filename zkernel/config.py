@@ -183,6 +183,17 @@ class ActivationCheckpointingConfig:
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
 
 
+@attrs.frozen(kw_only=True)
+class LRScheduleConfig:
+    """``[lr_schedule]``: which schedule sets the learning rate of each step (see `zkernel.lr_schedule`).
+
+    Keys other than ``name`` go to ``options`` (the selected schedule's own).
+    """
+
+    name: str = attrs.field(default="none", validator=_name("lr_schedule.name"))
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
+
+
 def _size(key: str):
     """Bytes from an integer or a string with a unit ("16GiB", "1.5TB"); None stays None."""
 
@@ -249,6 +260,7 @@ class Config:
         default=0.0, validator=_non_negative_number("gradient_clipping")
     )
     optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = attrs.field(factory=LRScheduleConfig)
     offload: OffloadConfig = attrs.field(factory=OffloadConfig)
     tiling: TilingConfig = attrs.field(factory=TilingConfig)
     activation_checkpointing: ActivationCheckpointingConfig = attrs.field(factory=ActivationCheckpointingConfig)
@@ -294,6 +306,7 @@ class Config:
 
 _SECTIONS = {
     "optimizer": OptimizerConfig,
+    "lr_schedule": LRScheduleConfig,
     "offload": OffloadConfig,
     "tiling": TilingConfig,
     "activation_checkpointing": ActivationCheckpointingConfig,

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from zkernel.aio import ALIGNMENT
 from zkernel.config import Config, ConfigError, config_from_dict
 from zkernel.log import get_logger
 
@@ -195,6 +196,26 @@ def _offload(reader: _Reader, key: str) -> tuple[str, str | None]:
     return device, path if device == "nvme" else None
 
 
+def _aio(reader: _Reader, offload: dict[str, Any]) -> None:
+    """Map ``aio.block_size`` to the ``aio_block_size`` of each nvme tier; the rest of ``aio`` has no equivalent."""
+    block = reader.integer("aio.block_size", minimum=1)
+    roles = [role for role in ("optimizer", "params") if offload[role] == "nvme"]
+    if block is not None and not roles:
+        reader.unmapped.append("aio.block_size (no offload device is nvme)")
+    elif block is not None:
+        if block % ALIGNMENT:
+            raise ConfigError(
+                f"DeepSpeed config key aio.block_size {block} is not valid here; valid: a positive multiple of "
+                f"{ALIGNMENT} (zkernel reads and writes swap files with O_DIRECT)"
+            )
+        for role in roles:
+            offload[f"{role}_options"] = {**offload.get(f"{role}_options", {}), "aio_block_size": block}
+    for key in ("queue_depth", "thread_count", "intra_op_parallelism"):
+        reader.no_equivalent(f"aio.{key}", "requests in flight at the disk are offload.<role>_options.aio_threads")
+    for key in ("single_submit", "overlap_events", "use_gds"):
+        reader.no_equivalent(f"aio.{key}", "no equivalent in zkernel")
+
+
 def _zero(reader: _Reader, out: dict[str, Any], precision: str) -> str:
     """Map ``zero_optimization``; returns the offload tier of the optimizer."""
     zero = reader.get("zero_optimization")
@@ -231,6 +252,7 @@ def _zero(reader: _Reader, out: dict[str, Any], precision: str) -> str:
         offload["optimizer_options"] = {"pin_memory": False}
     if optimizer_path or params_path:
         offload["nvme_path"] = optimizer_path or params_path
+    _aio(reader, offload)
     out["offload"] = offload
 
     bucket = reader.integer("zero_optimization.reduce_bucket_size", minimum=1)
@@ -339,6 +361,106 @@ def _optimizer(reader: _Reader, out: dict[str, Any], optimizer_tier: str) -> Non
         raise ConfigError("DeepSpeed config key optimizer.params.amsgrad is true; zkernel's Adam has no amsgrad; valid: false")
 
 
+# DeepSpeed's scheduler types -> zkernel's lr_schedule names, and each type's params by kind. The
+# schedules take DeepSpeed's param names as their options (`zkernel_plugins.lr_schedules`).
+_SCHEDULES = {
+    "WarmupLR": "warmup",
+    "WarmupDecayLR": "warmup_decay",
+    "WarmupCosineLR": "warmup_cosine",
+    "OneCycle": "one_cycle",
+    "LRRangeTest": "lr_range_test",
+}
+_WARMUP_PARAMS = {"warmup_min_lr": "number", "warmup_max_lr": "number", "warmup_num_steps": "integer", "warmup_type": "warmup"}
+_SCHEDULE_PARAMS: dict[str, dict[str, str]] = {
+    "WarmupLR": _WARMUP_PARAMS,
+    "WarmupDecayLR": {**_WARMUP_PARAMS, "total_num_steps": "integer"},
+    "WarmupCosineLR": {
+        "total_num_steps": "integer",
+        "warmup_min_ratio": "number",
+        "warmup_num_steps": "integer",
+        "cos_min_ratio": "number",
+        "warmup_type": "warmup",
+    },
+    "OneCycle": {
+        "cycle_min_lr": "number",
+        "cycle_max_lr": "number",
+        "decay_lr_rate": "number",
+        "cycle_first_step_size": "integer",
+        "cycle_second_step_size": "integer",
+        "cycle_first_stair_count": "unused",
+        "cycle_second_stair_count": "unused",
+        "decay_step_size": "integer",
+        "cycle_momentum": "boolean",
+        "cycle_min_mom": "number",
+        "cycle_max_mom": "number",
+        "decay_mom_rate": "number",
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": "number",
+        "lr_range_test_step_size": "integer",
+        "lr_range_test_step_rate": "number",
+        "lr_range_test_staircase": "boolean",
+    },
+}
+# Params without a default in DeepSpeed: "auto" (the Hugging Face Trainer fills them in) cannot fall back.
+_REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",), "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
+
+
+def _scheduler(reader: _Reader, out: dict[str, Any]) -> None:
+    """Map ``scheduler`` to ``[lr_schedule]``: the same schedule, computed as DeepSpeed computes it."""
+    if not reader.section("scheduler"):
+        return
+    kind = reader.get("scheduler.type")
+    if kind not in _SCHEDULES:
+        raise ConfigError(
+            f"DeepSpeed config key scheduler.type {kind!r} is not valid; valid: {', '.join(_SCHEDULES)} "
+            "(or no scheduler section, and engine.lr set between steps)"
+        )
+    kinds = _SCHEDULE_PARAMS[kind]
+    params = reader.section("scheduler.params")
+    schedule: dict[str, Any] = {"name": _SCHEDULES[kind]}
+    if kind == "WarmupLR" and reader.peek("scheduler.params.warmup_max_lr") is None:
+        schedule["warmup_max_lr"] = 0.001  # DeepSpeed's default; zkernel's (None) is [optimizer] lr
+    for name in params:
+        key = f"scheduler.params.{name}"
+        if name == "last_batch_iteration":
+            start = reader.integer(key, minimum=-1) if reader.peek(key) != "auto" else None
+            if start not in (None, -1):
+                reader.unmapped.append(f"{key}={start} (the schedule follows the engine's applied steps, which a checkpoint restores)")
+            continue
+        if name not in kinds:
+            raise ConfigError(
+                f"DeepSpeed config key {key} is not a parameter of {kind}; valid: {', '.join([*kinds, 'last_batch_iteration'])}"
+            )
+        value = _schedule_param(reader, key, kinds[name])
+        if kinds[name] == "unused":
+            if value is not None:
+                reader.unmapped.append(f"{key} (DeepSpeed's {kind} does not use it either)")
+        elif value is not None:
+            schedule[name] = value
+    for name in _REQUIRED.get(kind, ()):
+        if name not in schedule:
+            state = "\"auto\"" if reader.peek(f"scheduler.params.{name}") == "auto" else "absent"
+            raise ConfigError(
+                f"DeepSpeed config key scheduler.params.{name} is {state}, and {kind} has no default for it "
+                "(the Hugging Face Trainer fills \"auto\" in from its arguments); valid: a number"
+            )
+    out["lr_schedule"] = schedule
+
+
+def _schedule_param(reader: _Reader, key: str, kind: str) -> Any:
+    if kind == "integer":
+        return reader.integer(key)
+    if kind == "number":
+        return reader.number(key)
+    if kind == "boolean":
+        return reader.boolean(key)
+    value = reader.get(key)
+    if kind == "warmup" and value is not None and value not in ("log", "linear"):
+        raise ConfigError(f"DeepSpeed config key {key} {value!r} is not valid; valid: log, linear")
+    return value
+
+
 def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Config:
     """A `zkernel.Config` equivalent to a DeepSpeed config (a dict or a path to its .json file).
 
@@ -371,7 +493,7 @@ def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Conf
     micro_batch = reader.peek("train_micro_batch_size_per_gpu")
     batch = reader.peek("train_batch_size")
     reader.consumed.update(("train_micro_batch_size_per_gpu", "train_batch_size"))
-    reader.no_equivalent("scheduler", "set engine.lr between steps")
+    _scheduler(reader, out)
     reader.leftovers()
     try:
         config = config_from_dict(out)

@@ -76,6 +76,8 @@ class EngineParts:
     original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
     # The planner's decision when the config had "auto" values (`zkernel.planning.Plan`), else None.
     placement_plan: Any = None
+    # The selected `zkernel.lr_schedule.LRSchedule` (None: no schedule, as ``lr_schedule.name = "none"``).
+    lr_schedule: Any = None
 
 
 class Engine:
@@ -106,6 +108,8 @@ class Engine:
             else None
         )
         opt = config.optimizer
+        self._base_hyper = StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        self.lr_schedule = parts.lr_schedule
         hook = self.hook
         engine_ref = weakref.ref(self)  # the model's hooks must not keep the engine alive
         self.pipeline = StepPipeline(
@@ -118,7 +122,7 @@ class Engine:
             timeline=parts.timeline,
             can_rollback=parts.can_rollback,
             skips_params=parts.skips_params,
-            hyper=StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
+            hyper=self._base_hyper,
             publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
             speculate=parts.speculate,
             max_norm=config.gradient_clipping,
@@ -141,6 +145,7 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
+        self._apply_lr_schedule()
         self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
@@ -187,7 +192,8 @@ class Engine:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the next step (may be changed between steps)."""
+        """The learning rate of the next step (may be changed between steps; with an
+        ``[lr_schedule]`` other than ``none``, the schedule sets it again after each step)."""
         return self.pipeline.hyper.lr
 
     @lr.setter
@@ -305,6 +311,7 @@ class Engine:
         self.scheduler.readiness.window_used.clear()
         self.timeline.end_step(self.global_steps)
         self.global_steps += 1
+        self._apply_lr_schedule()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds, by category (params, grads, master_weights, optimizer_state) and place
@@ -460,8 +467,23 @@ class Engine:
         self.skipped_steps = int(state["skipped_steps"])
         self.last_grad_norm = state["last_grad_norm"]
         self.lr = float(state["lr"])
+        self._apply_lr_schedule()  # a schedule's rate follows from the counters, whatever the saving run's was
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def _apply_lr_schedule(self) -> None:
+        """The next step's hyperparameters from the schedule ([Note: a schedule is a function of the applied steps])."""
+        if self.lr_schedule is None:
+            return
+        hyper = self.lr_schedule.hyper(self.global_steps - self.skipped_steps, self._base_hyper)
+        if hyper is None:
+            return
+        if not (math.isfinite(hyper.lr) and hyper.lr >= 0):
+            raise ValueError(
+                f"lr_schedule {self.config.lr_schedule.name!r} gave the learning rate {hyper.lr!r} for step "
+                f"{self.global_steps}; valid: a finite number >= 0"
+            )
+        self.pipeline.hyper = hyper
 
     def refresh_param_shard(self, group: ParamGroup) -> None:
         """After a load replaced ``group``'s master: its parameter shard takes the rounded values."""

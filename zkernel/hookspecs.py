@@ -117,6 +117,21 @@ def zkernel_register_activation_checkpointers(registry: ComponentRegistry) -> No
 
 
 @hookspec
+def zkernel_register_lr_schedules(registry: ComponentRegistry) -> None:
+    """Offer learning-rate schedules, selected by ``[lr_schedule] name``.
+
+    Called like `zkernel_register_partitioners`; the factory is called as
+    ``factory(context)`` (``context.config.optimizer`` holds the base
+    hyperparameters; ``context.options`` the schedule's own options) and
+    returns a `zkernel.lr_schedule.LRSchedule`, whose ``hyper`` the engine
+    calls before every optimizer step. A schedule never joins the runtime
+    manager.
+
+    All implementations are called; results are ignored.
+    """
+
+
+@hookspec
 def zkernel_register_planners(registry: ComponentRegistry) -> None:
     """Offer planners, selected by ``[planner] name``, that resolve ``"auto"`` placement values.
 

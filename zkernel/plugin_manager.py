@@ -48,6 +48,9 @@ BUILTIN_PLUGINS = {
     "tiling_linear": "zkernel_plugins.tiling.linear",
     "activation_recompute": "zkernel_plugins.activation.recompute",
     "planner_default": "zkernel_plugins.planners.default",
+    "lr_schedule_none": "zkernel_plugins.lr_schedules.none",
+    "lr_schedule_warmup": "zkernel_plugins.lr_schedules.warmup",
+    "lr_schedule_cyclic": "zkernel_plugins.lr_schedules.cyclic",
 }
 
 @attrs.frozen

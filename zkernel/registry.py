@@ -79,6 +79,11 @@ class Family(enum.Enum):
         (Slot("activation_checkpointing.name", "activation_checkpointing.options", "activation_checkpointing"),),
         apply="zkernel_apply_activation_checkpointing",
     )
+    LR_SCHEDULE = FamilySpec(
+        "lr schedule",
+        "zkernel_register_lr_schedules",
+        (Slot("lr_schedule.name", "lr_schedule.options", "lr_schedule"),),
+    )
     # Resolves "auto" in the config before the others are resolved (see `zkernel.planning`).
     PLANNER = FamilySpec("planner", "zkernel_register_planners", (Slot("planner.name", "planner.options", "planner"),))
 
