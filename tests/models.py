@@ -62,16 +62,22 @@ def weight_penalty(model: nn.Module) -> torch.Tensor:
 
 
 def reference_losses(
-    model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8, penalty=None, schedule=None
+    model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8, penalty=None, schedule=None,
+    no_decay=(),
 ):
-    """Single-process torch AdamW on the global batches: the oracle. ``schedule``: (lr, betas) per step."""
+    """Single-process torch AdamW on the global batches: the oracle. ``schedule``: (lr, betas) per step;
+    ``no_decay``: names of parameters in a second parameter group, without weight decay."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
-    )
+        [{"params": [p for n, p in trainable if n not in no_decay]},
+         {"params": [p for n, p in trainable if n in no_decay], "weight_decay": 0.0}],
+        lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+    )  # fmt: skip
     losses = []
     for i, step in enumerate(data):
         if schedule is not None:
-            opt.param_groups[0]["lr"], opt.param_groups[0]["betas"] = schedule[i]
+            for group in opt.param_groups:
+                group["lr"], group["betas"] = schedule[i]
         total = 0.0
         for micro in step:
             tokens = torch.cat([t for t, _ in micro])

@@ -23,6 +23,7 @@ from zkernel.streams import Streams
 from zkernel.timeline import Timeline
 from zkernel.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
 from zkernel.transforms import apply_transforms, register_transforms
+from zkernel.weight_decay import exempt_names, mark_exempt
 
 log = get_logger()
 
@@ -59,6 +60,12 @@ def _check_groups(module: nn.Module, groups: list[ParamGroup], partitioner: str)
         raise RuntimeError(
             f"partitioner {partitioner!r} left trainable parameters out of every group: {missing[:5]}"
         )
+
+
+def _declares(hook, numel: int = 1, param_count: int = 1) -> OptimizerDeclaration:
+    """The selected optimizer's declaration for a group of ``numel`` elements in ``param_count`` parameters."""
+    declared = hook.zkernel_declare_optimizer(numel=numel, param_count=param_count)
+    return declared if declared is not None else OptimizerDeclaration(state=(), can_rollback=False)
 
 
 def _component(obj: Any, interface: type, key: str, name: str) -> Any:
@@ -104,8 +111,7 @@ class _Placer:
         return placed
 
     def _declaration(self, numel: int, param_count: int) -> OptimizerDeclaration:
-        declared = self.hook.zkernel_declare_optimizer(numel=numel, param_count=param_count)
-        return declared if declared is not None else OptimizerDeclaration(state=(), can_rollback=False)
+        return _declares(self.hook, numel, param_count)
 
     def _check_capacity(self, first: ParamGroup) -> None:
         """Capacity check from the model's size and the partitioner's sharding, before any placement."""
@@ -227,6 +233,13 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     register_transforms(runtime, selection, base)
     runtime.check_pending()
 
+    exempt = exempt_names(model, cfg.optimizer.no_weight_decay)  # by the user's names, before transforms
+    if exempt and not _declares(runtime.hook).exempts_decay:
+        raise ConfigError(
+            f"optimizer.no_weight_decay needs an optimizer that steps some parameters without weight decay; "
+            f"optimizer {cfg.optimizer.name!r} does not declare it (OptimizerDeclaration.exempts_decay); "
+            "valid: adamw, cpu_adam, or no_weight_decay = []"
+        )
     apply_transforms(runtime, model, selection, base)  # tiling, activation checkpointing
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -240,6 +253,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         raise RuntimeError(f"partitioner {cfg.partitioner!r} returned no parameter groups")
     placer = _Placer(runtime.hook, optimizer_tier, params_tier, model, partition_context)
     groups = placer.place(produced)
+    mark_exempt(model, groups, exempt)
     # After partitioning: zero3 materialises buffers a meta-device model left on meta.
     _move_buffers(model, dist_info.device, compute_dtype)
     _check_groups(model, groups, cfg.partitioner)

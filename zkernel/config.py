@@ -133,6 +133,9 @@ class OptimizerConfig:
     weight_decay: float = attrs.field(
         default=0.0, validator=_non_negative_number("optimizer.weight_decay")
     )
+    # fnmatch patterns of parameter names or class names of owning modules stepped without weight
+    # decay ([Note: parameters without weight decay] in `zkernel.weight_decay`).
+    no_weight_decay: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("optimizer.no_weight_decay"))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
 
 

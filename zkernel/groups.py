@@ -70,6 +70,9 @@ class ParamGroup:
     # is placed (None for a partitioner that does not describe it); optimizers read it to step
     # some parameters of the group and not others (``StepOptions.skip_params``).
     shard_layout: ShardLayout | None = None
+    # Positions in ``params`` of the parameters stepped without weight decay, set by the kernel when
+    # the group is placed ([Note: parameters without weight decay] in `zkernel.weight_decay`).
+    decay_exempt: frozenset[int] = frozenset()
     layout: Any = None
 
     @property
@@ -128,6 +131,9 @@ class OptimizerDeclaration:
     # (keeping per-parameter state such as step counts); otherwise the kernel puts their elements
     # of the master, the per-element state and the copy-out back after the step.
     skips_params: bool = False
+    # Whether the optimizer steps the parameters in ``ParamGroup.decay_exempt`` without weight decay;
+    # `zkernel.initialize` refuses ``[optimizer] no_weight_decay`` for one that does not.
+    exempts_decay: bool = False
 
 
 @attrs.frozen(kw_only=True)

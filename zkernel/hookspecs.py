@@ -362,8 +362,10 @@ def zkernel_declare_optimizer(numel: int, param_count: int) -> OptimizerDeclarat
     count, has shape ``(param_count,)`` and ``per_param`` set).
 
     Called by `zkernel.initialize` once per trainable group, before the group
-    is placed, so the optimizer tier can allocate (pin, or give swap space to)
-    the state up front; it is then handed to every step as
+    is placed (and once before partitioning, for its capabilities, when the
+    config asks for one: ``exempts_decay``), so the optimizer tier can
+    allocate (pin, or give swap space to) the state up front; it is then
+    handed to every step as
     ``group.optim_state``, zero-initialised. An optimizer that declares nothing
     gets an empty dict it may fill lazily on tiers that keep state in memory.
 

@@ -38,6 +38,7 @@ def adam_declaration(numel: int, param_count: int, can_rollback: bool) -> Optimi
         ),
         can_rollback=can_rollback,
         skips_params=True,
+        exempts_decay=True,
     )
 
 
@@ -57,6 +58,8 @@ class Run:
     start: int
     stop: int
     step: int  # the count the update uses: 1 for a parameter's first step
+    # False for parameters in ``group.decay_exempt`` ([Note: parameters without weight decay]).
+    decay: bool = True
 
 
 class StepCounts:
@@ -105,15 +108,18 @@ def _spans(positions: list[int]) -> Iterator[tuple[int, int]]:
 
 def step_runs(group: ParamGroup, counts: list[int], skip: frozenset[int], advance: int = 1) -> list[Run]:
     """The runs of ``group``'s shard to step, each at its parameters' count plus ``advance`` (1 for a
-    step, 0 to undo the step that counted it), leaving out the parameters in ``skip``."""
+    step, 0 to undo the step that counted it), leaving out the parameters in ``skip``; a run's
+    parameters are all decayed or all in ``group.decay_exempt``."""
     numel = group.master.numel()
-    if not skip and min(counts, default=0) == max(counts, default=0):
-        return [Run(0, numel, (counts[0] if counts else 0) + advance)]
+    exempt = group.decay_exempt
+    if not skip and min(counts, default=0) == max(counts, default=0) and len(exempt) in (0, len(group.params)):
+        return [Run(0, numel, (counts[0] if counts else 0) + advance, decay=not exempt)]
     layout = group.shard_layout
     if layout is None:
         raise RuntimeError(
             f"group {group.name!r} must step some of its parameters and not others (or at different step "
-            "counts), but its partitioner does not describe its shard (zkernel_describe_shard)"
+            "counts, or some without weight decay), but its partitioner does not describe its shard "
+            "(zkernel_describe_shard)"
         )
     runs: list[Run] = []
     extend = False
@@ -121,11 +127,11 @@ def step_runs(group: ParamGroup, counts: list[int], skip: frozenset[int], advanc
         if frag.param in skip:
             extend = False
             continue
-        step = counts[frag.param] + advance
-        if extend and runs[-1].step == step:
+        step, decay = counts[frag.param] + advance, frag.param not in exempt
+        if extend and runs[-1].step == step and runs[-1].decay == decay:
             runs[-1] = attrs.evolve(runs[-1], stop=frag.offset + frag.numel)
         else:
-            runs.append(Run(frag.offset, frag.offset + frag.numel, step))
+            runs.append(Run(frag.offset, frag.offset + frag.numel, step, decay))
         extend = True
     return runs
 
@@ -148,15 +154,15 @@ def step_group(
     counts.add(state["step"], _stepped(group, options.skip_params), 1)
 
 
-def kernel_arguments(step: int, options: StepOptions, decoupled: bool) -> dict:
+def kernel_arguments(run: Run, options: StepOptions, decoupled: bool) -> dict:
     """The keyword arguments every Adam kernel here takes (`zkernel.native.adam_step`, its rollback,
-    the Triton kernel, `zkernel.adam_math.adam_rollback`) for one run at count ``step``."""
+    the Triton kernel, `zkernel.adam_math.adam_rollback`) for one run."""
     return dict(
-        step=step,
+        step=run.step,
         lr=options.lr,
         betas=options.betas,
         eps=options.eps,
-        weight_decay=options.weight_decay,
+        weight_decay=options.weight_decay if run.decay else 0.0,
         grad_scale=options.grad_scale,
         adamw=decoupled,
     )
@@ -201,5 +207,5 @@ def rollback_group(group, options, decoupled: bool, native_kernel: bool, counts:
     rollback = native.adam_rollback if on_host else adam_math.adam_rollback
     for run in step_runs(group, counts.read(state["step"]), options.skip_params, advance=0):
         t = _slices(tensors, run)
-        rollback(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], **kernel_arguments(run.step, options, decoupled))
+        rollback(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], **kernel_arguments(run, options, decoupled))
     counts.add(state["step"], _stepped(group, options.skip_params), -1)

@@ -94,7 +94,7 @@ class TorchAdamW:
                 t["grad"],
                 t["exp_avg"],
                 t["exp_avg_sq"],
-                **kernel_arguments(run.step, options, self.options.decoupled_weight_decay),
+                **kernel_arguments(run, options, self.options.decoupled_weight_decay),
                 copy_out=t["copy_out"],
             )
 
@@ -134,7 +134,7 @@ def torch_adam_step(group, options, counts: StepCounts, implementation: str = "a
             beta1=beta1,
             beta2=beta2,
             lr=options.lr,
-            weight_decay=options.weight_decay,
+            weight_decay=options.weight_decay if run.decay else 0.0,
             eps=options.eps,
             maximize=False,
             fused=fused,

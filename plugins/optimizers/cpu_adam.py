@@ -92,7 +92,7 @@ class CpuAdam:
                 t["grad"],
                 t["exp_avg"],
                 t["exp_avg_sq"],
-                **kernel_arguments(run.step, options, self.options.decoupled_weight_decay),
+                **kernel_arguments(run, options, self.options.decoupled_weight_decay),
                 copy_out=t["copy_out"],
                 threads=self.options.threads,
             )
