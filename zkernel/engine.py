@@ -324,6 +324,10 @@ class Engine:
         contributions = [
             c for group in self.groups for c in self.hook.zkernel_memory_tensors(group=group) if c
         ]
+        # Parameters no group holds (frozen ones, which partitioners that keep parameters whole leave
+        # in place) take device memory all the same.
+        grouped = {id(p) for group in self.groups for p in group.params}
+        contributions.append({"params": [p for p in self._module.parameters() if id(p) not in grouped]})
         for category in _MEMORY_CATEGORIES:
             for contribution in contributions:
                 for t in contribution.get(category, ()):
