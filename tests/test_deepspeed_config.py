@@ -323,9 +323,54 @@ def test_initialize_and_load_config_recognise_a_deepspeed_file(tmp_path):
 def test_zero1_example_trains_like_torch_on_two_ranks(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({**ZERO1, **TRAINING}))
-    results = run_ranks(2, train, str(path), STEPS, ACCUM, MICRO, SEED)
-    for result in results:
-        assert_matches(result["losses"], reference(2), "DeepSpeed ZeRO-1 example, world 2")
+    # The accumulation steps left out, as DeepSpeed derives them: 2 micro-batches of MICRO on 2 ranks.
+    derived = {k: v for k, v in TRAINING.items() if k != "gradient_accumulation_steps"}
+    (tmp_path / "derived.json").write_text(json.dumps({**ZERO1, **derived, "train_batch_size": MICRO * ACCUM * 2}))
+    for config in (path, tmp_path / "derived.json"):
+        results = run_ranks(2, train, str(config), STEPS, ACCUM, MICRO, SEED)
+        for result in results:
+            assert_matches(result["losses"], reference(2), f"DeepSpeed ZeRO-1 example ({config.name}), world 2")
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes", "accumulation"),
+    [
+        ("2", {"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, 6),
+        (None, {"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, 12),
+        ("2", {"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 6}, 6),
+        ("4", {"train_batch_size": 48}, 1),
+        ("4", {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 3),
+        ("2", {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 5}, 5),
+    ],
+)
+def test_accumulation_steps_follow_the_batch_sizes_as_in_deepspeed(monkeypatch, world, sizes, accumulation):
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    config, _, logs = mapped({**ZERO1, "optimizer": {"type": "AdamW"}, **sizes})
+    assert config.gradient_accumulation_steps == accumulation
+    (info,) = [e for e in logs if e["event"] == "zkernel.deepspeed.config"]
+    assert info["gradient_accumulation_steps"] == accumulation and info["world_size"] == int(world or 1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
+            "train_batch_size 64 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 4 x world size 2",
+        ),
+        ({"train_batch_size": 50, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 50 != train_micro_batch_size_per_gpu 4"),
+        ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}, "gradient_accumulation_steps 1 x world size 2"),
+        ({"train_batch_size": 7}, "train_batch_size 7 is not a multiple of gradient_accumulation_steps 1 x world size 2"),
+        ({"train_batch_size": 8.5}, "train_batch_size 8.5 is not valid"),
+    ],
+)
+def test_batch_sizes_that_disagree_are_errors(monkeypatch, sizes, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        zkernel.from_deepspeed_config({**ZERO1, **sizes})
 
 
 def _skip_unless_tiers_installed(raw: dict) -> None:

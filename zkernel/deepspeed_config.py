@@ -15,8 +15,12 @@ other key: each DeepSpeed key is either
 ``"auto"`` values (as the Hugging Face Trainer writes them, to be filled in
 from its own arguments) are treated as absent: zkernel's default applies, and
 the warning says so. ``train_batch_size`` and ``train_micro_batch_size_per_gpu``
-are reported in the ``zkernel.deepspeed.config`` info event and not used: the
-micro-batch is whatever the training loop feeds the engine.
+give the accumulation steps where ``gradient_accumulation_steps`` is absent, as
+DeepSpeed derives them (``train_batch_size = micro-batch x steps x world
+size``, the world size being torchrun's ``WORLD_SIZE``), and a triple that
+disagrees is an error, as in DeepSpeed; otherwise they are reported in the
+``zkernel.deepspeed.config`` info event: the micro-batch is whatever the
+training loop feeds the engine.
 
 `is_deepspeed_config` is what `zkernel.config.load_config` asks, so
 ``zkernel.initialize(model, "ds_config.json")`` and ``zkernel config
@@ -461,6 +465,46 @@ def _schedule_param(reader: _Reader, key: str, kind: str) -> Any:
     return value
 
 
+def _world_size() -> int:
+    """The data-parallel world size the config is for: the process group's, else torchrun's ``WORLD_SIZE``, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    value = os.environ.get("WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def _batch_sizes(reader: _Reader, out: dict[str, Any]) -> tuple[int | None, int | None, int]:
+    """Map ``gradient_accumulation_steps``, derived from the batch sizes where absent as DeepSpeed
+    derives it; returns (micro-batch, global batch, world size) for the info event."""
+    accumulation = reader.integer("gradient_accumulation_steps", minimum=1)
+    sizes = []
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
+        reader.consumed.add(key)
+        # "auto" is the Hugging Face Trainer's to fill in; absent or auto, zkernel needs neither.
+        sizes.append(None if reader.peek(key) in (None, "auto") else reader.integer(key, minimum=1))
+    micro, batch = sizes
+    world = _world_size()
+    if accumulation is None and micro is not None and batch is not None:
+        accumulation = max(1, batch // micro // world)
+    where = f"world size {world}" + ("" if "WORLD_SIZE" in os.environ else " (one process: WORLD_SIZE is not set)")
+    if batch is not None and micro is not None and batch != micro * accumulation * world:
+        raise ConfigError(
+            f"DeepSpeed config keys train_batch_size {batch} != train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accumulation} x {where}; valid: a train_batch_size equal to that product, "
+            "as DeepSpeed asserts"
+        )
+    if batch is not None and micro is None and batch % ((accumulation or 1) * world):
+        raise ConfigError(
+            f"DeepSpeed config key train_batch_size {batch} is not a multiple of gradient_accumulation_steps "
+            f"{accumulation or 1} x {where}; valid: a multiple of it, as DeepSpeed asserts"
+        )
+    if accumulation is not None:
+        out["gradient_accumulation_steps"] = accumulation
+    return micro, batch, world
+
+
 def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Config:
     """A `zkernel.Config` equivalent to a DeepSpeed config (a dict or a path to its .json file).
 
@@ -484,15 +528,10 @@ def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Conf
     precision = _precision(reader, out)
     optimizer_tier = _zero(reader, out, precision)
     _optimizer(reader, out, optimizer_tier)
-    accumulation = reader.integer("gradient_accumulation_steps", minimum=1)
-    if accumulation is not None:
-        out["gradient_accumulation_steps"] = accumulation
+    micro_batch, batch, world = _batch_sizes(reader, out)
     clipping = reader.number("gradient_clipping")
     if clipping is not None:
         out["gradient_clipping"] = clipping
-    micro_batch = reader.peek("train_micro_batch_size_per_gpu")
-    batch = reader.peek("train_batch_size")
-    reader.consumed.update(("train_micro_batch_size_per_gpu", "train_batch_size"))
     _scheduler(reader, out)
     reader.leftovers()
     try:
@@ -506,9 +545,11 @@ def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Conf
         optimizer=config.optimizer.name,
         offload_optimizer=config.offload.optimizer,
         offload_params=config.offload.params,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
         train_micro_batch_size_per_gpu=micro_batch,
         train_batch_size=batch,
-        note="batch sizes are reported, not used: the engine steps on what the training loop feeds it",
+        world_size=world,
+        note="the engine steps on the micro-batches the training loop feeds it",
     )
     if reader.unmapped or reader.auto:
         log.warning(
