@@ -287,6 +287,21 @@ def test_aio_block_size_goes_to_every_nvme_tier(tmp_path):
         zkernel.from_deepspeed_config({**zero3_nvme(str(tmp_path)), "aio": {"block_size": 1000}})
 
 
+@pytest.mark.parametrize(
+    ("fp16", "hysteresis", "consecutive"),
+    [
+        ({"enabled": True}, 2, False),  # DeepSpeed's default hysteresis where fp16 is on
+        ({"enabled": True, "hysteresis": 1}, 1, False),
+        ({"enabled": True, "hysteresis": 4, "consecutive_hysteresis": True}, 4, True),
+        ({"enabled": False}, 1, False),
+    ],
+)
+def test_loss_scale_hysteresis_is_deepspeeds(fp16, hysteresis, consecutive):
+    config, warning, _ = mapped({"fp16": fp16, "optimizer": {"type": "AdamW"}})
+    assert (config.loss_scale_hysteresis, config.loss_scale_consecutive_hysteresis) == (hysteresis, consecutive)
+    assert warning is None
+
+
 def test_cpu_offload_without_pinned_memory_maps_to_the_tier_option():
     raw = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}, "optimizer": {"type": "AdamW"}}
     config, warning, _ = mapped(raw)

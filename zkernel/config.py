@@ -277,6 +277,12 @@ class Config:
         default=2.0**16, validator=_non_negative_number("initial_loss_scale")
     )
     loss_scale_window: int = attrs.field(default=1000, validator=_positive_int("loss_scale_window"))
+    # Overflows the fp16 scale takes before it halves, and whether a clean step restores them
+    # ([Note: loss-scale hysteresis] in `zkernel.loss_scale`).
+    loss_scale_hysteresis: int = attrs.field(default=1, validator=_positive_int("loss_scale_hysteresis"))
+    loss_scale_consecutive_hysteresis: bool = attrs.field(
+        default=False, validator=_bool("loss_scale_consecutive_hysteresis")
+    )
     # Extra plugins by dotted module path, and installed plugins to ignore.
     plugins: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("plugins"))
     blocked_plugins: tuple[str, ...] = attrs.field(

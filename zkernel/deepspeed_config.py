@@ -61,7 +61,6 @@ _BUILT_IN = {
     "zero_optimization.offload_param.pin_memory": (True, "the CPU tier keeps its buffers in pinned memory"),
     "fp16.auto_cast": (True, "floating-point inputs are always cast to the compute dtype"),
     "fp16.min_loss_scale": (1, "the dynamic loss scale never goes below 1"),
-    "fp16.consecutive_hysteresis": (False, "the loss scale backs off on every overflow"),
     "optimizer.params.amsgrad": (False, "Adam without amsgrad"),
     "optimizer.params.torch_adam": (True, "the adamw optimizer is torch's"),
     "optimizer.params.fused": (True, "the adamw optimizer uses torch's fused kernel where the device has one"),
@@ -306,9 +305,12 @@ def _precision(reader: _Reader, out: dict[str, Any]) -> str:
     window = reader.integer("fp16.loss_scale_window", minimum=1)
     if window is not None:
         out["loss_scale_window"] = window
-    hysteresis = reader.integer("fp16.hysteresis")
-    if hysteresis is not None and hysteresis != 1:
-        reader.unmapped.append(f"fp16.hysteresis={hysteresis} (the loss scale backs off on every overflow)")
+    hysteresis = reader.integer("fp16.hysteresis", minimum=1)
+    if hysteresis is not None or fp16:
+        out["loss_scale_hysteresis"] = 2 if hysteresis is None else hysteresis  # DeepSpeed's default: 2
+    consecutive = reader.boolean("fp16.consecutive_hysteresis")
+    if consecutive is not None:
+        out["loss_scale_consecutive_hysteresis"] = consecutive
     for key, what, enabled in (
         ("fp16.fp16_master_weights_and_grads", "fp16", fp16),
         ("bf16.bf16_master_weights_and_grads", "bf16", bf16),

@@ -103,7 +103,12 @@ class Engine:
         # What the planner chose and why (`zkernel.planning.Plan`) when the config said "auto"; else None.
         self.placement_plan = parts.placement_plan
         self.loss_scaler = (
-            DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window)
+            DynamicLossScaler(
+                config.initial_loss_scale,
+                config.loss_scale_window,
+                hysteresis=config.loss_scale_hysteresis,
+                consecutive_hysteresis=config.loss_scale_consecutive_hysteresis,
+            )
             if config.precision == "fp16"
             else None
         )
