@@ -99,8 +99,13 @@ def demo_config(
             "name": "cpu_adam" if offload_optimizer != "none" else "adamw",
             "lr": lr,
             "betas": [0.9, 0.95],
-            "weight_decay": 0.0,
+            # GPT-2's recipe: the weight matrices decay, the biases and LayerNorm gains do not.
+            "weight_decay": 0.1,
+            "no_weight_decay": ["*.bias", "LayerNorm"],
         },
+        # A linear warm-up of the learning rate to its peak, then constant (the run's length is
+        # a time, not a number of steps).
+        "lr_schedule": {"name": "warmup", "warmup_num_steps": WARMUP_STEPS, "warmup_type": "linear"},
         "offload": {"optimizer": offload_optimizer, "params": offload_params},
         "seed": seed,
     }
@@ -233,8 +238,6 @@ def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = Non
     start = time.perf_counter()
     stop = False
     while not stop:
-        # Linear warm-up of the learning rate (`engine.lr` is read at every step).
-        engine.lr = args.lr * min(1.0, (len(losses) + 1) / WARMUP_STEPS)
         step_loss = 0.0
         for _ in range(accumulation):
             x, y = sample_batch(data, args.micro_batch, args.seq_len, generator)
