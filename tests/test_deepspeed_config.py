@@ -146,8 +146,13 @@ def test_hugging_face_auto_values_take_defaults_and_are_named():
     }
     config, warning, _ = mapped(raw)
     assert config == config_from_dict(
-        {"partitioner": "zero2", "initial_loss_scale": 4096.0, "loss_scale_window": 500, "lr_schedule": {"name": "warmup"}}
-    ), "auto values fall back to zkernel's defaults (a warmup to [optimizer] lr over 1000 steps)"
+        {
+            "partitioner": "zero2",
+            "initial_loss_scale": 4096.0,
+            "loss_scale_window": 500,
+            "lr_schedule": {"name": "warmup", "warmup_num_steps": 0},
+        }
+    ), "auto values fall back to zkernel's defaults; the warm-up's length to the Trainer's (no warm-up)"
     assert warning["auto_defaults"] == [
         "fp16.enabled",
         "bf16.enabled",

@@ -409,6 +409,8 @@ _SCHEDULE_PARAMS: dict[str, dict[str, str]] = {
     },
 }
 # Params without a default in DeepSpeed: "auto" (the Hugging Face Trainer fills them in) cannot fall back.
+# Of the others, "auto" takes zkernel's default (warmup_max_lr: [optimizer] lr, warmup_min_lr: 0), but
+# warmup_num_steps takes the Trainer's default of 0 steps.
 _REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",), "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
 
 
@@ -439,6 +441,10 @@ def _scheduler(reader: _Reader, out: dict[str, Any]) -> None:
                 f"DeepSpeed config key {key} is not a parameter of {kind}; valid: {', '.join([*kinds, 'last_batch_iteration'])}"
             )
         value = _schedule_param(reader, key, kinds[name])
+        if value is None and name == "warmup_num_steps" and reader.peek(key) == "auto":
+            # What the Hugging Face Trainer fills in by default (its warmup_steps is 0), not the
+            # 1000 of DeepSpeed's own default: a template's warm-up is the Trainer's to choose.
+            value = 0
         if kinds[name] == "unused":
             if value is not None:
                 reader.unmapped.append(f"{key} (DeepSpeed's {kind} does not use it either)")
