@@ -63,21 +63,25 @@ def weight_penalty(model: nn.Module) -> torch.Tensor:
 
 def reference_losses(
     model: nn.Module, data, lr, weight_decay, clip, betas=(0.9, 0.999), eps=1e-8, penalty=None, schedule=None,
-    no_decay=(),
+    groups=(),
 ):
     """Single-process torch AdamW on the global batches: the oracle. ``schedule``: (lr, betas) per step;
-    ``no_decay``: names of parameters in a second parameter group, without weight decay."""
+    ``groups``: torch parameter groups before the default one, each ``(names, lr_scale, weight_decay)``
+    (a parameter in the first that names it; its rate ``lr_scale`` times the step's)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        [{"params": [p for n, p in trainable if n not in no_decay]},
-         {"params": [p for n, p in trainable if n in no_decay], "weight_decay": 0.0}],
-        lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-    )  # fmt: skip
+    placed: set[str] = set()
+    param_groups = []
+    for names, scale, decay in groups:
+        mine = [(n, p) for n, p in trainable if n in names and n not in placed]
+        placed.update(n for n, _ in mine)
+        param_groups.append({"params": [p for _, p in mine], "lr": lr * scale, "weight_decay": decay, "scale": scale})
+    param_groups.append({"params": [p for n, p in trainable if n not in placed], "scale": 1.0})
+    opt = torch.optim.AdamW(param_groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     losses = []
     for i, step in enumerate(data):
         if schedule is not None:
             for group in opt.param_groups:
-                group["lr"], group["betas"] = schedule[i]
+                group["lr"], group["betas"] = schedule[i][0] * group["scale"], schedule[i][1]
         total = 0.0
         for micro in step:
             tokens = torch.cat([t for t, _ in micro])

@@ -75,6 +75,23 @@ def test_config_prints_the_defaults_as_toml_that_loads_back(tmp_path):
     assert 'partitioner = "none"' in result.stdout and "[optimizer]" in result.stdout
 
 
+def test_config_prints_a_file_with_every_section_as_toml_that_loads_back(tmp_path):
+    source = tmp_path / "in.toml"
+    source.write_text(
+        'partitioner = "zero3"\n[optimizer]\nweight_decay = 0.1\nno_weight_decay = ["*.bias"]\n'
+        '[[optimizer.param_groups]]\nparams = ["embed.*"]\nlr_scale = 0.1\n'
+        '[[optimizer.param_groups]]\nparams = ["block.*"]\nweight_decay = 0.0\n'
+        '[lr_schedule]\nname = "warmup_decay"\ntotal_num_steps = 100\n'
+    )
+    result = run_cli("config", str(source))
+    assert result.returncode == 0, result.stderr
+    printed = tmp_path / "out.toml"
+    printed.write_text(result.stdout)
+    if sys.version_info >= (3, 11):
+        assert load_config(printed) == load_config(source)
+    assert 'param_groups = [{params = ["embed.*"], lr_scale = 0.1}, ' in result.stdout
+
+
 def test_config_rejects_a_bad_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"partitioner": "zero3", "precison": "bf16"}')

@@ -23,7 +23,7 @@ from zkernel.streams import Streams
 from zkernel.timeline import Timeline
 from zkernel.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
 from zkernel.transforms import apply_transforms, register_transforms
-from zkernel.weight_decay import exempt_names, mark_exempt
+from zkernel.param_hyper import mark_overrides, param_overrides
 
 log = get_logger()
 
@@ -233,12 +233,12 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     register_transforms(runtime, selection, base)
     runtime.check_pending()
 
-    exempt = exempt_names(model, cfg.optimizer.no_weight_decay)  # by the user's names, before transforms
-    if exempt and not _declares(runtime.hook).exempts_decay:
+    overrides = param_overrides(model, cfg.optimizer)  # by the user's names, before transforms
+    if overrides and not _declares(runtime.hook).per_param_hyper:
         raise ConfigError(
-            f"optimizer.no_weight_decay needs an optimizer that steps some parameters without weight decay; "
-            f"optimizer {cfg.optimizer.name!r} does not declare it (OptimizerDeclaration.exempts_decay); "
-            "valid: adamw, cpu_adam, or no_weight_decay = []"
+            f"optimizer.param_groups and no_weight_decay need an optimizer that steps some parameters with "
+            f"their own learning rate and weight decay; optimizer {cfg.optimizer.name!r} does not declare it "
+            "(OptimizerDeclaration.per_param_hyper); valid: adamw, cpu_adam, or neither key"
         )
     apply_transforms(runtime, model, selection, base)  # tiling, activation checkpointing
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
@@ -253,7 +253,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         raise RuntimeError(f"partitioner {cfg.partitioner!r} returned no parameter groups")
     placer = _Placer(runtime.hook, optimizer_tier, params_tier, model, partition_context)
     groups = placer.place(produced)
-    mark_exempt(model, groups, exempt)
+    mark_overrides(model, groups, overrides)
     # After partitioning: zero3 materialises buffers a meta-device model left on meta.
     _move_buffers(model, dist_info.device, compute_dtype)
     _check_groups(model, groups, cfg.partitioner)

@@ -187,6 +187,10 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    import attrs
+
+    if attrs.has(type(value)):  # an entry of a list of tables (optimizer.param_groups): its set fields
+        return _toml_value({k: v for k, v in attrs.asdict(value, recurse=False).items() if v is not None})
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

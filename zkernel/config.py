@@ -119,6 +119,45 @@ def _mapping(key: str):
 
 
 @attrs.frozen(kw_only=True)
+class ParamGroupConfig:
+    """One ``[[optimizer.param_groups]]`` entry: parameters stepped with their own hyperparameters."""
+
+    # fnmatch patterns of parameter names or class names of owning modules.
+    params: tuple[str, ...] = attrs.field(converter=str_tuple("optimizer.param_groups.params"))
+    # Multiplies the step's learning rate (the schedule's, when one is set) for these parameters.
+    lr_scale: float = attrs.field(default=1.0, validator=_non_negative_number("optimizer.param_groups.lr_scale"))
+    # Their weight decay; None: [optimizer] weight_decay.
+    weight_decay: float | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(_non_negative_number("optimizer.param_groups.weight_decay")),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if not self.params:
+            raise ConfigError("optimizer.param_groups.params must name at least one pattern")
+
+
+def _param_groups(value: Any) -> tuple[ParamGroupConfig, ...]:
+    if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"optimizer.param_groups must be a list of tables, got {value!r}")
+    out = []
+    valid = [a.name for a in attrs.fields(ParamGroupConfig)]
+    for entry in value:
+        if isinstance(entry, ParamGroupConfig):
+            out.append(entry)
+            continue
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"optimizer.param_groups entries must be tables, got {entry!r}")
+        unknown = sorted(set(entry) - set(valid))
+        if unknown:
+            raise ConfigError(f"unknown config key optimizer.param_groups.{unknown[0]}; valid: {', '.join(valid)}")
+        if "params" not in entry:
+            raise ConfigError("optimizer.param_groups entries need params (patterns of parameter or class names)")
+        out.append(ParamGroupConfig(**entry))
+    return tuple(out)
+
+
+@attrs.frozen(kw_only=True)
 class OptimizerConfig:
     """``[optimizer]``: which optimizer and its hyperparameters.
 
@@ -134,8 +173,11 @@ class OptimizerConfig:
         default=0.0, validator=_non_negative_number("optimizer.weight_decay")
     )
     # fnmatch patterns of parameter names or class names of owning modules stepped without weight
-    # decay ([Note: parameters without weight decay] in `zkernel.weight_decay`).
+    # decay ([Note: per-parameter hyperparameters] in `zkernel.param_hyper`).
     no_weight_decay: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("optimizer.no_weight_decay"))
+    # Parameters with a learning-rate scale or a weight decay of their own, as a torch optimizer's
+    # parameter groups (the first entry a parameter matches; see `zkernel.param_hyper`).
+    param_groups: tuple[ParamGroupConfig, ...] = attrs.field(default=(), converter=_param_groups)
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
 
 

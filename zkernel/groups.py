@@ -70,9 +70,9 @@ class ParamGroup:
     # is placed (None for a partitioner that does not describe it); optimizers read it to step
     # some parameters of the group and not others (``StepOptions.skip_params``).
     shard_layout: ShardLayout | None = None
-    # Positions in ``params`` of the parameters stepped without weight decay, set by the kernel when
-    # the group is placed ([Note: parameters without weight decay] in `zkernel.weight_decay`).
-    decay_exempt: frozenset[int] = frozenset()
+    # Positions in ``params`` of the parameters stepped with hyperparameters of their own, set by the
+    # kernel when the group is placed ([Note: per-parameter hyperparameters] in `zkernel.param_hyper`).
+    param_hyper: dict[int, ParamHyper] = attrs.field(factory=dict)
     layout: Any = None
 
     @property
@@ -131,9 +131,24 @@ class OptimizerDeclaration:
     # (keeping per-parameter state such as step counts); otherwise the kernel puts their elements
     # of the master, the per-element state and the copy-out back after the step.
     skips_params: bool = False
-    # Whether the optimizer steps the parameters in ``ParamGroup.decay_exempt`` without weight decay;
-    # `zkernel.initialize` refuses ``[optimizer] no_weight_decay`` for one that does not.
-    exempts_decay: bool = False
+    # Whether the optimizer steps the parameters in ``ParamGroup.param_hyper`` with their own learning
+    # rate scale and weight decay; `zkernel.initialize` refuses ``[optimizer] param_groups`` and
+    # ``no_weight_decay`` for one that does not.
+    per_param_hyper: bool = False
+
+
+@attrs.frozen
+class ParamHyper:
+    """Hyperparameters of one parameter that differ from the step's (`StepOptions`)."""
+
+    lr_scale: float = 1.0  # times the step's learning rate
+    weight_decay: float | None = None  # None: the step's
+
+    def lr(self, options: StepOptions) -> float:
+        return options.lr * self.lr_scale
+
+    def decay(self, options: StepOptions) -> float:
+        return options.weight_decay if self.weight_decay is None else self.weight_decay
 
 
 @attrs.frozen(kw_only=True)

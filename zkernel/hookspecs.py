@@ -363,7 +363,7 @@ def zkernel_declare_optimizer(numel: int, param_count: int) -> OptimizerDeclarat
 
     Called by `zkernel.initialize` once per trainable group, before the group
     is placed (and once before partitioning, for its capabilities, when the
-    config asks for one: ``exempts_decay``), so the optimizer tier can
+    config asks for one: ``per_param_hyper``), so the optimizer tier can
     allocate (pin, or give swap space to) the state up front; it is then
     handed to every step as
     ``group.optim_state``, zero-initialised. An optimizer that declares nothing

@@ -25,7 +25,7 @@ import torch
 
 from zkernel import adam_math, native
 from zkernel.adam_math import check_rollback_possible
-from zkernel.groups import OptimizerDeclaration, ParamGroup, StateSpec, StepOptions
+from zkernel.groups import OptimizerDeclaration, ParamGroup, ParamHyper, StateSpec, StepOptions
 
 
 def adam_declaration(numel: int, param_count: int, can_rollback: bool) -> OptimizerDeclaration:
@@ -38,7 +38,7 @@ def adam_declaration(numel: int, param_count: int, can_rollback: bool) -> Optimi
         ),
         can_rollback=can_rollback,
         skips_params=True,
-        exempts_decay=True,
+        per_param_hyper=True,
     )
 
 
@@ -58,8 +58,14 @@ class Run:
     start: int
     stop: int
     step: int  # the count the update uses: 1 for a parameter's first step
-    # False for parameters in ``group.decay_exempt`` ([Note: parameters without weight decay]).
-    decay: bool = True
+    # The run's parameters' own hyperparameters (``group.param_hyper``), or None: the step's.
+    hyper: ParamHyper | None = None
+
+    def lr(self, options: StepOptions) -> float:
+        return options.lr if self.hyper is None else self.hyper.lr(options)
+
+    def weight_decay(self, options: StepOptions) -> float:
+        return options.weight_decay if self.hyper is None else self.hyper.decay(options)
 
 
 class StepCounts:
@@ -109,16 +115,17 @@ def _spans(positions: list[int]) -> Iterator[tuple[int, int]]:
 def step_runs(group: ParamGroup, counts: list[int], skip: frozenset[int], advance: int = 1) -> list[Run]:
     """The runs of ``group``'s shard to step, each at its parameters' count plus ``advance`` (1 for a
     step, 0 to undo the step that counted it), leaving out the parameters in ``skip``; a run's
-    parameters are all decayed or all in ``group.decay_exempt``."""
+    parameters share their hyperparameters (``group.param_hyper``)."""
     numel = group.master.numel()
-    exempt = group.decay_exempt
-    if not skip and min(counts, default=0) == max(counts, default=0) and len(exempt) in (0, len(group.params)):
-        return [Run(0, numel, (counts[0] if counts else 0) + advance, decay=not exempt)]
+    own = group.param_hyper
+    uniform = not own or (len(own) == len(group.params) and len(set(own.values())) == 1)
+    if not skip and min(counts, default=0) == max(counts, default=0) and uniform:
+        return [Run(0, numel, (counts[0] if counts else 0) + advance, own.get(0))]
     layout = group.shard_layout
     if layout is None:
         raise RuntimeError(
             f"group {group.name!r} must step some of its parameters and not others (or at different step "
-            "counts, or some without weight decay), but its partitioner does not describe its shard "
+            "counts, or with hyperparameters of their own), but its partitioner does not describe its shard "
             "(zkernel_describe_shard)"
         )
     runs: list[Run] = []
@@ -127,11 +134,11 @@ def step_runs(group: ParamGroup, counts: list[int], skip: frozenset[int], advanc
         if frag.param in skip:
             extend = False
             continue
-        step, decay = counts[frag.param] + advance, frag.param not in exempt
-        if extend and runs[-1].step == step and runs[-1].decay == decay:
+        step, hyper = counts[frag.param] + advance, own.get(frag.param)
+        if extend and runs[-1].step == step and runs[-1].hyper == hyper:
             runs[-1] = attrs.evolve(runs[-1], stop=frag.offset + frag.numel)
         else:
-            runs.append(Run(frag.offset, frag.offset + frag.numel, step, decay))
+            runs.append(Run(frag.offset, frag.offset + frag.numel, step, hyper))
         extend = True
     return runs
 
@@ -159,10 +166,10 @@ def kernel_arguments(run: Run, options: StepOptions, decoupled: bool) -> dict:
     the Triton kernel, `zkernel.adam_math.adam_rollback`) for one run."""
     return dict(
         step=run.step,
-        lr=options.lr,
+        lr=run.lr(options),
         betas=options.betas,
         eps=options.eps,
-        weight_decay=options.weight_decay if run.decay else 0.0,
+        weight_decay=run.weight_decay(options),
         grad_scale=options.grad_scale,
         adamw=decoupled,
     )
