@@ -7,9 +7,11 @@ parameter frozen after `zkernel.initialize`) its count lags the others' for
 good, and its bias corrections with it. A group here is one flat shard of many
 parameters, so ``step`` is one count per parameter (``per_param`` state: a
 checkpoint stores each parameter's own) and a step is one kernel call per
-*run*: the longest stretches of the shard whose parameters are all stepped now
-and all at the same count. While nothing was ever skipped that is one run over
-the whole shard, the call it always was; alignment gaps inside a run are zeros
+*run*: the longest stretches of the shard whose parameters are all stepped now,
+all at the same count and all with the same hyperparameters (``group.param_hyper``,
+[Note: per-parameter hyperparameters] in `zkernel.param_hyper`). While nothing
+was ever skipped and no parameter has hyperparameters of its own that is one
+run over the whole shard, the call it always was; alignment gaps inside a run are zeros
 and stay zeros. The counts live where the tier keeps the state (on the GPU for
 the device tier); `StepCounts` keeps their values on the host, so a step reads
 the device only after something else changed them (a checkpoint load).
