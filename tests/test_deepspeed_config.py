@@ -273,6 +273,8 @@ def test_schedulers_map_to_the_schedule_of_the_same_definition(scheduler, schedu
     assert (warning["ignored"] if warning else []) == ignored
     engine = zkernel.initialize(TrickyNet(), config)  # every mapped schedule builds
     assert engine.lr_schedule is not None
+    # and sets the first step's rate, DeepSpeed's at position -1: the minimum (0 for the warmups).
+    assert engine.lr == schedule.get("cycle_min_lr", schedule.get("lr_range_test_min_lr", 0.0))
     engine.close()
 
 

@@ -51,6 +51,14 @@ def local_world_size(info: DistInfo) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
 
 
+def expected_world_size() -> int:
+    """The world size `init_distributed` gives (or gave): the process group's, else torchrun's
+    ``WORLD_SIZE``, else 1 (one process without torchrun)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     """Join the process group torchrun describes, or run alone.
 
@@ -62,7 +70,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         return DistInfo(rank, world, local_rank, _compute_device(local_rank), dist.get_backend())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = expected_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _compute_device(local_rank)
     if world == 1:

@@ -110,7 +110,7 @@ class LRRangeTest(LRSchedule):
     """DeepSpeed's LRRangeTest."""
 
     def __init__(self, context) -> None:
-        o = context.options or LRRangeTestOptions()
+        o = context.options
         self.min_lr = float(o.lr_range_test_min_lr)
         self.step_size = o.lr_range_test_step_size
         self.rate = float(o.lr_range_test_step_rate)

@@ -87,7 +87,7 @@ class Warmup(LRSchedule):
     """DeepSpeed's WarmupLR (``decay`` False) and WarmupDecayLR (``decay`` True)."""
 
     def __init__(self, context, decay: bool = False) -> None:
-        options = context.options or WarmupOptions()
+        options = context.options
         self.min_lr = float(options.warmup_min_lr)
         self.max_lr = None if options.warmup_max_lr is None else float(options.warmup_max_lr)
         self.steps = warmup_steps(options.warmup_num_steps)
