@@ -306,7 +306,17 @@ def test_aio_block_size_goes_to_every_nvme_tier(tmp_path):
 def test_loss_scale_hysteresis_is_deepspeeds(fp16, hysteresis, consecutive):
     config, warning, _ = mapped({"fp16": fp16, "optimizer": {"type": "AdamW"}})
     assert (config.loss_scale_hysteresis, config.loss_scale_consecutive_hysteresis) == (hysteresis, consecutive)
+    assert (config.min_loss_scale, config.loss_scale_error_at_min) == (1.0, True)  # DeepSpeed's too
     assert warning is None
+
+
+def test_min_loss_scale_maps_and_is_checked():
+    config, warning, _ = mapped({"fp16": {"enabled": True, "min_loss_scale": 0.25}, "optimizer": {"type": "AdamW"}})
+    assert config.min_loss_scale == 0.25 and warning is None
+    with pytest.raises(ConfigError, match="fp16.min_loss_scale -1 is not valid; valid: a number >= 0"):
+        zkernel.from_deepspeed_config({"fp16": {"enabled": True, "min_loss_scale": -1}})
+    with pytest.raises(ConfigError, match="initial_loss_scale 16.0 is below min_loss_scale 32"):
+        zkernel.from_deepspeed_config({"fp16": {"enabled": True, "initial_scale_power": 4, "min_loss_scale": 32}})
 
 
 def test_cpu_offload_without_pinned_memory_maps_to_the_tier_option():

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+import zkernel
+from tests.models import TrickyNet, batches
 from tests.scenarios import fp16_overflow
-from zkernel.loss_scale import DynamicLossScaler
+from zkernel.loss_scale import DynamicLossScaler, LossScaleError
 
 # (hysteresis, consecutive, overflows by step, scale after each step), worked out by hand from
 # DeepSpeed's DynamicLossScaler.update_scale (window 3, initial scale 1024).
@@ -48,3 +51,51 @@ def test_an_overflow_within_the_allowance_is_skipped_without_halving_the_scale()
     assert result["skipped"] == 1 and result["scales"] == [1024.0, 1024.0, 1024.0, 1024.0]
     assert result["checksums"][1] == result["checksums"][0], "the overflowing step changed nothing"
     assert result["checksums"][2] != result["checksums"][1]
+
+
+def test_the_scale_stops_at_its_minimum_and_an_overflow_there_raises():
+    scaler = DynamicLossScaler(8.0, 3, min_scale=2.0, hysteresis=2, error_at_min_scale=True)
+    for expected in (8.0, 4.0, 2.0):  # the first overflow uses the allowance up
+        scaler.update(True)
+        assert scaler.scale == expected
+    with pytest.raises(LossScaleError, match="minimum loss scale 2"):
+        scaler.update(True)
+    quiet = DynamicLossScaler(2.0, 3, min_scale=2.0, error_at_min_scale=False)
+    quiet.update(True)
+    assert quiet.scale == 2.0
+    resumed = DynamicLossScaler(8.0, 3, min_scale=4.0)
+    resumed.load_state_dict(quiet.state_dict())
+    assert (resumed.scale, resumed.min_scale) == (4.0, 4.0), "the configured minimum holds over a checkpoint's"
+
+
+def test_an_overflow_at_the_minimum_scale_stops_the_run_after_recording_the_skipped_step(tmp_path):
+    torch.manual_seed(0)
+    config = {"partitioner": "zero2", "precision": "fp16", "optimizer": {"lr": 1e-3}, "initial_loss_scale": 2.0}
+    engine = zkernel.initialize(TrickyNet(), config)
+    data = batches(11, 3, 1, 1, 2)
+    tokens, targets = data[0][0][0]
+    engine.backward(engine(tokens, targets))
+    engine.step()
+    before = [g.master.clone() for g in engine.trainable_groups]
+    tokens, targets = data[1][0][0]
+    engine.backward(engine(tokens, targets) * float("inf"))
+    engine.step()  # the scale halves to its minimum, 1
+    engine.backward(engine(tokens, targets) * float("inf"))
+    with pytest.raises(LossScaleError, match="overflowed at the minimum loss scale 1"):
+        engine.step()
+    assert (engine.global_steps, engine.skipped_steps, engine.loss_scaler.scale) == (3, 2, 1.0)
+    for group, master in zip(engine.trainable_groups, before):
+        assert torch.equal(group.master, master), "an overflowing step changed nothing"
+    engine.save_checkpoint(tmp_path / "ckpt")  # the engine is whole: it saves and trains on
+    tokens, targets = data[2][0][0]
+    engine.backward(engine(tokens, targets))
+    engine.step()
+    assert engine.skipped_steps == 2 and engine.global_steps == 4
+    engine.close()
+
+    quiet = zkernel.initialize(TrickyNet(), {**config, "initial_loss_scale": 1.0, "loss_scale_error_at_min": False})
+    tokens, targets = data[1][0][0]
+    quiet.backward(quiet(tokens, targets) * float("inf"))
+    quiet.step()
+    assert quiet.skipped_steps == 1 and quiet.loss_scaler.scale == 1.0
+    quiet.close()

@@ -134,6 +134,20 @@ def test_fp16_overflow_on_one_rank_rolls_back_speculative_steps_everywhere():
     assert results[0]["rollbacks"] > 0
 
 
+def test_a_step_that_cannot_be_undone_is_not_taken_speculatively():
+    """A parameter group whose AdamW decay zeroes its weights (rate x decay == 1) cannot be rolled back:
+    its groups wait for the coefficient while the others step during backward, and an overflow that
+    rolls those back still skips the step cleanly (it raised inside the rollback before)."""
+    from tests.scenarios import fp16_overflow
+
+    groups = [{"params": ["block.2.*"], "lr_scale": 2.0, "weight_decay": 4.0}]  # 0.125 x 2 x 4 == 1
+    extra = {"optimizer": {"name": "cpu_adam", "lr": 0.125, "param_groups": groups}, "partitioner_options": {"bucket_size": 300},
+             "offload": {"optimizer": "cpu", "optimizer_options": {"speculate": "always"}}}  # fmt: skip
+    r = fp16_overflow(0, 2, 4, extra, "embed")
+    assert r["skipped"] == 1 and r["rollbacks"] > 0 and r["early_steps"] > 0
+    assert r["checksums"][2] == pytest.approx(r["checksums"][1], rel=1e-6, abs=1e-6)
+
+
 def test_capacity_shortfall_is_one_error_with_the_numbers(monkeypatch):
     import zkernel
     from tests.scenarios import Wide

@@ -2,7 +2,7 @@
 
 Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`,
 `from_deepspeed_config`, `estimate`, `tiled_cross_entropy`, `CheckpointError`,
-`RankDivergenceError`.
+`RankDivergenceError`, `LossScaleError`.
 Nothing is loaded at import time; `initialize` builds the plugin managers.
 """
 
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "RankDivergenceError",
+    "LossScaleError",
     "Config",
     "ConfigError",
     "Engine",
@@ -45,6 +46,10 @@ def __getattr__(name):
         from zkernel.divergence import RankDivergenceError
 
         return RankDivergenceError
+    if name == "LossScaleError":
+        from zkernel.loss_scale import LossScaleError
+
+        return LossScaleError
     if name == "CheckpointError":
         from zkernel.checkpoint.format import CheckpointError
 

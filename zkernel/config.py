@@ -55,6 +55,14 @@ def _non_negative_number(key: str):
     return check
 
 
+def _positive_number(key: str):
+    def check(_inst, _attr, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+            raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+
+    return check
+
+
 def _non_negative_int(key: str):
     def check(_inst, _attr, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -325,6 +333,10 @@ class Config:
     loss_scale_consecutive_hysteresis: bool = attrs.field(
         default=False, validator=_bool("loss_scale_consecutive_hysteresis")
     )
+    # The fp16 scale's floor, and whether an overflow there stops the run ([Note: overflow at the
+    # minimum scale] in `zkernel.loss_scale`).
+    min_loss_scale: float = attrs.field(default=1.0, validator=_positive_number("min_loss_scale"))
+    loss_scale_error_at_min: bool = attrs.field(default=True, validator=_bool("loss_scale_error_at_min"))
     # Extra plugins by dotted module path, and installed plugins to ignore.
     plugins: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("plugins"))
     blocked_plugins: tuple[str, ...] = attrs.field(
@@ -346,6 +358,11 @@ class Config:
                 f"offload.params {self.offload.params!r} needs partitioner 'zero3' "
                 f"(parameters are whole on every rank with {self.partitioner!r}); "
                 "valid: offload.params = 'none' (or 'auto'), or partitioner = 'zero3' (or 'auto')"
+            )
+        if self.initial_loss_scale < self.min_loss_scale:
+            raise ConfigError(
+                f"initial_loss_scale {self.initial_loss_scale!r} is below min_loss_scale {self.min_loss_scale!r}; "
+                "valid: initial_loss_scale >= min_loss_scale"
             )
         if self.timeline_path is not None and not self.timeline:
             raise ConfigError("timeline_path is set but timeline is false; set timeline = true to record it")

@@ -62,7 +62,6 @@ _BUILT_IN = {
     "zero_optimization.offload_optimizer.pin_memory": (True, "the CPU tier keeps its buffers in pinned memory"),
     "zero_optimization.offload_param.pin_memory": (True, "the CPU tier keeps its buffers in pinned memory"),
     "fp16.auto_cast": (True, "floating-point inputs are always cast to the compute dtype"),
-    "fp16.min_loss_scale": (1, "the dynamic loss scale never goes below 1"),
     "optimizer.params.amsgrad": (False, "Adam without amsgrad"),
     "optimizer.params.torch_adam": (True, "the adamw optimizer is torch's"),
     "optimizer.params.fused": (True, "the adamw optimizer uses torch's fused kernel where the device has one"),
@@ -310,6 +309,9 @@ def _precision(reader: _Reader, out: dict[str, Any]) -> str:
     hysteresis = reader.integer("fp16.hysteresis", minimum=1)
     if hysteresis is not None or fp16:
         out["loss_scale_hysteresis"] = 2 if hysteresis is None else hysteresis  # DeepSpeed's default: 2
+    floor = reader.number("fp16.min_loss_scale")
+    if floor is not None:
+        out["min_loss_scale"] = floor  # an overflow there stops the run, as in DeepSpeed (on by default)
     consecutive = reader.boolean("fp16.consecutive_hysteresis")
     if consecutive is not None:
         out["loss_scale_consecutive_hysteresis"] = consecutive

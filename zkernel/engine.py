@@ -106,8 +106,10 @@ class Engine:
             DynamicLossScaler(
                 config.initial_loss_scale,
                 config.loss_scale_window,
+                min_scale=config.min_loss_scale,
                 hysteresis=config.loss_scale_hysteresis,
                 consecutive_hysteresis=config.loss_scale_consecutive_hysteresis,
+                error_at_min_scale=config.loss_scale_error_at_min,
             )
             if config.precision == "fp16"
             else None
@@ -311,12 +313,12 @@ class Engine:
                     log.info("zkernel.step.skipped", reason="fp16 overflow", loss_scale=self.loss_scaler.scale)
             self.pipeline.step(coefficient)
             self.scheduler.prefetch_next_forward()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(coefficient is None)
         self.scheduler.readiness.window_used.clear()
         self.timeline.end_step(self.global_steps)
         self.global_steps += 1
         self._apply_lr_schedule()
+        if self.loss_scaler is not None:  # last: it may raise, with the skipped step recorded
+            self.loss_scaler.update(coefficient is None)
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds, by category (params, grads, master_weights, optimizer_state) and place

@@ -415,6 +415,24 @@ def zkernel_rollback_optimizer(group: ParamGroup, options: StepOptions) -> bool 
     """
 
 
+@hookspec(firstresult=True)
+def zkernel_can_rollback_step(group: ParamGroup, options: StepOptions) -> bool | None:
+    """Say whether a step of ``group`` with ``options`` could be undone by `zkernel_rollback_optimizer`.
+
+    Called by the engine's step pipeline in the thread that steps the group,
+    before it steps the group speculatively (during backward, before the
+    window's gradient coefficient is known), for optimizers that declared
+    ``can_rollback``. Some hyperparameters make a step overwrite what a
+    rollback needs (Adam with ``beta1 == 0``, AdamW with
+    ``lr * weight_decay == 1`` for any parameter), and a schedule or a
+    parameter's own rate can reach them at any step.
+
+    :return: False to have the group stepped only once the coefficient is
+        known; True, or None from every plugin, to let it step now. Stops at
+        the first non-None result.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Persistence
 # ---------------------------------------------------------------------------

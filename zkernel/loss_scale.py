@@ -10,6 +10,15 @@ scale. The allowance is refilled when the scale grows, or, with
 `DynamicLossScaler.update_scale`, so a run ported with its config keeps its
 scales; with h = 1 (zkernel's default) every overflow halves the scale, as
 torch's `GradScaler` does.
+
+[Note: overflow at the minimum scale] The scale never goes below
+``min_scale``. An overflow that would halve it there means the gradients
+overflow fp16 even unscaled: every later step would be skipped too, and a run
+that only logged it would go on "training" a model that never changes. So
+that overflow raises `LossScaleError` (DeepSpeed's ``raise_error_at_min_scale``,
+on there by default), after the engine has recorded the skipped step: nothing
+was changed, and the engine can still save a checkpoint. With
+``error_at_min_scale`` off the step is skipped and the scale stays.
 """
 
 from __future__ import annotations
@@ -17,6 +26,12 @@ from __future__ import annotations
 from zkernel.log import get_logger
 
 log = get_logger()
+
+__all__ = ["DynamicLossScaler", "LossScaleError"]
+
+
+class LossScaleError(RuntimeError):
+    """An fp16 overflow at the minimum loss scale ([Note: overflow at the minimum scale])."""
 
 
 class DynamicLossScaler:
@@ -29,12 +44,14 @@ class DynamicLossScaler:
         min_scale: float = 1.0,
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
+        error_at_min_scale: bool = False,
     ) -> None:
         self.scale = float(initial_scale)
         self.window = window
         self.min_scale = min_scale
         self.hysteresis = hysteresis
         self.consecutive_hysteresis = consecutive_hysteresis
+        self.error_at_min_scale = error_at_min_scale
         self._clean_steps = 0
         self._allowance = hysteresis  # overflows left before the next one halves the scale, plus one
 
@@ -49,20 +66,27 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        self.scale = float(state["scale"])
-        self.min_scale = float(state["min_scale"])
+        # The configured minimum holds (a resumed run may set another); the scale respects it.
+        self.scale = max(float(state["scale"]), self.min_scale)
         self._clean_steps = int(state["clean_steps"])
         # A checkpoint from before hysteresis, or from a run with another setting, starts full.
         self._allowance = min(int(state.get("hysteresis_left", self.hysteresis)), self.hysteresis)
 
     def update(self, overflow: bool) -> None:
-        """Record one boundary step ([Note: loss-scale hysteresis])."""
+        """Record one boundary step ([Note: loss-scale hysteresis]); raise `LossScaleError` for an overflow
+        at the minimum scale when asked to ([Note: overflow at the minimum scale])."""
         if overflow:
             self._clean_steps = 0
             if self._allowance > 1:
                 self._allowance -= 1
                 log.debug("zkernel.loss_scale.hysteresis", scale=self.scale, hysteresis_left=self._allowance)
                 return
+            if self.scale <= self.min_scale and self.error_at_min_scale:
+                raise LossScaleError(
+                    f"fp16 gradients overflowed at the minimum loss scale {self.min_scale:g}: the step was "
+                    "skipped, and every later step would be too. Lower the learning rate, train in bf16, or "
+                    "set min_loss_scale lower (or loss_scale_error_at_min = false to keep skipping)"
+                )
             self.scale = max(self.scale / 2.0, self.min_scale)
             log.debug("zkernel.loss_scale.backoff", scale=self.scale)
             return

@@ -337,6 +337,8 @@ class StepPipeline:
                     self.aborted_speculations += 1
                 self._abort_speculation = True
                 return _NOT_STEPPED
+            if self.hook.zkernel_can_rollback_step(group=group, options=options) is False:
+                return _NOT_STEPPED  # stepped once the coefficient is known, like a group that lands late
         self.early_steps += 1
         return self._host_step(group, options, acquired=True)
 

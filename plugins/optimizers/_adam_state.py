@@ -192,13 +192,16 @@ def _stepped(group: ParamGroup, skip: frozenset[int]) -> frozenset[int] | None:
     return frozenset(range(len(group.params))) - skip if skip else None
 
 
-def rollback_possible(config, decoupled: bool) -> bool:
-    """Whether a step with the configured hyperparameters can be undone (see `zkernel.adam_math`)."""
-    opt = config.optimizer
-    try:
-        check_rollback_possible(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, adamw=decoupled)
-    except ValueError:
-        return False
+def rollback_possible(group: ParamGroup, options: StepOptions, decoupled: bool) -> bool:
+    """Whether a step of ``group`` with ``options`` can be undone, at the step's rate and decay and at
+    every parameter's own (see `zkernel.adam_math.check_rollback_possible`)."""
+    for hyper in {ParamHyper(), *group.param_hyper.values()}:
+        try:
+            check_rollback_possible(
+                lr=hyper.lr(options), betas=options.betas, weight_decay=hyper.decay(options), adamw=decoupled
+            )
+        except ValueError:
+            return False
     return True
 
 

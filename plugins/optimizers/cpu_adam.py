@@ -58,12 +58,15 @@ class CpuAdam:
     def __init__(self, context) -> None:
         self.options = (context.options if context is not None else None) or CpuAdamOptions()
         native.load()  # fail at selection time, naming the build step, if unbuilt
-        self._can_rollback = context is not None and rollback_possible(context.config, self.options.decoupled_weight_decay)
         self._step_counts = StepCounts()
 
     @hookimpl
     def zkernel_declare_optimizer(self, numel, param_count):
-        return adam_declaration(numel, param_count, can_rollback=self._can_rollback)
+        return adam_declaration(numel, param_count, can_rollback=True)
+
+    @hookimpl
+    def zkernel_can_rollback_step(self, group, options):
+        return rollback_possible(group, options, self.options.decoupled_weight_decay)
 
     @hookimpl
     def zkernel_rollback_optimizer(self, group, options):
