@@ -302,7 +302,8 @@ _ZOO_TEXT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "m
 # encoder-decoder with a shared embedding and a relative-position bias only the first block owns (T5);
 # one layer's parameters run at every depth (ALBERT); routers whose experts some ranks' tokens skip
 # (Mixtral, Qwen2-MoE with a shared expert); a masked-LM head tied across modules (BERT); a vision
-# transformer with a classifier (ViT).
+# transformer with a classifier (ViT); a Linear on a constant 4-d table whose output (a view) the next
+# module rectifies in place (Swinv2's position-bias MLP).
 ZOO = {
     "t5": ("AutoModelForSeq2SeqLM", "t5", {"num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_ff": 64,
                                            "num_heads": 4, "d_kv": 8, "dropout_rate": 0.0, "decoder_start_token_id": 0},
@@ -322,10 +323,17 @@ ZOO = {
                                                        "num_attention_heads": 4, "image_size": 16, "patch_size": 4,
                                                        "num_labels": 5, "hidden_dropout_prob": 0.0,
                                                        "attention_probs_dropout_prob": 0.0}, "image"),
+    "swinv2": ("AutoModelForImageClassification", "swinv2", {"image_size": 16, "patch_size": 2, "embed_dim": 16,
+                                                             "depths": [1, 1], "num_heads": [2, 2], "window_size": 2,
+                                                             "drop_path_rate": 0.0, "hidden_dropout_prob": 0.0,
+                                                             "attention_probs_dropout_prob": 0.0, "num_labels": 5}, "image"),
 }  # fmt: skip
+# zero3 splits every module of these small models (the default threshold keeps modules under 100,000
+# elements whole on every rank: all of them here).
+_SPLIT_ALL = {"partitioner_options": {"persistence_threshold": 0}}
 ZOO_CONFIGS = {
-    "zero3": {"partitioner": "zero3"},
-    "zero3 params+optimizer cpu": {"partitioner": "zero3", "offload": {"params": "cpu", "optimizer": "cpu"}},
+    "zero3": {"partitioner": "zero3", **_SPLIT_ALL},
+    "zero3 params+optimizer cpu": {"partitioner": "zero3", "offload": {"params": "cpu", "optimizer": "cpu"}, **_SPLIT_ALL},
     "zero2 accumulation 2": {"partitioner": "zero2", "gradient_accumulation_steps": 2},
 }
 

@@ -1,5 +1,5 @@
 """Hugging Face models: GPT-2 and Llama built on the meta device under zero3; T5, ALBERT, BERT,
-Mixtral, Qwen2-MoE and ViT trained on two ranks against torch."""
+Mixtral, Qwen2-MoE, ViT and Swinv2 trained on two ranks against torch."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_checkpointed_decoder_layers_with_the_cache_on_train_like_torch(suite, a
 @pytest.mark.parametrize("config", list(hf.ZOO_CONFIGS))
 @pytest.mark.parametrize("arch", list(hf.ZOO))
 def test_other_architectures_train_like_torch_on_two_ranks(suite, arch, config):
-    """T5, ALBERT, BERT, Mixtral, Qwen2-MoE and ViT from Hugging Face, eager-built, through the public API
+    """T5, ALBERT, BERT, Mixtral, Qwen2-MoE, ViT and Swinv2 from Hugging Face, eager-built, through the public API
     on two ranks: each step's loss as torch AdamW on the whole batch (relative 1e-5), and the trained
     state (a parameter whose gradient is only rounding noise, such as an attention key bias, moves by
     Adam's noise-sized steps: atol 1e-4 against a learning rate of 1e-2, 1e-3 where the ranks ran on

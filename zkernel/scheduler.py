@@ -83,6 +83,18 @@ group, so an exception leaves nothing gathered or in flight. Ranks that run
 different modules raise `zkernel.divergence.RankDivergenceError` (see
 [Note: divergent ranks]).
 
+[Note: outputs modified in place] The backward fetch is a hook on the
+module's output tensors. When the output is a view (``F.linear`` on an input
+of four dimensions returns its ``addmm`` result viewed back) and the caller
+modifies it in place (Swinv2's ``ReLU(inplace=True)`` after such a Linear),
+autograd rewrites the base's history and the view's own node leaves the graph,
+with the hook on it: the unit was never fetched, and accumulating the gradient
+of its released weight failed. So a view output is hooked at its base (the
+tensor the module last computed; between the two there are only view
+operations, which need no parameter), whose node stays in the graph under any
+in-place change; a view of a parameter itself stays hooked as it is (a hook on
+a leaf would outlive the pass).
+
 [Note: recompute] Activation checkpointing (a plugin of its own family, or
 ``torch.utils.checkpoint`` in the user's model) runs a module's forward a
 second time inside backward, to rebuild what it did not save. Fired as in a
@@ -279,6 +291,9 @@ class Scheduler:
                 self._kept.append(group)
             else:
                 self._release(group, Phase.FORWARD)
+        # A view is hooked at its base, the last tensor the module computed (see [Note: outputs
+        # modified in place]).
+        tensors = list({id(h): h for h in map(_hook_target, tensors)}.values())
         if len(tensors) == 1:  # the usual case, at half the host cost of a multi-grad hook
             tensors[0].register_hook(lambda _grad, groups=groups: self._pre_backward(groups))
         elif tensors:
@@ -552,3 +567,10 @@ def streams_device(streams) -> torch.device:
     """The compute device of an engine's side streams (CPU without CUDA)."""
     stream = getattr(streams, "h2d", None)
     return torch.device("cuda", stream.device_index) if stream is not None else torch.device("cpu")
+
+
+def _hook_target(output: torch.Tensor) -> torch.Tensor:
+    """The tensor whose gradient says a backward reached a module's ``output`` (see [Note: outputs
+    modified in place]): the base of a view the module computed, else the output itself."""
+    base = output._base if output._is_view() else None
+    return base if base is not None and base.grad_fn is not None else output
