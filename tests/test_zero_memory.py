@@ -8,7 +8,7 @@ import pytest
 
 from tests.harness import run_ranks
 from zkernel_plugins.partitioners._flat import ALIGN
-from tests.scenarios import PARTITIONED_PREFETCH_BYTES, fp16_overflow, memory_by_stage, partitioned_construction, train
+from tests.scenarios import LIVE_EXTRAS, PARTITIONED_PREFETCH_BYTES, fp16_overflow, memory_by_stage, partitioned_construction, train
 
 WIDTH, DEPTH = 96, 4
 FP32 = 4
@@ -88,7 +88,7 @@ def test_per_rank_bytes_follow_zero_accounting(world, request):
             # from Python, less small extras (buffers, placeholders, the step counters).
             reported = sum(_total(by_stage[stage]["memory"], c) for c in by_stage[stage]["memory"])
             alive = by_stage[stage]["alive"]
-            assert reported <= alive <= reported + 16 * 1024, f"rank {rank} {stage}: alive {alive} vs reported {reported}"
+            assert reported <= alive <= reported + LIVE_EXTRAS, f"rank {rank} {stage}: alive {alive} vs reported {reported}"
 
 
 def test_partitioned_construction_never_builds_the_whole_model(four_ranks):

@@ -132,9 +132,13 @@ def get_plugin_manager(
         autoload = os.environ.get(AUTOLOAD_ENV, "") in ("", "0")
 
     found_builtins = set()
+    described: dict[object, tuple[str, str]] = {}  # a distribution's name and version: its metadata parsed once
     for ep in _entry_points():
         dist = getattr(ep, "dist", None)
-        dist_name = dist.metadata["Name"] if dist is not None else None
+        if dist is not None and (key := getattr(dist, "_path", id(dist))) not in described:
+            metadata = dist.metadata
+            described[key] = (metadata["Name"], metadata["Version"])
+        dist_name, dist_version = described[key] if dist is not None else (None, None)
         is_builtin = dist_name == DISTRIBUTION
         if is_builtin:
             found_builtins.add(ep.name)
@@ -144,7 +148,7 @@ def get_plugin_manager(
             continue
         installed.register(
             _load_entry_point(ep, dist_name),
-            PluginSource(ep.name, "entry point", dist_name, dist.version if dist else None),
+            PluginSource(ep.name, "entry point", dist_name, dist_version),
         )
     for name, module in BUILTIN_PLUGINS.items():
         if name not in found_builtins and not pm.is_blocked(name):
