@@ -167,3 +167,43 @@ def test_module_without_reset_parameters_names_its_path():
 
     with pytest.raises(ValueError, match=r"`transformer\.h\.0\.attn\.c_attn` \(Conv1D\).*init_fn=model\._init_weights"):
         zkernel.initialize(model, hf.zero3_config(1e-3))
+
+
+def test_checkpointed_recurrent_layers_get_no_cache_in_training():
+    """RecurrentGemma's recurrent layers keep their state on the module when asked to cache (``use_cache``
+    passed by position): recomputed in backward they started from the state the forward left, and
+    the recomputation's shapes did not match. Checkpointed, they are asked not to cache in training,
+    and train like the whole model in torch."""
+    import transformers
+
+    import zkernel
+    from tests.models import VOCAB
+
+    def build():
+        config = transformers.AutoConfig.for_model(
+            "recurrent_gemma", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+            num_attention_heads=4, num_key_value_heads=2, lru_width=32, attention_window_size=8,
+            block_types=["recurrent", "attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(3, VOCAB, (2, 8), generator=g) for _ in range(3)]
+    config = {**hf.zero3_config(1e-2), "activation_checkpointing": {"modules": ["RecurrentGemmaDecoderLayer"]}}
+    engine = zkernel.initialize(build(), config)
+    losses = []
+    for ids in data:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for ids, got in zip(data, losses, strict=True):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(got - loss.item()) <= 1e-5 * abs(loss.item()), (got, loss.item())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 
 import attrs
@@ -75,8 +76,11 @@ def _is_kv_cache(value) -> bool:
 # error, or, where shapes happen to agree, attends to stale entries. Hugging Face's own gradient
 # checkpointing turns `use_cache` off in training for this reason, and so does this wrapper at the
 # layer: in training, a checkpointed module is passed None for the cache (a WARNING, once per engine,
-# says so). Outside training (an evaluation with gradients on) the module runs without
-# checkpointing, so a cache being filled for generation stays right.
+# says so), and ``use_cache=False`` where its forward takes that argument (by keyword or by position):
+# a recurrent layer (RecurrentGemma's) keeps its state on the module itself when asked to cache,
+# so its recomputation would start from the state the first pass left. Outside training (an
+# evaluation with gradients on) the module runs without checkpointing, so a cache being filled for
+# generation stays right.
 
 
 class CheckpointedForward:
@@ -106,14 +110,28 @@ class CheckpointedForward:
                     module=self.name,
                     cache=type(leaves[caches[0]]).__name__,
                     hint="a checkpointed module is recomputed in backward and would add its keys and values to "
-                    "the cache twice, so in training it gets none (nor do the other checkpointed modules); "
+                    "the cache twice, so in training it gets none, and use_cache=False where it takes that "
+                    "(so do the other checkpointed modules); "
                     "pass use_cache=False to the model to silence this",
                 )
             for i in caches:
                 leaves[i] = None
+            leaves, spec = tree_flatten(_caching_off(self.forward, *tree_unflatten(leaves, spec)), is_leaf=_is_kv_cache)
         run = functools.partial(_run_unflattened, self.forward, spec)
         with self.offloader.region() if self.offloader is not None else contextlib.nullcontext():
             return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
+
+
+def _caching_off(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with a true ``use_cache`` argument of ``forward`` made False."""
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature, or one these arguments do not fit: leave them
+        return args, kwargs
+    if not bound.arguments.get("use_cache"):
+        return args, kwargs
+    bound.arguments["use_cache"] = False
+    return bound.args, bound.kwargs
 
 
 def _run_unflattened(forward, spec, *leaves):
