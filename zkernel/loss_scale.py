@@ -12,9 +12,10 @@ scales; with h = 1 (zkernel's default) every overflow halves the scale, as
 torch's `GradScaler` does.
 
 [Note: overflow at the minimum scale] The scale never goes below
-``min_scale``. An overflow that would halve it there means the gradients
-overflow fp16 even unscaled: every later step would be skipped too, and a run
-that only logged it would go on "training" a model that never changes. So
+``min_scale``. An overflow that would halve it there (at the default minimum
+of 1: gradients that overflow fp16 unscaled) will most likely recur at every
+later step, each skipped too, and a run that only logged it would go on
+"training" a model that never changes. So
 that overflow raises `LossScaleError` (DeepSpeed's ``raise_error_at_min_scale``,
 on there by default), after the engine has recorded the skipped step: nothing
 was changed, and the engine can still save a checkpoint. With

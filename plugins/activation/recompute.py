@@ -93,6 +93,7 @@ class CheckpointedForward:
         self.offloader = offloader
         self.name = name
         self.warned = set() if warned is None else warned  # shared by one engine's modules: each warning once
+        self.signature: inspect.Signature | bool | None = None  # the forward's, once a cache was dropped (False: none)
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -116,19 +117,28 @@ class CheckpointedForward:
                 )
             for i in caches:
                 leaves[i] = None
-            leaves, spec = tree_flatten(_caching_off(self.forward, *tree_unflatten(leaves, spec)), is_leaf=_is_kv_cache)
+            if self.signature is None:
+                self.signature = _signature(self.forward)
+            leaves, spec = tree_flatten(_caching_off(self.signature, *tree_unflatten(leaves, spec)), is_leaf=_is_kv_cache)
         run = functools.partial(_run_unflattened, self.forward, spec)
         with self.offloader.region() if self.offloader is not None else contextlib.nullcontext():
             return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
 
 
-def _caching_off(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` with a true ``use_cache`` argument of ``forward`` made False."""
+def _signature(forward) -> inspect.Signature | bool:
     try:
-        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):  # no signature, or one these arguments do not fit: leave them
-        return args, kwargs
-    if not bound.arguments.get("use_cache"):
+        return inspect.signature(forward)
+    except (TypeError, ValueError):  # a callable without one
+        return False
+
+
+def _caching_off(signature: inspect.Signature | bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with a true ``use_cache`` argument (of the forward with ``signature``) made False."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs) if signature else None
+    except TypeError:  # arguments the signature does not fit: leave them to the forward
+        bound = None
+    if bound is None or not bound.arguments.get("use_cache"):
         return args, kwargs
     bound.arguments["use_cache"] = False
     return bound.args, bound.kwargs
