@@ -153,6 +153,8 @@ CONFIGS = {
 }
 if importlib.util.find_spec("transformers") is not None:
     CONFIGS[("switch", "zero2")] = {"partitioner": "zero2", "partitioner_options": {"bucket_size": 2000}}
+    # One unit per module: each sparse layer one unit with its experts ([Note: expert layers]).
+    CONFIGS[("switch", "zero3")] = {"partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0}}
     CONFIGS[("switch", "zero3 blocks")] = {
         "partitioner": "zero3", "partitioner_options": {"units": "blocks", "persistence_threshold": 0},
         "offload": {"optimizer": "cpu", "params": "cpu"},

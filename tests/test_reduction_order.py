@@ -121,3 +121,23 @@ def test_a_parameter_the_graph_did_not_reach_that_gets_a_gradient_after_its_redu
     with pytest.raises(RuntimeError, match="'hidden.weight' got a gradient in backward that the autograd graph"):
         engine.backward(engine(torch.randn(3, 4)))
     engine.close()
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(4, 3)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+
+def test_a_layer_holding_experts_is_one_unit_unless_asked_otherwise():
+    from zkernel.estimator import _units
+    from zkernel_plugins.partitioners._flat import module_units
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Experts(), torch.nn.ModuleDict({"experts": torch.nn.Linear(4, 4)}))
+    units = {name: [n for n, _ in named] for name, _, named in module_units(model, "modules")}
+    assert units["1"] == ["1.router.weight", "1.router.bias", *(f"1.experts.{i}.{k}" for i in range(3) for k in ("weight", "bias"))]
+    assert "0" in units and "2.experts" in units, "a lone module called experts holds no container of experts"
+    assert [[p.name for p in unit] for unit in _units(model, "modules")] == list(units.values())
+    per_expert = {name for name, _, _ in module_units(model, "modules", leaf_experts=False)}
+    assert {"1.router", "1.experts.0", "1.experts.2"} <= per_expert and "1" not in per_expert

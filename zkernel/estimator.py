@@ -215,9 +215,11 @@ def _extent(numels: Iterable[int]) -> int:
     return end
 
 
-def _units(module: nn.Module, policy: str, leaf_modules: tuple[str, ...] = ()) -> list[list[_Param]]:
+def _units(
+    module: nn.Module, policy: str, leaf_modules: tuple[str, ...] = (), leaf_experts: bool = True
+) -> list[list[_Param]]:
     """ZeRO-3's units (`plugins/partitioners/_flat.module_units`): parameters gathered together."""
-    unit_ids = unit_module_ids(module, policy, leaf_modules)
+    unit_ids = unit_module_ids(module, policy, leaf_modules, leaf_experts)
     seen: set[int] = set()
     units: dict[int, list[_Param]] = {}
 
@@ -428,7 +430,7 @@ def _groups(module: nn.Module, config: Config, world_size: int, options: Any) ->
     else:
         shards = world_size
         groups, pooled = [], {True: [], False: []}
-        for unit in _units(module, options.units, getattr(options, "leaf_modules", ())):
+        for unit in _units(module, options.units, getattr(options, "leaf_modules", ()), getattr(options, "leaf_experts", True)):
             for trainable in (True, False):
                 numels = [p.numel for p in unit if p.trainable == trainable]
                 if sum(numels) < options.persistence_threshold:

@@ -225,7 +225,7 @@ def split_trainable(
 
 
 def module_units(
-    module: nn.Module, policy: str = "modules", leaf_modules: tuple[str, ...] = ()
+    module: nn.Module, policy: str = "modules", leaf_modules: tuple[str, ...] = (), leaf_experts: bool = True
 ) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
     """The units of ZeRO-3: modules with the parameters gathered around their forward.
 
@@ -236,10 +236,11 @@ def module_units(
     per-block wrapping: fewer, larger collectives). Under either, a module
     compiled in place is a unit with its whole subtree (see [Note: compiled
     units] in `zkernel.compiled`), and so is each module ``leaf_modules``
-    selects (see [Note: leaf modules] in `zkernel.unit_modules`). A tied
-    parameter belongs to the first unit that reaches it.
+    selects (see [Note: leaf modules] in `zkernel.unit_modules`), and, with
+    ``leaf_experts``, each mixture-of-experts layer (see [Note: expert
+    layers] there). A tied parameter belongs to the first unit that reaches it.
     """
-    unit_ids = unit_module_ids(module, policy, leaf_modules)
+    unit_ids = unit_module_ids(module, policy, leaf_modules, leaf_experts)
     seen: set[int] = set()
     units: dict[int, tuple[str, nn.Module, list]] = {}
 

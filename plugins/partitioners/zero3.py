@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zkernel import hookimpl
-from zkernel.config import ConfigError, choice, integer, str_tuple
+from zkernel.config import ConfigError, boolean, choice, integer, str_tuple
 from zkernel.groups import ParamGroup, Phase
 from zkernel.profiling import profiler_range
 from zkernel.released import mark_gathered, mark_released
@@ -94,6 +94,9 @@ class Zero3Options:
     # whole subtree, whatever ``units`` says: a mixture-of-experts layer whose experts only some
     # ranks run ([Note: leaf modules] in `zkernel.unit_modules`; DeepSpeed's set_z3_leaf_modules).
     leaf_modules: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("partitioner_options.leaf_modules"))
+    # Each module holding a ModuleList/ModuleDict of experts (named "*experts") is a leaf module too
+    # ([Note: expert layers] in `zkernel.unit_modules`).
+    leaf_experts: bool = attrs.field(default=True, validator=boolean())
     # Gather shards with peer copies on the copy engines ([Note: peer gathers]): "auto" for every
     # shard where the gathered shards average at least 4 MiB, else for shards of at least 32 MiB,
     # where every rank's GPU can map the others' memory and the shards live on the
@@ -150,7 +153,7 @@ class Zero3:
     def _groups(self, module, context):
         persistent: dict[bool, list] = {True: [], False: []}
         index = 0
-        planned = module_units(module, self.options.units, self.options.leaf_modules)
+        planned = module_units(module, self.options.units, self.options.leaf_modules, self.options.leaf_experts)
         self._peer = self._peer_pool(planned)
         units = materialized_units(module, planned, context.device, self.options.init_seed, context.init_fn)
         for unit_name, unit, named in units:
