@@ -4,9 +4,9 @@
 user wrote as several (tiling keeps ``fc.weight`` as ``fc.tiles.0.weight``,
 ``fc.tiles.1.weight``, ...: each tile its own parameter, so zero3 gathers
 and releases it on its own). ``named_parameters()`` and the partitioners'
-groups then list the pieces, while everything facing the user (``state_dict``,
-checkpoints, `Engine.gathered_parameters`) speaks of the parameter as
-written. A module that holds such pieces declares them with a method
+groups then list the pieces, while what faces the user (``state_dict``,
+`Engine.state_dict`, `Engine.gathered_parameters`) speaks of the parameter
+as written. A module that holds such pieces declares them with a method
 
     zkernel_composed_parameters(self) -> Iterable[ComposedParam]
 
@@ -16,18 +16,27 @@ declaration in a model under full names, and answers both ways:
 * `ParamMap.pieces` (user name -> the held parameters and the slice of the
   user's tensor each fills), `ParamMap.user_name` (held name -> user name);
 * `ParamMap.assemble` turns held tensors keyed by held name (what a
-  partitioner gathers) into whole tensors keyed by user name, and
-  `ParamMap.split` the other way (what a checkpoint load writes back).
+  partitioner gathers, what `Engine.state_dict` reads) into whole tensors
+  keyed by user name, and `ParamMap.split` the other way.
 
 A parameter nobody composes maps to itself. `install_state_dict_hooks` makes
 a composing module's own ``state_dict``/``load_state_dict`` speak user names,
 so ``model.state_dict()`` (whole inside `Engine.gathered_parameters` under
-zero3) looks like the untransformed model's.
+zero3) looks like the untransformed model's. Inside `held_names` they speak
+the held names instead: the checkpoint code reads the parameter objects
+themselves through ``state_dict(keep_vars=True)`` (under zero3 released,
+which composing would read) and stores each piece under its held name, and
+`Engine.state_dict` assembles the pieces it read into the user's tensors. So
+a checkpoint of a transformed model holds the pieces (``zkernel.consolidate``
+gives them under their held names) and loads into an engine that transforms
+the model the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -176,7 +185,23 @@ def install_state_dict_hooks(module: nn.Module) -> list:
     ]
 
 
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def held_names() -> Iterator[None]:
+    """Composing modules' ``state_dict``/``load_state_dict`` keep their pieces under held names here."""
+    outer = getattr(_held, "on", False)
+    _held.on = True
+    try:
+        yield
+    finally:
+        _held.on = outer
+
+
 def _compose_state_dict(module, state_dict, prefix, _local_metadata) -> None:
+    if getattr(_held, "on", False):
+        return
     for param in module.zkernel_composed_parameters():
         keys = [prefix + p.name for p in param.pieces]
         if not all(k in state_dict for k in keys):
@@ -191,6 +216,8 @@ def _compose_state_dict(module, state_dict, prefix, _local_metadata) -> None:
 
 
 def _split_state_dict(module, state_dict, prefix, _local_metadata, _strict, _missing, _unexpected, _errors) -> None:
+    if getattr(_held, "on", False):
+        return
     for param in module.zkernel_composed_parameters():
         key = prefix + param.name
         if key not in state_dict:

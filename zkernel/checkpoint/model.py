@@ -15,6 +15,8 @@ import attrs
 import torch
 from torch import nn
 
+from zkernel.param_map import held_names
+
 
 PARAM, BUFFER, EXTRA = "param", "buffer", "extra"
 
@@ -34,8 +36,11 @@ def view_of(module: nn.Module) -> ModelView:
     names = {id(p): n for n, p in params.items()}
     buffer_names = {id(b): n for n, b in module.named_buffers()}
     keys, buffers, extra = [], {}, {}
-    # keep_vars: the parameter objects themselves, read without any torch operation on them
-    for key, value in module.state_dict(keep_vars=True).items():
+    # keep_vars: the parameter objects themselves, read without any torch operation on them; a
+    # transform's pieces under their held names ([Note: composed parameters] in `zkernel.param_map`)
+    with held_names():
+        entries = module.state_dict(keep_vars=True)
+    for key, value in entries.items():
         if isinstance(value, torch.Tensor) and id(value) in names:
             keys.append((key, PARAM, names[id(value)]))
         elif isinstance(value, torch.Tensor) and id(value) in buffer_names:

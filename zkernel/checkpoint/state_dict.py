@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zkernel.checkpoint.model import EXTRA, view_of
+from zkernel.param_map import ParamMap
 from zkernel.checkpoint.shards import check_between_steps, describe_groups, whole_params
 
 
@@ -60,7 +61,9 @@ def full_state_dict(engine) -> dict[str, Any]:
         finish(name, view.params[name])
     for name, buf in view.buffers.items():
         finish(name, buf)
-    return {key: (view.extra[key] if kind == EXTRA else values[source]) for key, kind, source in view.keys}
+    held = {key: (view.extra[key] if kind == EXTRA else values[source]) for key, kind, source in view.keys}
+    # A transform's pieces as the user's parameters ([Note: composed parameters] in `zkernel.param_map`).
+    return ParamMap.of(engine.module).assemble(held)
 
 
 def _numel(shape) -> int:
