@@ -227,7 +227,8 @@ def test_tiling_selection_by_size_and_clear_errors():
 @pytest.mark.parametrize("partitioner", ["zero3", "zero2"])
 def test_tiled_models_save_load_and_give_the_users_state_dict(tmp_path, partitioner):
     """`Engine.state_dict` of a tiled model is the untiled model's (under zero3 it raised on the released
-    tiles); a checkpoint keeps each tile and resumes training as if uninterrupted."""
+    tiles), and so is what `zkernel.consolidate` makes of its checkpoint; the checkpoint keeps each tile
+    and resumes training as if uninterrupted."""
     import zkernel
 
     def engine():
@@ -257,6 +258,14 @@ def test_tiled_models_save_load_and_give_the_users_state_dict(tmp_path, partitio
         for name, value in first.module.state_dict().items():
             assert torch.equal(state[name], value), name
     first.save_checkpoint(tmp_path / "ckpt")
+    full = zkernel.consolidate(tmp_path / "ckpt")  # the untiled model's, as the engine's state dict
+    assert list(full) == list(state) and all(torch.equal(full[k], state[k]) for k in state)
+    from safetensors.torch import load_file
+
+    from zkernel.checkpoint.consolidate import consolidate_to_file
+
+    written = load_file(consolidate_to_file(tmp_path / "ckpt", tmp_path / "model.safetensors"))
+    assert written.keys() == state.keys() and all(torch.equal(written[k], state[k]) for k in state)
     expected = [step(first, x) for x in data[2:]]
     first.close()
     second, _ = engine()

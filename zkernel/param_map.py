@@ -27,9 +27,9 @@ the held names instead: the checkpoint code reads the parameter objects
 themselves through ``state_dict(keep_vars=True)`` (under zero3 released,
 which composing would read) and stores each piece under its held name, and
 `Engine.state_dict` assembles the pieces it read into the user's tensors. So
-a checkpoint of a transformed model holds the pieces (``zkernel.consolidate``
-gives them under their held names) and loads into an engine that transforms
-the model the same way.
+a checkpoint of a transformed model holds the pieces and loads into an engine
+that transforms the model the same way; its manifest keeps the composition
+(`ParamMap.to_json`), and ``zkernel.consolidate`` assembles the user's tensors.
 """
 
 from __future__ import annotations
@@ -88,6 +88,23 @@ class ParamMap:
             if isinstance(module, ComposesParameters):
                 found.extend(_prefixed(param, prefix) for param in module.zkernel_composed_parameters())
         return cls(found)
+
+    def to_json(self) -> list:
+        """The composed parameters as JSON values (a checkpoint's manifest keeps them for `from_json`)."""
+        return [
+            {"name": p.name, "shape": list(p.shape),
+             "pieces": [[piece.name, [[i.start, i.stop] for i in piece.index]] for piece in p.pieces]}
+            for p in self._composed.values()
+        ]  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: list) -> ParamMap:
+        return cls(
+            ComposedParam(
+                d["name"], tuple(d["shape"]), tuple(Piece(n, tuple(slice(a, b) for a, b in index)) for n, index in d["pieces"])
+            )
+            for d in data
+        )
 
     @property
     def composed(self) -> dict[str, ComposedParam]:

@@ -28,6 +28,7 @@ from zkernel.checkpoint.model import BUFFER, EXTRA
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
 from zkernel.checkpoint.range_reader import RangeReader
 from zkernel.checkpoint.stream_writer import Entry, write_file
+from zkernel.param_map import ParamMap
 
 
 def _output_dtype(index: CheckpointIndex, kind: str, name: str) -> torch.dtype:
@@ -41,6 +42,11 @@ def _keys(index: CheckpointIndex) -> list[tuple[str, str, str]]:
         if kind == EXTRA and key not in index.extra_state:
             raise CheckpointError(f"checkpoint {index.dir}: state-dict key {key!r} is not stored")
     return keys
+
+
+def _composition(index: CheckpointIndex) -> ParamMap:
+    """The user's parameters a transform held as pieces ([Note: composed parameters] in `zkernel.param_map`)."""
+    return ParamMap.from_json(index.manifest.get("composed", []))
 
 
 def _read(index: CheckpointIndex, reader: RangeReader, kind: str, name: str) -> torch.Tensor:
@@ -82,7 +88,7 @@ def consolidate(
         for kind, name in unique:
             made[(kind, name)] = extra_state.read(index, reader, name) if kind == EXTRA else _read(index, reader, kind, name)
             bar.update(_nbytes(index, kind, name))
-    return {key: made[(kind, name)] for key, kind, name in keys}
+    return _composition(index).assemble({key: made[(kind, name)] for key, kind, name in keys})
 
 
 def consolidate_to_file(
@@ -101,15 +107,21 @@ def consolidate_to_file(
                 "holds only tensors; zkernel.consolidate(directory) returns it with the rest"
             )
         keys = [(key, kind, name) for key, kind, name in keys if kind != EXTRA]
-        entries = [
-            Entry(
-                key,
-                _output_dtype(index, kind, name),
-                index.shape(name, kind),
-                lambda kind=kind, name=name: _read(index, reader, kind, name),
-            )
-            for key, kind, name in keys
-        ] + [Entry(key, value.dtype, tuple(value.shape), lambda v=value: v.contiguous()) for key, value in extras.items()]
+        composition = _composition(index)
+        entries, composed = [], set()
+        for key, kind, name in keys:
+            user, _ = composition.user_name(key)
+            if user == key:
+                entries.append(Entry(key, _output_dtype(index, kind, name), index.shape(name, kind),
+                                     lambda kind=kind, name=name: _read(index, reader, kind, name)))  # fmt: skip
+            elif user not in composed:  # the user's tensor, assembled from its pieces when written
+                composed.add(user)
+                param = composition.composed[user]
+                pieces = [(p.name, next((k, n) for h, k, n in keys if h == p.name)) for p in param.pieces]
+                entries.append(Entry(user, _output_dtype(index, *pieces[0][1]), param.shape,
+                                     lambda pieces=pieces, user=user: composition.assemble(
+                                         {h: _read(index, reader, k, n) for h, (k, n) in pieces})[user]))  # fmt: skip
+        entries += [Entry(key, value.dtype, tuple(value.shape), lambda v=value: v.contiguous()) for key, value in extras.items()]
         metadata = {"format": "pt", "source": FORMAT, "tag": index.tag}
         write_file(path, entries, metadata, on_bytes=bar.update)
     return path

@@ -51,6 +51,7 @@ from zkernel.checkpoint.format import (
     write_atomic,
 )
 from zkernel.checkpoint.model import PARAM, ModelView, view_of
+from zkernel.param_map import ParamMap
 from zkernel.checkpoint.shards import StateSpecs, check_between_steps, describe_error, describe_groups, state_specs, whole_params
 from zkernel.checkpoint.stream_writer import Entry, write_file
 from zkernel.groups import ParamGroup, ShardLayout
@@ -360,6 +361,7 @@ def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[st
         "params": params,
         "buffers": buffers,
         "state_dict": [list(k) for k in view.keys],
+        "composed": ParamMap.of(engine.module).to_json(),
         "extra_state": {key: {"bytes": n} for key, n in reports[0]["extra"].items()},
         "optimizer_state": state or {"per_element": {}, "scalar": {}},
         "engine": engine.training_state(),
