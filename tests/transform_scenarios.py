@@ -163,12 +163,12 @@ def train_tricky_transformed(runs: list[tuple[str, dict]], steps: int, accum: in
         engine = zkernel.initialize(model, config)
         losses = _train_steps(engine, steps, accum, micro, seed)
         with engine.gathered_parameters() as gathered:
-            state = {k: v.detach().clone() for k, v in gathered.state_dict().items()}
+            state = {k: v.detach().cpu().clone() for k, v in gathered.state_dict().items()}
         held = [n for n, _ in model.named_parameters()]
         trace = len(engine.scheduler.trace)
         world = dist.get_world_size() if dist.is_initialized() else 1
         engine.close()
-        restored = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        restored = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         out.append({
             "losses": losses, "state": state, "held": held, "restored": restored, "trace": trace,
             "classes": sorted({type(m).__name__ for m in model.modules()}),
