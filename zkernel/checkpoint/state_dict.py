@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from zkernel.checkpoint.model import EXTRA, view_of
-from zkernel.param_map import ParamMap
 from zkernel.checkpoint.shards import check_between_steps, describe_groups, whole_params
+from zkernel.param_map import ParamMap
 
 
 def full_state_dict(engine) -> dict[str, Any]:
