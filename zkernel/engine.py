@@ -102,18 +102,7 @@ class Engine:
         self.timeline = parts.timeline
         # What the planner chose and why (`zkernel.planning.Plan`) when the config said "auto"; else None.
         self.placement_plan = parts.placement_plan
-        self.loss_scaler = (
-            DynamicLossScaler(
-                config.initial_loss_scale,
-                config.loss_scale_window,
-                min_scale=config.min_loss_scale,
-                hysteresis=config.loss_scale_hysteresis,
-                consecutive_hysteresis=config.loss_scale_consecutive_hysteresis,
-                error_at_min_scale=config.loss_scale_error_at_min,
-            )
-            if config.precision == "fp16"
-            else None
-        )
+        self.loss_scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
         opt = config.optimizer
         self._base_hyper = StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         self.lr_schedule = parts.lr_schedule

@@ -56,6 +56,18 @@ class DynamicLossScaler:
         self._clean_steps = 0
         self._allowance = hysteresis  # overflows left before the next one halves the scale, plus one
 
+    @classmethod
+    def from_config(cls, config) -> DynamicLossScaler:
+        """The scaler an fp16 run's `zkernel.config.Config` asks for."""
+        return cls(
+            config.initial_loss_scale,
+            config.loss_scale_window,
+            min_scale=config.min_loss_scale,
+            hysteresis=config.loss_scale_hysteresis,
+            consecutive_hysteresis=config.loss_scale_consecutive_hysteresis,
+            error_at_min_scale=config.loss_scale_error_at_min,
+        )
+
     def state_dict(self) -> dict[str, float | int]:
         """JSON-serialisable state, for checkpoints."""
         return {

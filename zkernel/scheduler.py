@@ -293,7 +293,10 @@ class Scheduler:
                 self._release(group, Phase.FORWARD)
         # A view is hooked at its base, the last tensor the module computed (see [Note: outputs
         # modified in place]).
-        tensors = list({id(h): h for h in map(_hook_target, tensors)}.values())
+        if len(tensors) == 1:
+            tensors = [_hook_target(tensors[0])]
+        elif tensors:
+            tensors = list({id(h): h for h in map(_hook_target, tensors)}.values())
         if len(tensors) == 1:  # the usual case, at half the host cost of a multi-grad hook
             tensors[0].register_hook(lambda _grad, groups=groups: self._pre_backward(groups))
         elif tensors:

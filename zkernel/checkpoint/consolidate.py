@@ -108,6 +108,7 @@ def consolidate_to_file(
             )
         keys = [(key, kind, name) for key, kind, name in keys if kind != EXTRA]
         composition = _composition(index)
+        stored = {key: (kind, name) for key, kind, name in keys}
         entries, composed = [], set()
         for key, kind, name in keys:
             user, _ = composition.user_name(key)
@@ -117,7 +118,7 @@ def consolidate_to_file(
             elif user not in composed:  # the user's tensor, assembled from its pieces when written
                 composed.add(user)
                 param = composition.composed[user]
-                pieces = [(p.name, next((k, n) for h, k, n in keys if h == p.name)) for p in param.pieces]
+                pieces = [(p.name, stored[p.name]) for p in param.pieces]
                 entries.append(Entry(user, _output_dtype(index, *pieces[0][1]), param.shape,
                                      lambda pieces=pieces, user=user: composition.assemble(
                                          {h: _read(index, reader, k, n) for h, (k, n) in pieces})[user]))  # fmt: skip
