@@ -68,6 +68,18 @@ EXACT = {
 EXACT["zero3-nvme-spill"]["offload"]["optimizer_options"] = {"host_share": 0.5}  # half in host memory, half on disk
 # Saved on 2 ranks without dropout, resumed elsewhere and compared with plain torch.
 SOURCES = {"zero2": config("zero2"), "zero3": config("zero3"), "zero1": config("zero1"), "zero2-cpu": config("zero2", "cpu")}
+# Every Linear tiled (the frozen one too): block.0 (37 x 13) in 2 row tiles, block.2 (13 x 37) in 2 column tiles.
+TILED = ["block.0", "block.2", "frozen_proj"]
+SOURCES["zero3-tiled"] = config("zero3", tiling={"modules": TILED, "tiles": 2})
+# Loaded across tilings ([Note: loading across compositions]): tiles into the untiled layers, untiled
+# layers into tiles cut along the inputs (a tile's rows are runs apart), 2 tiles into 3 cut the other way.
+ACROSS_TILINGS = {
+    "zero3 tiled 2 -> zero2 untiled": ("src-zero3-tiled", config("zero2")),
+    "zero2 untiled -> zero3 tiled 3 (inputs)": ("src-zero2", config("zero3", tiling={"modules": TILED, "tiles": 3, "split": "input"})),
+    "zero3 tiled 2 -> zero3 + cpu tiled 3 (outputs)": (
+        "src-zero3-tiled", config("zero3", "cpu", "cpu", tiling={"modules": TILED, "tiles": 3, "split": "output"})
+    ),
+}
 
 
 def reference(steps: int = STEPS) -> tuple[list[float], TrickyNet]:
@@ -117,6 +129,8 @@ def resumed(saved):
         ("resume", ("tricky", placed(config("zero3", "nvme", "nvme"), root), str(root / "src-zero2-cpu"), STEPS, SAVE_AT,
                     ACCUM, MICRO, SEED)),  # fmt: skip
     ]
+    tasks += [("resume", ("tricky", cfg, str(root / source), STEPS, SAVE_AT, ACCUM, MICRO, SEED))
+              for source, cfg in ACROSS_TILINGS.values()]  # fmt: skip
     damaged = root / "damaged"  # a flipped byte in rank 1's file: only rank 1 reads it
     shutil.copytree(root / "src-zero2", damaged)
     rank1 = damaged / f"step{SAVE_AT}" / "rank00001.safetensors"
@@ -149,6 +163,15 @@ def test_reshard_across_partitioners_and_tiers_matches_torch(saved, resumed):
             assert_close(before[rank][n + i]["losses"], expected, 1e-5, f"source {name}")
         for i, label in enumerate(("zero2 -> zero3 (blocks, threshold 200)", "zero3 -> zero1 (bucket 50)",
                                    "zero1 -> zero1 + cpu offload", "zero2 + cpu -> zero3 + nvme (both roles)")):  # fmt: skip
+            assert_close(resumed[rank][n + i]["losses"], expected[SAVE_AT:], 1e-5, label)
+
+
+def test_checkpoints_load_across_tilings(saved, resumed):
+    """A tiled model's checkpoint resumes untiled or tiled another way, and the other way round, as torch."""
+    expected, _ = reference()
+    n = len(EXACT) + 4
+    for rank in range(2):
+        for i, label in enumerate(ACROSS_TILINGS):
             assert_close(resumed[rank][n + i]["losses"], expected[SAVE_AT:], 1e-5, label)
 
 
@@ -193,6 +216,49 @@ def test_reshard_to_one_rank(saved):
     blocks = config("zero3", partitioner_options={"units": "blocks", "persistence_threshold": 100})
     back = resume("tricky", blocks, str(root / "src-zero2-cpu"), STEPS, SAVE_AT, ACCUM, 2 * MICRO, SEED)
     assert_close(back["losses"], expected[SAVE_AT:], 1e-5, "zero2 + cpu 2 ranks -> zero3 (no offload) 1 rank")
+    tiled = config("none", tiling={"modules": TILED, "tiles": 4})
+    four = resume("tricky", tiled, str(root / "src-zero3-tiled"), STEPS, SAVE_AT, ACCUM, 2 * MICRO, SEED)
+    assert_close(four["losses"], expected[SAVE_AT:], 1e-5, "zero3 tiled 2, 2 ranks -> none tiled 4, 1 rank")
+
+
+def _cuts(shape: tuple[int, ...], rows: list[int], cols: list[int], prefix: str) -> list:
+    from zkernel.param_map import Piece
+
+    return [Piece(f"{prefix}{i}.{j}", (slice(r0, r1), slice(c0, c1)))
+            for i, (r0, r1) in enumerate(zip(rows, rows[1:])) for j, (c0, c1) in enumerate(zip(cols, cols[1:]))]  # fmt: skip
+
+
+def test_element_ranges_translate_between_any_two_cuttings():
+    """[Note: loading across compositions]: every element range of a piece cut one way, read from pieces
+    cut another way (or whole), is the user tensor's elements; contiguous reads stay one range."""
+    from zkernel.checkpoint.recompose import _merged, _Region, _translate
+    from zkernel.param_map import Piece
+
+    shape = (7, 11, 3)
+    user = torch.arange(7 * 11 * 3).reshape(shape)
+    cuttings = {
+        "whole": [Piece("w", ())],
+        "rows": _cuts(shape, [0, 3, 7], [0, 11], "r"),
+        "cols": _cuts(shape, [0, 7], [0, 4, 5, 11], "c"),
+        "grid": _cuts(shape, [0, 2, 7], [0, 6, 11], "g"),
+        "lead": [Piece("l0", (slice(0, 1),)), Piece("l1", (slice(1, 7),))],
+    }
+    g = torch.Generator().manual_seed(0)
+    for source_name, source in cuttings.items():
+        stored = [_Region(shape, p) for p in source]
+        values = {p.name: user[p.index].flatten() for p in source}
+        for target_name, target in cuttings.items():
+            for piece in target:
+                mine = _Region(shape, piece)
+                want = user[piece.index].flatten()
+                for start, end in [(0, mine.numel), *(sorted(torch.randint(0, mine.numel + 1, (2,), generator=g).tolist()) for _ in range(5))]:
+                    got = torch.full((end - start,), -1)
+                    ranges = list(_merged(_translate(mine, stored, start, end)))
+                    for name, at, offset, length in ranges:
+                        got[offset : offset + length] = values[name][at : at + length]
+                    assert torch.equal(got, want[start:end]), (source_name, target_name, piece, start, end)
+                    if source_name == "whole" and target_name in ("whole", "rows", "lead") and end > start:
+                        assert len(ranges) == 1, (target_name, piece, ranges)
 
 
 def test_consolidate_equals_torch_and_loads_strictly(saved, tmp_path, restore_zkernel_logger):

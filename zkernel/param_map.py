@@ -27,9 +27,11 @@ the held names instead: the checkpoint code reads the parameter objects
 themselves through ``state_dict(keep_vars=True)`` (under zero3 released,
 which composing would read) and stores each piece under its held name, and
 `Engine.state_dict` assembles the pieces it read into the user's tensors. So
-a checkpoint of a transformed model holds the pieces and loads into an engine
-that transforms the model the same way; its manifest keeps the composition
-(`ParamMap.to_json`), and ``zkernel.consolidate`` assembles the user's tensors.
+a checkpoint of a transformed model holds the pieces, and its manifest keeps
+the composition (`ParamMap.to_json`): ``zkernel.consolidate`` assembles the
+user's tensors, and a load reads the pieces wherever the engine holds them
+cut another way or whole ([Note: loading across compositions] in
+`zkernel.checkpoint.recompose`).
 """
 
 from __future__ import annotations

@@ -31,11 +31,13 @@ from zkernel.checkpoint.blockio import host_buffer
 from zkernel.checkpoint.collective import exchange_json
 from zkernel.checkpoint.format import CheckpointError, parse_dtype
 from zkernel.checkpoint.model import ModelView, view_of
+from zkernel.checkpoint.recompose import StoredParams
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
 from zkernel.checkpoint.range_reader import RangeReader
 from zkernel.checkpoint.shards import check_between_steps, describe_error, describe_groups, state_specs, whole_params
 from zkernel.groups import ParamGroup, ShardLayout
 from zkernel.log import get_logger
+from zkernel.param_map import ParamMap
 from zkernel.progress import progress
 from zkernel.tiers import ShardState
 
@@ -92,7 +94,8 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
     """Every group's shard, then whole parameters, buffers and modules' extra state, into this rank's
     tiers and modules (no collectives)."""
     view = view_of(engine.module)
-    _check_model(engine, view, index)
+    stored = StoredParams(index, ParamMap.of(engine.module))
+    _check_model(engine, view, index, stored)
     extras = _read_extra_state(view, index, engine.device)  # before anything changes: a refused value leaves it as it was
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
@@ -104,7 +107,7 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
         ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead,
         progress(len(present) + len(wholes) + len(view.buffers), "loading checkpoint", unit="tensor") as bar,
     ):
-        loader = _ShardLoader(engine, view, index, reader, largest)
+        loader = _ShardLoader(engine, view, stored, reader, largest)
         applying = None  # group i is read on the thread while group i - 1 goes to its tier here
         for i, (group, layout) in enumerate(present):
             reading = ahead.submit(loader.read_group, group, layout, i % 2)
@@ -119,7 +122,7 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
             bar.update(1)
         for name in wholes:
             touched[0] = True
-            loader.whole(name, view.params[name], index.value_kind(name))
+            loader.whole(name, view.params[name], stored.value_kind(name))
             bar.update(1)
         for name, buf in view.buffers.items():
             touched[0] = True
@@ -138,10 +141,21 @@ def _read_extra_state(view: ModelView, index: CheckpointIndex, device: torch.dev
     return values
 
 
-def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:
-    """The checkpoint's parameters and buffers must be this model's, with the same shapes."""
+def _check_model(engine, view: ModelView, index: CheckpointIndex, stored: StoredParams) -> None:
+    """The checkpoint's parameters and buffers must be this model's, with the same shapes. Parameters
+    are compared as the user wrote them, so a checkpoint loads whatever either side's tiling ([Note:
+    loading across compositions] in `zkernel.checkpoint.recompose`)."""
+    held = {
+        name: tuple(engine.original_tensors[name][0]) if name in engine.original_tensors else tuple(p.shape)
+        for name, p in view.params.items()
+    }
+    buffers = {name: tuple(b.shape) for name, b in view.buffers.items()}
+    stored_buffers = {name: tuple(b["shape"]) for name, b in index.buffers.items()}
     problems = []
-    for kind, mine, theirs in (("parameters", view.params, index.params), ("buffers", view.buffers, index.buffers)):
+    for kind, mine, theirs in (
+        ("parameters", stored.user_shapes(held), stored.stored_user_shapes()),
+        ("buffers", buffers, stored_buffers),
+    ):
         missing = sorted(set(mine) - set(theirs))
         unexpected = sorted(set(theirs) - set(mine))
         if missing:
@@ -149,9 +163,8 @@ def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:
         if unexpected:
             problems.append(f"{kind} the model does not have: {unexpected[:5]}")
         for name in sorted(set(mine) & set(theirs)):
-            shape = tuple(engine.original_tensors[name][0]) if name in engine.original_tensors else tuple(mine[name].shape)
-            if tuple(theirs[name]["shape"]) != shape:
-                problems.append(f"{name}: shape {tuple(theirs[name]['shape'])} in the checkpoint, {shape} in the model")
+            if theirs[name] != mine[name]:
+                problems.append(f"{name}: shape {theirs[name]} in the checkpoint, {mine[name]} in the model")
     missing = sorted(set(view.extra) - set(index.extra_state))
     if missing:
         problems.append(f"modules' extra state (get_extra_state) missing from the checkpoint: {missing[:5]}")
@@ -163,10 +176,11 @@ def _check_model(engine, view: ModelView, index: CheckpointIndex) -> None:
 
 
 class _ShardLoader:
-    def __init__(self, engine, view: ModelView, index: CheckpointIndex, reader: RangeReader, largest: int) -> None:
+    def __init__(self, engine, view: ModelView, stored: StoredParams, reader: RangeReader, largest: int) -> None:
         self.engine = engine
         self.view = view
-        self.index = index
+        self.stored = stored
+        self.index = index = stored.index
         self.reader = reader
         saved = index.manifest["optimizer_state"]
         self.saved_per_element = dict(saved.get("per_element", {}))
@@ -185,7 +199,8 @@ class _ShardLoader:
             values = self.buffers.get((slot, "param"), layout.numel, dtype, covered)
             for frag in layout.fragments:
                 name = names[frag.param]
-                batch.add(name, self.index.value_kind(name), frag.start, values[frag.offset : frag.offset + frag.numel])
+                span = slice(frag.offset, frag.offset + frag.numel)
+                self.stored.add(batch, name, self.stored.value_kind(name), frag.start, values[span])
             batch.run(self.reader)
             return lambda: self.engine.params_tier.write_shard(group, values)
         specs = state_specs(self.engine, group, layout.numel)
@@ -195,14 +210,15 @@ class _ShardLoader:
         for frag in layout.fragments:
             name = names[frag.param]
             span = slice(frag.offset, frag.offset + frag.numel)
-            batch.add(name, self.index.value_kind(name), frag.start, master[span])
-            if state and self.index.value_kind(name) != "master":
+            kind = self.stored.value_kind(name)
+            self.stored.add(batch, name, kind, frag.start, master[span])
+            if state and kind != "master":
                 raise CheckpointError(
                     f"parameter {name!r} was frozen when checkpoint {self.index.dir} was saved, so it has no "
                     "optimizer state"
                 )
             for state_name, tensor in state.items():
-                batch.add(name, f"state.{state_name}", frag.start, tensor[span])
+                self.stored.add(batch, name, f"state.{state_name}", frag.start, tensor[span])
         batch.run(self.reader)
         for state_name, dtype in specs.scalars.items():
             if state_name in specs.per_param:
@@ -232,7 +248,7 @@ class _ShardLoader:
             log.warning("zkernel.checkpoint.state_ignored", names=extra, reason="the selected optimizer keeps none")
 
     def _saved_scalar(self, name: str, state_name: str, group: ParamGroup) -> list:
-        found = self.index.params[name]["scalars"].get(state_name)
+        found = self.stored.scalar(name, state_name)
         if found is None:
             raise CheckpointError(
                 f"optimizer state {state_name!r} of parameter {name!r} (group {group.name!r}) is missing in "
@@ -241,8 +257,8 @@ class _ShardLoader:
         return found
 
     def _scalar(self, group: ParamGroup, names: list[str], state_name: str, dtype: torch.dtype) -> torch.Tensor:
-        values = {repr(self.index.params[n]["scalars"].get(state_name)) for n in set(names)}
-        found = [self.index.params[n]["scalars"].get(state_name) for n in set(names)]
+        found = [self.stored.scalar(n, state_name) for n in set(names)]
+        values = {repr(v) for v in found}
         if len(values) != 1 or found[0] is None:
             raise CheckpointError(
                 f"optimizer state {state_name!r} of the parameters of group {group.name!r} is missing or differs "
@@ -254,7 +270,10 @@ class _ShardLoader:
     def whole(self, name: str, tensor: torch.Tensor, kind: str) -> None:
         values = self.buffers.get("whole", tensor.numel(), tensor.dtype, [(0, tensor.numel())])
         batch = ReadBatch(self.index)
-        batch.add(name, kind, 0, values)
+        if kind == "buffer":
+            batch.add(name, kind, 0, values)
+        else:
+            self.stored.add(batch, name, kind, 0, values)
         batch.run(self.reader)
         with torch.no_grad():
             tensor.data.copy_(values.view(tensor.shape))
