@@ -67,14 +67,17 @@ def reference_losses(
 ):
     """Single-process torch AdamW on the global batches: the oracle. ``schedule``: (lr, betas) per step;
     ``groups``: torch parameter groups before the default one, each ``(names, lr_scale, weight_decay)``
-    (a parameter in the first that names it; its rate ``lr_scale`` times the step's)."""
+    or ``(names, lr_scale, weight_decay, own)`` with ``own`` the group's other torch keys (``betas``,
+    ``eps``) (a parameter in the first that names it; its rate ``lr_scale`` times the step's)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     placed: set[str] = set()
     param_groups = []
-    for names, scale, decay in groups:
+    for names, scale, decay, *own in groups:
         mine = [(n, p) for n, p in trainable if n in names and n not in placed]
         placed.update(n for n, _ in mine)
-        param_groups.append({"params": [p for _, p in mine], "lr": lr * scale, "weight_decay": decay, "scale": scale})
+        param_groups.append(
+            {"params": [p for _, p in mine], "lr": lr * scale, "weight_decay": decay, "scale": scale, **(own[0] if own else {})}
+        )
     param_groups.append({"params": [p for n, p in trainable if n not in placed], "scale": 1.0})
     opt = torch.optim.AdamW(param_groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     losses = []

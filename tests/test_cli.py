@@ -80,7 +80,7 @@ def test_config_prints_a_file_with_every_section_as_toml_that_loads_back(tmp_pat
     source.write_text(
         'partitioner = "zero3"\n[optimizer]\nweight_decay = 0.1\nno_weight_decay = ["*.bias"]\n'
         '[[optimizer.param_groups]]\nparams = ["embed.*"]\nlr_scale = 0.1\n'
-        '[[optimizer.param_groups]]\nparams = ["block.*"]\nweight_decay = 0.0\n'
+        '[[optimizer.param_groups]]\nparams = ["block.*"]\nweight_decay = 0.0\nbetas = [0.5, 0.9]\neps = 0.01\n'
         '[lr_schedule]\nname = "warmup_decay"\ntotal_num_steps = 100\n'
     )
     result = run_cli("config", str(source))
@@ -90,6 +90,7 @@ def test_config_prints_a_file_with_every_section_as_toml_that_loads_back(tmp_pat
     if sys.version_info >= (3, 11):
         assert load_config(printed) == load_config(source)
     assert 'param_groups = [{params = ["embed.*"], lr_scale = 0.1}, ' in result.stdout
+    assert '{params = ["block.*"], lr_scale = 1.0, weight_decay = 0.0, betas = [0.5, 0.9], eps = 0.01}]' in result.stdout
 
 
 def test_config_rejects_a_bad_file(tmp_path):

@@ -237,7 +237,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     if overrides and not _declares(runtime.hook).per_param_hyper:
         raise ConfigError(
             f"optimizer.param_groups and no_weight_decay need an optimizer that steps some parameters with "
-            f"their own learning rate and weight decay; optimizer {cfg.optimizer.name!r} does not declare it "
+            f"their own learning rate, weight decay, betas and eps; optimizer {cfg.optimizer.name!r} does not declare it "
             "(OptimizerDeclaration.per_param_hyper); valid: adamw, cpu_adam, or neither key"
         )
     apply_transforms(runtime, model, selection, base)  # tiling, activation checkpointing

@@ -87,17 +87,22 @@ def _one_of(key: str, choices: tuple[str, ...]):
     return check
 
 
-def _betas(value: Any) -> tuple[float, float]:
-    if (
-        not isinstance(value, (list, tuple))
-        or len(value) != 2
-        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)
-    ):
-        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {value!r}")
-    b1, b2 = float(value[0]), float(value[1])
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {value!r}")
-    return (b1, b2)
+def _betas(key: str):
+    """An attrs converter to Adam's ``(beta1, beta2)``; anything else is a `ConfigError` naming ``key``."""
+
+    def convert(value: Any) -> tuple[float, float]:
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)
+        ):
+            raise ConfigError(f"{key} must be two numbers in [0, 1), got {value!r}")
+        b1, b2 = float(value[0]), float(value[1])
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ConfigError(f"{key} must be two numbers in [0, 1), got {value!r}")
+        return (b1, b2)
+
+    return convert
 
 
 def str_tuple(key: str):
@@ -139,6 +144,14 @@ class ParamGroupConfig:
         default=None,
         validator=attrs.validators.optional(_non_negative_number("optimizer.param_groups.weight_decay")),
     )
+    # Their Adam betas; None: the step's ([optimizer] betas, or what the schedule sets).
+    betas: tuple[float, float] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_betas("optimizer.param_groups.betas"))
+    )
+    # Their Adam epsilon; None: [optimizer] eps.
+    eps: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_non_negative_number("optimizer.param_groups.eps"))
+    )
 
     def __attrs_post_init__(self) -> None:
         if not self.params:
@@ -175,7 +188,7 @@ class OptimizerConfig:
 
     name: str = attrs.field(default="adamw", validator=_name("optimizer.name"))
     lr: float = attrs.field(default=1e-3, validator=_non_negative_number("optimizer.lr"))
-    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=_betas)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=_betas("optimizer.betas"))
     eps: float = attrs.field(default=1e-8, validator=_non_negative_number("optimizer.eps"))
     weight_decay: float = attrs.field(
         default=0.0, validator=_non_negative_number("optimizer.weight_decay")
@@ -183,8 +196,8 @@ class OptimizerConfig:
     # fnmatch patterns of parameter names or class names of owning modules stepped without weight
     # decay ([Note: per-parameter hyperparameters] in `zkernel.param_hyper`).
     no_weight_decay: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("optimizer.no_weight_decay"))
-    # Parameters with a learning-rate scale or a weight decay of their own, as a torch optimizer's
-    # parameter groups (the first entry a parameter matches; see `zkernel.param_hyper`).
+    # Parameters with a learning-rate scale, weight decay, betas or eps of their own, as a torch
+    # optimizer's parameter groups (the first entry a parameter matches; see `zkernel.param_hyper`).
     param_groups: tuple[ParamGroupConfig, ...] = attrs.field(default=(), converter=_param_groups)
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
 

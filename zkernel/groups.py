@@ -132,23 +132,34 @@ class OptimizerDeclaration:
     # of the master, the per-element state and the copy-out back after the step.
     skips_params: bool = False
     # Whether the optimizer steps the parameters in ``ParamGroup.param_hyper`` with their own learning
-    # rate scale and weight decay; `zkernel.initialize` refuses ``[optimizer] param_groups`` and
-    # ``no_weight_decay`` for one that does not.
+    # rate scale, weight decay, betas and eps; `zkernel.initialize` refuses ``[optimizer] param_groups``
+    # and ``no_weight_decay`` for one that does not.
     per_param_hyper: bool = False
 
 
 @attrs.frozen
 class ParamHyper:
-    """Hyperparameters of one parameter that differ from the step's (`StepOptions`)."""
+    """Hyperparameters of one parameter that differ from the step's (`StepOptions`).
+
+    Set by `zkernel.param_hyper` from ``[[optimizer.param_groups]]``; an optimizer that declares
+    ``per_param_hyper`` reads them through the accessors, which fall back to the step's values."""
 
     lr_scale: float = 1.0  # times the step's learning rate
     weight_decay: float | None = None  # None: the step's
+    betas: tuple[float, float] | None = None  # None: the step's (a schedule's, when it sets them)
+    eps: float | None = None  # None: the step's
 
     def lr(self, options: StepOptions) -> float:
         return options.lr * self.lr_scale
 
     def decay(self, options: StepOptions) -> float:
         return options.weight_decay if self.weight_decay is None else self.weight_decay
+
+    def betas_for(self, options: StepOptions) -> tuple[float, float]:
+        return options.betas if self.betas is None else self.betas
+
+    def eps_for(self, options: StepOptions) -> float:
+        return options.eps if self.eps is None else self.eps
 
 
 @attrs.frozen(kw_only=True)

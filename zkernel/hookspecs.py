@@ -388,7 +388,10 @@ def zkernel_step_optimizer(group: ParamGroup, options: StepOptions) -> bool | No
         low-precision tensor of the same numel that must receive the updated
         values rounded to its dtype).
     :param options: hyperparameters for this step and the gradient
-        coefficient (unscale times clip); ``options.skip_params`` names the
+        coefficient (unscale times clip); an optimizer that declared
+        ``per_param_hyper`` steps the parameters in ``group.param_hyper`` with
+        their own instead (`zkernel.groups.ParamHyper`: rate scale, weight
+        decay, betas, eps); ``options.skip_params`` names the
         parameters (positions in ``group.params``) that no rank gave a
         gradient in this window: their elements of ``master``, state and
         ``copy_out`` must stay as they are, as torch skips a parameter whose
@@ -425,7 +428,7 @@ def zkernel_can_rollback_step(group: ParamGroup, options: StepOptions) -> bool |
     ``can_rollback``. Some hyperparameters make a step overwrite what a
     rollback needs (Adam with ``beta1 == 0``, AdamW with
     ``lr * weight_decay == 1`` for any parameter), and a schedule or a
-    parameter's own rate can reach them at any step.
+    parameter's own rate or betas can reach them at any step.
 
     :return: False to have the group stepped only once the coefficient is
         known; True, or None from every plugin, to let it step now. Stops at

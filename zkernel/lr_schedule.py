@@ -40,4 +40,10 @@ class LRSchedule(abc.ABC):
         values this schedule sets for that step (``attrs.evolve(base, lr=...)``),
         or None to leave the engine's hyperparameters as they are (then
         ``engine.lr`` keeps whatever the training loop last set).
+
+        Parameters of a ``[[optimizer.param_groups]]`` entry that sets its own
+        ``betas`` or ``eps`` are stepped with those, not with the ones
+        returned here; a schedule that sets the betas refuses such entries
+        when it is built, as ``one_cycle`` does ([Note: per-parameter
+        hyperparameters] in `zkernel.param_hyper`).
         """

@@ -11,14 +11,24 @@ shards of many parameters, so the groups become per-parameter overrides:
   patterns, matched against every name a parameter has in the user's model
   and against the class name of each module owning it directly, before any
   transform renames or splits it; a parameter takes the first entry it
-  matches (its ``lr_scale`` times the step's learning rate, its
-  ``weight_decay``), and ``no_weight_decay`` is one more entry, last, with a
-  weight decay of 0;
+  matches (its ``lr_scale`` times the step's learning rate, and its
+  ``weight_decay``, ``betas`` and ``eps`` where the entry sets them, the
+  step's where not), and ``no_weight_decay`` is one more entry, last, that
+  sets a weight decay of 0 and nothing else;
 * after partitioning each group records its parameters' overrides by
   position (`ParamGroup.param_hyper`; the pieces of a tiled parameter through
   `zkernel.param_map`), and an optimizer that declares ``per_param_hyper``
-  steps them with theirs: one kernel call per run of the shard, as for step
-  counts ([Note: per-parameter steps] in the Adam plugins' ``_adam_state``).
+  steps them with theirs (and undoes such a step with them): one kernel call
+  per run of the shard with one set of hyperparameters, as for step counts
+  ([Note: per-parameter steps] in the Adam plugins' ``_adam_state``).
+
+The betas an entry sets hold for all of training, while ``lr_scale`` scales
+whatever rate the schedule sets. DeepSpeed's OneCycle (``one_cycle`` with
+``cycle_momentum``) sets every parameter group's betas at each step, which
+would overwrite a group's own there, so that schedule refuses entries that set
+``betas`` at `zkernel.initialize` (``zkernel_plugins.lr_schedules.cyclic``)
+rather than let one of the two settings lose silently; an entry's ``eps`` is
+fine with it.
 
 Patterns that match no parameter at all are an error; a pattern that matches
 nothing while others match is named in one WARNING, so one recipe serves
@@ -32,7 +42,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from zkernel.config import ConfigError, OptimizerConfig
+from zkernel.config import ConfigError, OptimizerConfig, ParamGroupConfig
 from zkernel.groups import ParamGroup, ParamHyper
 from zkernel.log import get_logger
 from zkernel.param_map import ParamMap
@@ -40,8 +50,18 @@ from zkernel.param_map import ParamMap
 log = get_logger()
 
 
+def _hyper(group: ParamGroupConfig) -> ParamHyper:
+    """What one ``[[optimizer.param_groups]]`` entry sets, for `_entries` (None where it leaves the step's)."""
+    return ParamHyper(
+        lr_scale=float(group.lr_scale),
+        weight_decay=group.weight_decay,
+        betas=group.betas,
+        eps=None if group.eps is None else float(group.eps),
+    )
+
+
 def _entries(optimizer: OptimizerConfig) -> list[tuple[tuple[str, ...], ParamHyper]]:
-    entries = [(g.params, ParamHyper(lr_scale=float(g.lr_scale), weight_decay=g.weight_decay)) for g in optimizer.param_groups]
+    entries = [(g.params, _hyper(g)) for g in optimizer.param_groups]
     if optimizer.no_weight_decay:
         entries.append((optimizer.no_weight_decay, ParamHyper(weight_decay=0.0)))
     return entries

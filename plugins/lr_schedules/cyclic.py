@@ -7,7 +7,10 @@ with their option names and defaults.
 divides ``cycle_min_lr`` by ``1 + decay_lr_rate * k / decay_step_size`` ``k`` steps
 after the cycle. With ``cycle_momentum`` (on by default, as in DeepSpeed) Adam's
 beta1 moves the other way between ``cycle_max_mom`` and ``cycle_min_mom``; beta2
-is then 0.99, whatever ``[optimizer] betas`` says, as DeepSpeed sets it.
+is then 0.99, whatever ``[optimizer] betas`` says, as DeepSpeed sets it, for
+every parameter: a ``[[optimizer.param_groups]]`` entry that sets its own
+``betas`` is then a `ConfigError` ([Note: per-parameter hyperparameters] in
+`zkernel.param_hyper`).
 ``lr_range_test`` grows the rate from ``lr_range_test_min_lr`` by
 ``lr_range_test_step_rate`` times the number of ``lr_range_test_step_size``
 intervals passed (whole intervals with ``lr_range_test_staircase``). Positions
@@ -21,7 +24,7 @@ import math
 import attrs
 
 from zkernel import hookimpl
-from zkernel.config import boolean, integer, number
+from zkernel.config import ConfigError, boolean, integer, number
 from zkernel.lr_schedule import LRSchedule
 
 from ._iteration import position
@@ -64,11 +67,26 @@ class LRRangeTestOptions:
     lr_range_test_staircase: bool = attrs.field(default=False, validator=boolean())
 
 
+def _check_group_betas(config) -> None:
+    """Refuse parameter groups with betas of their own when ``cycle_momentum`` sets every parameter's
+    (called by `OneCycle` when `zkernel.initialize` builds it)."""
+    own = [g for g in config.optimizer.param_groups if g.betas is not None]
+    if own:
+        raise ConfigError(
+            "lr_schedule one_cycle with cycle_momentum = true (its default) sets every parameter's betas "
+            f"each step (beta1 cycled, beta2 = {ONE_CYCLE_BETA2}), but the optimizer.param_groups entry "
+            f"params = {list(own[0].params)!r} sets its own betas = {list(own[0].betas)!r}; set "
+            "lr_schedule.cycle_momentum = false to keep the group's betas, or drop betas from the entry"
+        )
+
+
 class OneCycle(LRSchedule):
     """DeepSpeed's OneCycle."""
 
     def __init__(self, context) -> None:
         o = context.options
+        if o.cycle_momentum:
+            _check_group_betas(context.config)
         first = float(o.cycle_first_step_size)
         second = float(o.cycle_second_step_size) if o.cycle_second_step_size is not None else first
         self.total_size = first + second

@@ -8,11 +8,12 @@ good, and its bias corrections with it. A group here is one flat shard of many
 parameters, so ``step`` is one count per parameter (``per_param`` state: a
 checkpoint stores each parameter's own) and a step is one kernel call per
 *run*: the longest stretches of the shard whose parameters are all stepped now,
-all at the same count and all with the same hyperparameters (``group.param_hyper``,
-[Note: per-parameter hyperparameters] in `zkernel.param_hyper`). While nothing
-was ever skipped and no parameter has hyperparameters of its own that is one
-run over the whole shard, the call it always was; alignment gaps inside a run are zeros
-and stay zeros. The counts live where the tier keeps the state (on the GPU for
+all at the same count and all with the same hyperparameters (rate, weight
+decay, betas and eps: ``group.param_hyper``, [Note: per-parameter
+hyperparameters] in `zkernel.param_hyper`). While nothing was ever skipped and
+no parameter has hyperparameters of its own that is one run over the whole
+shard, the call it always was; alignment gaps inside a run are zeros and stay
+zeros. The counts live where the tier keeps the state (on the GPU for
 the device tier); `StepCounts` keeps their values on the host, so a step reads
 the device only after something else changed them (a checkpoint load).
 """
@@ -68,6 +69,12 @@ class Run:
 
     def weight_decay(self, options: StepOptions) -> float:
         return options.weight_decay if self.hyper is None else self.hyper.decay(options)
+
+    def betas(self, options: StepOptions) -> tuple[float, float]:
+        return options.betas if self.hyper is None else self.hyper.betas_for(options)
+
+    def eps(self, options: StepOptions) -> float:
+        return options.eps if self.hyper is None else self.hyper.eps_for(options)
 
 
 class StepCounts:
@@ -169,8 +176,8 @@ def kernel_arguments(run: Run, options: StepOptions, decoupled: bool) -> dict:
     return dict(
         step=run.step,
         lr=run.lr(options),
-        betas=options.betas,
-        eps=options.eps,
+        betas=run.betas(options),
+        eps=run.eps(options),
         weight_decay=run.weight_decay(options),
         grad_scale=options.grad_scale,
         adamw=decoupled,
@@ -193,12 +200,15 @@ def _stepped(group: ParamGroup, skip: frozenset[int]) -> frozenset[int] | None:
 
 
 def rollback_possible(group: ParamGroup, options: StepOptions, decoupled: bool) -> bool:
-    """Whether a step of ``group`` with ``options`` can be undone, at the step's rate and decay and at
-    every parameter's own (see `zkernel.adam_math.check_rollback_possible`)."""
+    """Whether a step of ``group`` with ``options`` can be undone, at the step's rate, decay and betas
+    and at every parameter's own (see `zkernel.adam_math.check_rollback_possible`)."""
     for hyper in {ParamHyper(), *group.param_hyper.values()}:
         try:
             check_rollback_possible(
-                lr=hyper.lr(options), betas=options.betas, weight_decay=hyper.decay(options), adamw=decoupled
+                lr=hyper.lr(options),
+                betas=hyper.betas_for(options),
+                weight_decay=hyper.decay(options),
+                adamw=decoupled,
             )
         except ValueError:
             return False

@@ -11,9 +11,10 @@ on the CPU (with an offloaded master: a valid, slower choice than
 ``cpu_adam``); there the gradient is multiplied by the coefficient into a
 temporary and the result copied into ``copy_out`` after. The gradient is never
 changed in place, so a step can be rolled back from it. A group whose
-parameters are at different step counts, or some of which are skipped this
-step, takes one call per run of the shard at one count ([Note: per-parameter
-steps] in ``_adam_state``).
+parameters are at different step counts or have hyperparameters of their own
+(rate, weight decay, betas, eps), or some of which are skipped this step, takes
+one call per run of the shard at one count with one set of hyperparameters
+([Note: per-parameter steps] in ``_adam_state``).
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ def torch_adam_step(group, options, counts: StepCounts, implementation: str = "a
         init_state(group)
     if implementation == "auto":
         implementation = "fused" if _fused_supported(master.device) else "foreach"
-    beta1, beta2 = options.betas
     adam = torch_adamw.adamw if decoupled else _adam
 
     def update(run, t) -> None:
+        beta1, beta2 = run.betas(options)
         grad = t["grad"]
         if grad.dtype != master.dtype or grad.device != master.device:
             grad = grad.to(device=master.device, dtype=master.dtype)
@@ -138,7 +139,7 @@ def torch_adam_step(group, options, counts: StepCounts, implementation: str = "a
             beta2=beta2,
             lr=run.lr(options),
             weight_decay=run.weight_decay(options),
-            eps=options.eps,
+            eps=run.eps(options),
             maximize=False,
             fused=fused,
             foreach=implementation == "foreach",

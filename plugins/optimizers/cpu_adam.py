@@ -1,7 +1,7 @@
 """Optimizer ``cpu_adam``: the native SIMD, multi-threaded Adam/AdamW over CPU shards.
 
 Each group's master shard is one flat fp32 CPU tensor, so a step is one call
-(one per run of parameters at one step count, see [Note: per-parameter steps]
+(one per run of parameters at one step count and hyperparameters, see [Note: per-parameter steps]
 in ``_adam_state``) into `zkernel.native.adam_step`, which in a single pass over memory widens a
 bf16 gradient (or reads an fp32 one), multiplies it by the step's gradient
 coefficient (unscale times clip), applies Adam or AdamW, writes the moments and
