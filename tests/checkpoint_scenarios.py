@@ -148,6 +148,34 @@ def save_to_per_rank_directories(config: dict, root: str) -> str:
     return "no error"
 
 
+def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
+    """A fresh model (other values) given ``weights`` by `Engine.load_state_dict` in two halves (strict=False),
+    then trained ``steps`` steps: its state dict right after, the losses, and what a bad dict does."""
+    torch.manual_seed(seed + 2000)
+    engine = zkernel.initialize(TrickyNet(), config)
+    keys = list(weights)
+    first = engine.load_state_dict({k: weights[k] for k in keys[::2]}, strict=False)
+    second = engine.load_state_dict({k: weights[k] for k in keys[1::2]}, strict=False)
+    loaded = {k: v.clone() for k, v in engine.state_dict().items()}
+    errors = []
+    for bad in (
+        {**weights, "block.0.weight": weights["block.0.weight"][:, :-1]},  # a wrong shape
+        {**weights, "blocks.9.weight": weights["block.0.weight"]},  # an unexpected key, strict
+        {k: v for k, v in weights.items() if k != "gain"},  # a missing key, strict
+    ):
+        try:
+            engine.load_state_dict({k: v * 0 for k, v in bad.items()})
+            errors.append(None)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    unchanged = all(torch.equal(v, loaded[k]) for k, v in engine.state_dict().items())
+    world, _ = world_rank()
+    losses = run_steps(engine, batches(seed + 1, steps, accum, world, micro), accum)
+    engine.close()
+    return {"first": tuple(map(sorted, first)), "second": tuple(map(sorted, second)), "loaded": loaded,
+            "errors": errors, "unchanged": unchanged, "losses": losses}  # fmt: skip
+
+
 def job(tasks: list[tuple[str, tuple]]) -> list:
     """Run several scenarios of this module in one spawned job (one process start for all)."""
     return [globals()[name](*args) for name, args in tasks]

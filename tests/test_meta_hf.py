@@ -207,3 +207,33 @@ def test_checkpointed_recurrent_layers_get_no_cache_in_training():
         opt.step()
         opt.zero_grad()
         assert abs(got - loss.item()) <= 1e-5 * abs(loss.item()), (got, loss.item())
+
+
+@pytest.mark.parametrize("arch", hf.ARCHS)
+def test_pretrained_weights_load_file_by_file_into_a_meta_built_model(tmp_path, arch):
+    """The README's recipe: a model built on the meta device, zero3 with the model's own init, then a
+    pretrained model's sharded safetensors files given one by one to `Engine.load_state_dict`."""
+    import zkernel
+    from safetensors.torch import load_file
+
+    torch.manual_seed(1)
+    pretrained = hf.build(arch, 64, 2)
+    pretrained.save_pretrained(tmp_path, max_shard_size="40KB")
+    files = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(files) > 2
+    model = hf.build_on_meta(arch, 64, 2)
+    engine = zkernel.initialize(model, {**hf.zero3_config(1e-3), "precision": "fp32"}, init_fn=model._init_weights)
+    given = set()
+    for file in files:
+        part = load_file(file)
+        given |= set(part)
+        missing, unexpected = engine.load_state_dict(part, strict=False)
+        assert unexpected == []
+    expected = pretrained.state_dict()
+    assert set(expected) - given <= {"lm_head.weight"}  # saved once, under the embedding's name
+    got = engine.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    ids = hf.token_batches(0, 1, 1, 2)[0][0]
+    with torch.no_grad():
+        assert torch.allclose(engine(input_ids=ids).logits, pretrained(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+    engine.close()

@@ -22,6 +22,7 @@ import contextlib
 import math
 import weakref
 from collections import defaultdict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -448,6 +449,21 @@ class Engine:
         from zkernel.checkpoint.state_dict import full_state_dict
 
         return full_state_dict(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+        """Write a plain model's state dict (as `state_dict` gives it) into the engine; collective.
+
+        Every rank passes the same keys. The parameters' fp32 masters, frozen
+        values and buffers take the given tensors; the optimizer state, counters
+        and loss scale stay. ``strict=False`` takes a part of the model (one file of
+        a sharded checkpoint, say); a call may follow another. Returns the
+        missing and unexpected keys, as ``nn.Module.load_state_dict``; a key
+        whose shape differs, or with ``strict`` a missing or unexpected key,
+        raises on every rank and changes nothing.
+        """
+        from zkernel.checkpoint.state_dict import load_full_state_dict
+
+        return load_full_state_dict(self, state_dict, strict)
 
     def training_state(self) -> dict[str, Any]:
         """Counters and scales a checkpoint keeps so training continues as if uninterrupted (JSON values)."""
