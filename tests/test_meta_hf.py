@@ -235,5 +235,6 @@ def test_pretrained_weights_load_file_by_file_into_a_meta_built_model(tmp_path, 
     assert all(torch.equal(got[k], v) for k, v in expected.items())
     ids = hf.token_batches(0, 1, 1, 2)[0][0]
     with torch.no_grad():
-        assert torch.allclose(engine(input_ids=ids).logits, pretrained(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+        logits = engine(input_ids=ids).logits.cpu()  # on the engine's device
+        assert torch.allclose(logits, pretrained(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
     engine.close()
