@@ -295,6 +295,37 @@ def generate(arch: str, width: int, depth: int) -> dict:
     return result
 
 
+def seq2seq_generate() -> dict:
+    """T5's greedy ``generate`` under zero3 (every module split), after a training step: ``generate``
+    runs the encoder alone (``get_encoder()``), outside the model's forward, before the decoder's
+    steps; each rank its own prompts. Rank 0 also generates every rank's prompts with a whole copy."""
+    import transformers
+
+    _, _, kwargs, _ = ZOO["t5"]
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=128, **kwargs))
+    whole = copy.deepcopy(model)
+    engine = zkernel.initialize(model, {"partitioner": "zero3", **_SPLIT_ALL, "precision": "fp32", "optimizer": {"lr": 0.0}})
+    world, rank = _world_rank()
+    prompts = torch.randint(3, 128, (2 * world, 8), generator=torch.Generator().manual_seed(1))
+    mine = prompts[2 * rank : 2 * rank + 2].to(engine.device)
+    loss = engine(input_ids=mine, labels=mine[:, :4].contiguous()).loss
+    engine.backward(loss)
+    engine.step()  # a rate of 0: the weights stay the whole copy's
+    engine.module.eval()
+    with torch.no_grad():
+        out = engine.module.generate(mine, max_new_tokens=4, do_sample=False, synced_gpus=True)
+    engine.close()
+    result = {"tokens": out.tolist()}
+    if rank == 0:
+        with torch.no_grad():
+            whole.eval()
+            result["reference"] = [
+                whole.generate(prompts[2 * r : 2 * r + 2], max_new_tokens=4, do_sample=False).tolist() for r in range(world)
+            ]
+    return result
+
+
 # -- other architectures through the public API ------------------------------------------------
 
 _ZOO_TEXT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 64}
@@ -419,6 +450,10 @@ def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
             out[f"{arch}:checkpointed"] = checkpointed_layers(arch, *small, steps)
         except Exception as exc:  # noqa: BLE001
             out[f"{arch}:checkpointed"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        out["t5:generate"] = seq2seq_generate()
+    except Exception as exc:  # noqa: BLE001
+        out["t5:generate"] = {"error": f"{type(exc).__name__}: {exc}"}
     for name in ZOO:
         for cfg in ZOO_CONFIGS:
             try:

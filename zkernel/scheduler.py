@@ -213,9 +213,10 @@ class Scheduler:
         for group in self.bound:
             for p in group.params:
                 self.handles.append(set_fetcher(p, fetch))
-        if self.root is not None:  # after the units' hooks: the root's own unit is fetched inside the bracket
-            self.handles.append(self.root.register_forward_pre_hook(eager_hook(self._enter_root), prepend=True))
-            self.handles.append(self.root.register_forward_hook(eager_hook(self._leave_root), always_call=True))
+        # After the units' hooks: an entry's own unit is fetched inside the bracket.
+        for entry in _entry_modules(self.root) if self.root is not None else ():
+            self.handles.append(entry.register_forward_pre_hook(eager_hook(self._enter_root), prepend=True))
+            self.handles.append(entry.register_forward_hook(eager_hook(self._leave_root), always_call=True))
 
     def _make_fetcher(self):
         scheduler_ref = weakref.ref(self)  # held for the model's parameters: see _make_grad_ready_hook
@@ -242,7 +243,11 @@ class Scheduler:
         hooks, whoever calls it: ``engine(...)``, ``engine.module(...)``, or Hugging Face's
         ``generate``, which calls the model itself. So the pass is traced and the guard is on
         for each of them alike (a tied head reading the embedding's parameter fetches it).
-        A root run again inside its own forward, or recomputed in backward, is part of the pass."""
+        A root run again inside its own forward, or recomputed in backward, is part of the pass.
+        ``generate`` of an encoder-decoder model also runs the encoder alone (``get_encoder()``,
+        T5's ``encoder``, BART's ``model.encoder``), as multimodal models run their vision tower:
+        the modules within two levels of the root are entries too (`_entry_modules`), so such
+        a call is a pass of its own. Within a pass they only count depth."""
         if _in_backward():
             return
         self._forward_depth += 1
@@ -570,6 +575,19 @@ def streams_device(streams) -> torch.device:
     """The compute device of an engine's side streams (CPU without CUDA)."""
     stream = getattr(streams, "h2d", None)
     return torch.device("cuda", stream.device_index) if stream is not None else torch.device("cpu")
+
+
+def _entry_modules(root: nn.Module, depth: int = 2) -> list[nn.Module]:
+    """The root and the modules within ``depth`` levels of it: where a forward may begin (see
+    [Note: forward entry]). Few, and each runs once a pass, so their hooks cost nothing measurable."""
+    entries = [root]
+    level = [root]
+    seen = {id(root)}
+    for _ in range(depth):
+        level = [child for module in level for child in module.children() if id(child) not in seen]
+        seen.update(id(m) for m in level)
+        entries.extend(level)
+    return entries
 
 
 def _hook_target(output: torch.Tensor) -> torch.Tensor:
