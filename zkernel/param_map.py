@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
@@ -109,9 +110,10 @@ class ParamMap:
         )
 
     @property
-    def composed(self) -> dict[str, ComposedParam]:
-        """The composed parameters by user name (parameters mapping to themselves are not listed)."""
-        return dict(self._composed)
+    def composed(self) -> Mapping[str, ComposedParam]:
+        """The composed parameters by user name (parameters mapping to themselves are not listed); a
+        read-only view, so callers may look names up one by one without a copy each time."""
+        return types.MappingProxyType(self._composed)
 
     def pieces(self, user_name: str) -> tuple[Piece, ...]:
         """The held parameters making up ``user_name`` (itself, whole, when nothing composes it)."""
