@@ -84,7 +84,7 @@ def resume(model: str, config: dict, directory: str, steps: int, save_at: int, a
     torch.manual_seed(seed + 1000)
     engine = zkernel.initialize(MODELS[model](), config)
     world, _ = world_rank()
-    tag = engine.load_checkpoint(directory)
+    tag = engine.load_checkpoint(directory).tag
     counters = (engine.global_steps, engine.micro_steps)
     losses = run_steps(engine, batches(seed + 1, steps, accum, world, micro)[save_at:], accum)
     engine.close()
@@ -174,6 +174,47 @@ def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int
     engine.close()
     return {"first": tuple(map(sorted, first)), "second": tuple(map(sorted, second)), "loaded": loaded,
             "errors": errors, "unchanged": unchanged, "losses": losses}  # fmt: skip
+
+
+def load_options(config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int, seed: int) -> dict:
+    """Train ``save_at`` steps and save with a client state (each rank its own; rank 0's is kept), then load
+    the checkpoint into fresh engines with ``load_module_only`` and ``load_optimizer_states=False`` and train
+    each from there; also what a module-only load leaves of an engine's own optimizer state and counters."""
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config)
+    world, rank = world_rank()  # the process group starts at initialize
+    data = batches(seed + 1, steps, accum, world, micro)
+    run_steps(engine, data[:save_at], accum)
+    saved_weights = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.save_checkpoint(directory, client_state={"epoch": 7, "rank": rank, "seen": torch.arange(3) * (rank + 1),
+                                                    "nested": {"best": 0.5, "names": ["a", "b"]}})  # fmt: skip
+    engine.close()
+    out: dict = {"saved_weights": saved_weights}
+    for name, options in (("module_only", {"load_module_only": True}), ("no_optimizer", {"load_optimizer_states": False})):
+        torch.manual_seed(seed + 3000)
+        fresh = zkernel.initialize(TrickyNet(), config)
+        loaded = fresh.load_checkpoint(directory, **options)
+        out[name] = {
+            "tag": loaded.tag,
+            "path": str(loaded.path),
+            "client_state": loaded.client_state,
+            "counters": (fresh.global_steps, fresh.micro_steps),
+            "weights": {k: v.clone() for k, v in fresh.state_dict().items()},
+            "losses": run_steps(fresh, data[save_at:], accum),
+        }
+        fresh.close()
+    # An engine that has stepped keeps its moments and counters through a module-only load.
+    torch.manual_seed(seed + 4000)
+    stepped = zkernel.initialize(TrickyNet(), config)
+    run_steps(stepped, data[:1], accum)
+    before = [{k: v.clone() for k, v in stepped.optimizer_tier.read_state(g).state.items()} for g in stepped.trainable_groups]
+    stepped.load_checkpoint(directory, load_module_only=True)
+    after = [stepped.optimizer_tier.read_state(g).state for g in stepped.trainable_groups]
+    out["kept_state"] = all(torch.equal(b[k], a[k]) for b, a in zip(before, after) for k in b) and len(before) > 0
+    out["kept_counters"] = (stepped.global_steps, stepped.micro_steps)
+    out["kept_weights_loaded"] = all(torch.equal(v, saved_weights[k]) for k, v in stepped.state_dict().items())
+    stepped.close()
+    return out
 
 
 def job(tasks: list[tuple[str, tuple]]) -> list:

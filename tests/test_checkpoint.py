@@ -353,7 +353,7 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path):
         assert named in str(info.value), (name, str(info.value))
         with pytest.raises(zkernel.CheckpointError, match=message):
             zkernel.consolidate(copy)
-    assert engine.load_checkpoint(good) == "a"  # the intact one still loads
+    assert engine.load_checkpoint(good).tag == "a"  # the intact one still loads
     with pytest.raises(zkernel.CheckpointError, match="no checkpoint 'zz'.*committed checkpoints there: \\['a'\\]"):
         engine.load_checkpoint(good, tag="zz")
     with pytest.raises(zkernel.CheckpointError, match="accumulation boundary"):
@@ -384,7 +384,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     child.wait()
     assert (directory / LATEST).read_text().strip() == "good"
     engine = zkernel.initialize(TrickyNet(), {"partitioner": "zero3", "optimizer": {"lr": 1e-2}})
-    assert engine.load_checkpoint(directory) == "good"
+    assert engine.load_checkpoint(directory).tag == "good"
     with pytest.raises(zkernel.CheckpointError, match="a save of it did not complete"):
         engine.load_checkpoint(directory, tag="doomed")
     engine.save_checkpoint(directory, tag="after")  # removes the leftover
@@ -429,7 +429,7 @@ def _check_intact(directory: Path) -> None:
     assert sorted(p.name for p in directory.iterdir()) == ["good", LATEST], "no temporary files are left"
     assert zkernel.consolidate(directory)  # verifies every checksum
     engine = zkernel.initialize(TrickyNet(), {"partitioner": "zero1"})
-    assert engine.load_checkpoint(directory) == "good"
+    assert engine.load_checkpoint(directory).tag == "good"
     engine.close()
 
 
@@ -508,4 +508,8 @@ def test_third_party_optimizer_state_tied_weights_and_buffers_round_trip(tmp_pat
     adam = zkernel.initialize(TiedBatchNorm(), {"partitioner": "zero1"})
     with pytest.raises(zkernel.CheckpointError, match=r"keeps state \['exp_avg', 'exp_avg_sq', 'step'\].*momentum_sgd"):
         adam.load_checkpoint(tmp_path / "ckpt")
+    # DeepSpeed's load_optimizer_states=False: the weights and counters, under the selected optimizer's fresh state.
+    adam.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)
+    assert adam.global_steps == 2 and all(int(g.optim_state["step"].max()) == 0 for g in adam.trainable_groups)
+    assert all(torch.equal(v, full[k]) for k, v in adam.state_dict().items())
     adam.close()

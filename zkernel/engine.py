@@ -413,30 +413,47 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
-    def save_checkpoint(self, directory, tag: str | None = None):
+    def save_checkpoint(self, directory, tag: str | None = None, client_state: Mapping[str, Any] | None = None):
         """Write a checkpoint to ``directory/tag`` (default tag ``step<global steps>``); collective.
 
         Call on every rank after `step` ended an accumulation window. Each rank
         writes its own shards (masters, optimizer state, frozen values) from
         wherever its tiers keep them; rank 0 commits with ``manifest.json`` and
-        points ``directory/latest`` at it. A save that fails or is killed leaves
-        the previous checkpoint loadable. Returns the checkpoint's path. See
+        points ``directory/latest`` at it. ``client_state``: a dict of the
+        script's own (epoch, data position; tensors, containers, primitive
+        values), rank 0's saved beside the model and handed back by
+        `load_checkpoint`. A save that fails or is killed leaves the previous
+        checkpoint loadable. Returns the checkpoint's path. See
         `zkernel.checkpoint`.
         """
         from zkernel.checkpoint.save import save
 
-        return save(self, directory, tag)
+        return save(self, directory, tag, client_state)
 
-    def load_checkpoint(self, directory, tag: str | None = None) -> str:
+    def load_checkpoint(
+        self,
+        directory,
+        tag: str | None = None,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+    ):
         """Restore parameters, optimizer state, counters, loss scale and RNG states; collective.
 
         ``tag`` defaults to the one ``directory/latest`` names. The checkpoint
-        may come from another world size, partitioner or offload setting. Returns
-        the tag loaded.
+        may come from another world size, partitioner or offload setting.
+        ``load_optimizer_states=False`` keeps this engine's optimizer state
+        (another optimizer, or a fresh one); ``load_module_only=True`` loads the
+        model's weights and buffers only, as a fine-tuning start. Returns
+        ``(path, client_state)`` as DeepSpeed does (a `LoadedCheckpoint`, whose
+        ``tag`` is the tag loaded): the checkpoint's directory and the
+        ``client_state`` saved with it ({} where none was).
         """
         from zkernel.checkpoint.load import load
 
-        return load(self, directory, tag)
+        return load(
+            self, directory, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The full model state dict, as the plain model's ``state_dict()`` would give it; collective.

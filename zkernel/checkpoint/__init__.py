@@ -20,16 +20,20 @@ takes back what it stores (`OptimizerTier.read_state`/`write_state`,
                                       master, state.<optimizer state>, param (frozen values),
                                       buffer (rank 0); each a 1-D run of elements; and
                                       extra/<key>/0 (rank 0): a module's extra state, the
-                                      bytes torch.save wrote (`extra_state`)
+                                      bytes torch.save wrote (`extra_state`); client/state/0
+                                      (rank 0): save_checkpoint's client_state, the same way
+                                      (`client_state`)
 
 Tensors come from safetensors, the rest from JSON; a module's extra state is
-unpickled with ``weights_only=True`` (tensors, containers, primitive values).
+unpickled with ``weights_only=True`` (tensors, containers, primitive values), as is the
+client state.
 Modules: `format` (names, manifest, atomic files), `checksum`, `blockio` and
 `safetensors_io` (streaming writes, verified ranged reads), `save`, `load`,
-`reader` (the index over fragments), `state_dict`, `consolidate`, `extra_state`.
+`reader` (the index over fragments), `state_dict`, `consolidate`, `extra_state`, `client_state`.
 """
 
 from zkernel.checkpoint.consolidate import consolidate, consolidate_to_file
 from zkernel.checkpoint.format import CheckpointError
+from zkernel.checkpoint.load import LoadedCheckpoint
 
-__all__ = ["CheckpointError", "consolidate", "consolidate_to_file"]
+__all__ = ["CheckpointError", "LoadedCheckpoint", "consolidate", "consolidate_to_file"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -28,21 +29,24 @@ from zkernel.checkpoint.format import CheckpointError
 from zkernel.checkpoint.reader import ReadBatch
 
 KIND = "extra"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch's message makes a phrase bold for a terminal
 
 
-def serialize(key: str, value: Any) -> torch.Tensor:
-    """``value`` as a byte tensor (what ``torch.save`` writes)."""
+def serialize(key: str, value: Any, what: str | None = None) -> torch.Tensor:
+    """``value`` as a byte tensor (what ``torch.save`` writes); ``what`` names it in an error (default:
+    the extra state under ``key``)."""
     buffer = io.BytesIO()
     try:
         torch.save(value, buffer)
     except Exception as exc:  # noqa: BLE001 - name the key, whatever failed
-        raise CheckpointError(
-            f"the extra state {key!r} (get_extra_state of its module) cannot be serialised with torch.save: {exc}"
-        ) from exc
+        what = what or f"the extra state {key!r} (get_extra_state of its module)"
+        raise CheckpointError(f"{what} cannot be serialised with torch.save: {exc}") from exc
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 
-def deserialize(key: str, data: torch.Tensor, where: str, device: torch.device | None = None) -> Any:
+def deserialize(
+    key: str, data: torch.Tensor, where: str, device: torch.device | None = None, what: str | None = None
+) -> Any:
     """The value `serialize` stored (``data``: its bytes), loaded with ``weights_only=True``; tensors
     rank 0 kept on a GPU land on ``device`` (this rank's), or in host memory where it is None."""
 
@@ -55,10 +59,14 @@ def deserialize(key: str, data: torch.Tensor, where: str, device: torch.device |
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True, map_location=place)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
-            f"checkpoint {where}: the extra state {key!r} holds an object that weights_only loading refuses, "
+            f"checkpoint {where}: {what or f'the extra state {key!r}'} holds an object that weights_only loading refuses, "
             "since loading it would run code from the file. If you trust the checkpoint, allow its classes with "
-            f"torch.serialization.add_safe_globals([...]) before loading. torch: {str(exc).splitlines()[0]}"
+            f"torch.serialization.add_safe_globals([...]) before loading. torch: {_first_line(exc)}"
         ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return _ANSI.sub("", str(exc).splitlines()[0])
 
 
 def read(index, reader, key: str, device: torch.device | None = None) -> Any:

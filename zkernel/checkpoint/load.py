@@ -22,19 +22,26 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from zkernel.checkpoint import extra_state, rng
+from zkernel.checkpoint import client_state as client, extra_state, rng
 from zkernel.checkpoint.blockio import host_buffer
 from zkernel.checkpoint.collective import exchange_json
-from zkernel.checkpoint.format import CheckpointError, parse_dtype
+from zkernel.checkpoint.format import REPLACED, CheckpointError, parse_dtype
 from zkernel.checkpoint.model import ModelView, view_of
 from zkernel.checkpoint.recompose import StoredParams
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
 from zkernel.checkpoint.range_reader import RangeReader
-from zkernel.checkpoint.shards import check_between_steps, describe_error, describe_groups, state_specs, whole_params
+from zkernel.checkpoint.shards import (
+    check_between_steps,
+    describe_error,
+    describe_groups,
+    kept_optimizer_state,
+    state_specs,
+    whole_params,
+)
 from zkernel.groups import ParamGroup, ShardLayout
 from zkernel.log import get_logger
 from zkernel.param_map import ParamMap
@@ -44,14 +51,43 @@ from zkernel.tiers import ShardState
 log = get_logger()
 
 
-def load(engine, directory: str | os.PathLike, tag: str | None = None) -> str:
-    """Restore ``engine`` from ``directory`` (``tag``, or the latest); return the tag loaded. Collective."""
+class LoadedCheckpoint(NamedTuple):
+    """What `Engine.load_checkpoint` returns: the checkpoint directory it read and the ``client_state``
+    saved with it ({} where none was), as DeepSpeed's ``load_path, client_state``."""
+
+    path: Path
+    client_state: dict[str, Any]
+
+    @property
+    def tag(self) -> str:
+        return self.path.name.removesuffix(REPLACED)
+
+
+def load(
+    engine,
+    directory: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+) -> LoadedCheckpoint:
+    """Restore ``engine`` from ``directory`` (``tag``, or the latest); collective.
+
+    ``load_optimizer_states=False`` keeps the engine's optimizer state (moments,
+    step counts) and restores the rest; ``load_module_only=True`` restores the
+    model's weights, buffers and extra state only (a fine-tuning start: the
+    optimizer state, counters, loss scale and RNG states stay as they are).
+    """
     check_between_steps(engine, "load_checkpoint")
     started = time.perf_counter()
-    error, index, touched = None, None, [False]
+    error, index, touched, saved_client = None, None, [False], [{}]
+    optimizer_states = load_optimizer_states and not load_module_only
     try:
+        for name, flag in (("load_optimizer_states", load_optimizer_states), ("load_module_only", load_module_only)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"load_checkpoint's {name} must be True or False, not {flag!r}")
         index = open_checkpoint(Path(directory), tag)
-        _read_everything(engine, index, touched)
+        _read_everything(engine, index, touched, optimizer_states, saved_client)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait forever
         error = exc
     statuses = exchange_json({"error": describe_error(error)} if error is not None else {}, engine.dist)
@@ -73,30 +109,39 @@ def load(engine, directory: str | os.PathLike, tag: str | None = None) -> str:
             engine.params_tier.to_device(group, consume=True, block=True)
             engine.hook.zkernel_restore_state(group=group)
             engine.params_tier.drop_device(group)
-    engine.load_training_state(index.manifest["engine"])
-    ranks = index.manifest["ranks"]
     rank = engine.dist.rank
-    if rank < len(ranks):
-        rng.restore(ranks[rank]["rng"])
-    else:
-        log.info("zkernel.checkpoint.rng_kept", rank=rank, saved_world_size=len(ranks))
+    if not load_module_only:
+        engine.load_training_state(index.manifest["engine"])
+        ranks = index.manifest["ranks"]
+        if rank < len(ranks):
+            rng.restore(ranks[rank]["rng"])
+        else:
+            log.info("zkernel.checkpoint.rng_kept", rank=rank, saved_world_size=len(ranks))
     log.info(
         "zkernel.checkpoint.loaded",
         rank=rank,
         path=str(index.dir),
         saved_world_size=index.manifest["world_size"],
+        optimizer_states=optimizer_states,
+        module_only=load_module_only,
         seconds=round(time.perf_counter() - started, 3),
     )
-    return index.tag
+    return LoadedCheckpoint(index.dir, saved_client[0])
 
 
-def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> None:
-    """Every group's shard, then whole parameters, buffers and modules' extra state, into this rank's
-    tiers and modules (no collectives)."""
+def _read_everything(
+    engine, index: CheckpointIndex, touched: list[bool], optimizer_states: bool, saved_client: list[dict]
+) -> None:
+    """Every group's shard (with its optimizer state, or the state the engine keeps), then whole
+    parameters, buffers and modules' extra state, into this rank's tiers and modules (no collectives);
+    the client state into ``saved_client[0]``."""
     view = view_of(engine.module)
     stored = StoredParams(index, ParamMap.of(engine.module))
     _check_model(engine, view, index, stored)
-    extras = _read_extra_state(view, index, engine.device)  # before anything changes: a refused value leaves it as it was
+    # Before anything changes, so a value weights_only loading refuses leaves the engine as it was.
+    extras = _read_extra_state(view, index, engine.device)
+    with RangeReader() as reader:
+        saved_client[0] = client.read(index, reader, engine.device)
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     largest = max((layout.numel for layout in layouts if layout is not None), default=0)
@@ -107,7 +152,7 @@ def _read_everything(engine, index: CheckpointIndex, touched: list[bool]) -> Non
         ThreadPoolExecutor(1, thread_name_prefix="zkernel-checkpoint") as ahead,
         progress(len(present) + len(wholes) + len(view.buffers), "loading checkpoint", unit="tensor") as bar,
     ):
-        loader = _ShardLoader(engine, view, stored, reader, largest)
+        loader = _ShardLoader(engine, view, stored, reader, largest, optimizer_states)
         applying = None  # group i is read on the thread while group i - 1 goes to its tier here
         for i, (group, layout) in enumerate(present):
             reading = ahead.submit(loader.read_group, group, layout, i % 2)
@@ -176,8 +221,11 @@ def _check_model(engine, view: ModelView, index: CheckpointIndex, stored: Stored
 
 
 class _ShardLoader:
-    def __init__(self, engine, view: ModelView, stored: StoredParams, reader: RangeReader, largest: int) -> None:
+    def __init__(
+        self, engine, view: ModelView, stored: StoredParams, reader: RangeReader, largest: int, optimizer_states: bool
+    ) -> None:
         self.engine = engine
+        self.optimizer_states = optimizer_states
         self.view = view
         self.stored = stored
         self.index = index = stored.index
@@ -203,9 +251,22 @@ class _ShardLoader:
                 self.stored.add(batch, name, self.stored.value_kind(name), frag.start, values[span])
             batch.run(self.reader)
             return lambda: self.engine.params_tier.write_shard(group, values)
+        master = self.buffers.get((slot, "master"), layout.numel, torch.float32, covered)
+        if not self.optimizer_states:  # the checkpoint's weights under the engine's own optimizer state
+            for frag in layout.fragments:
+                name = names[frag.param]
+                span = slice(frag.offset, frag.offset + frag.numel)
+                self.stored.add(batch, name, self.stored.value_kind(name), frag.start, master[span])
+            batch.run(self.reader)
+
+            def keep_state() -> None:
+                kept = kept_optimizer_state(self.engine.optimizer_tier.read_state(group))
+                self.engine.optimizer_tier.write_state(group, ShardState(master=master, state=kept))
+                self.engine.refresh_param_shard(group)
+
+            return keep_state
         specs = state_specs(self.engine, group, layout.numel)
         self._check_state(specs)
-        master = self.buffers.get((slot, "master"), layout.numel, torch.float32, covered)
         state = {n: self.buffers.get((slot, n), layout.numel, d, covered) for n, d in specs.per_element.items()}
         for frag in layout.fragments:
             name = names[frag.param]

@@ -89,6 +89,8 @@ class CheckpointIndex:
         self.params: dict[str, Any] = manifest["params"]
         self.buffers: dict[str, Any] = manifest["buffers"]
         self.extra_state: dict[str, Any] = manifest.get("extra_state", {})  # key -> {"bytes": n}
+        client = manifest.get("client_state")  # {"bytes": n}, or None where save_checkpoint was given none
+        self.client_state_bytes: int | None = None if client is None else int(client["bytes"])
         self._files: dict[str, VerifiedFile] = {}
 
     @property
@@ -121,6 +123,8 @@ class CheckpointIndex:
         """(rank, start, numel) of each stored run of ``name``'s elements, in element order."""
         if kind == "extra":  # a module's serialised extra state, in rank 0's file
             return [(0, 0, self.extra_state[name]["bytes"])]
+        if kind == "client":  # the user's client_state, in rank 0's file
+            return [(0, 0, self.client_state_bytes or 0)]
         if kind == "buffer":
             shape = self.shape(name, "buffer")
             numel = 1

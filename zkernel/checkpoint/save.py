@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import torch
 
-from zkernel.checkpoint import extra_state, rng
+from zkernel.checkpoint import client_state as client, extra_state, rng
 from zkernel.checkpoint.collective import exchange_json
 from zkernel.checkpoint.format import (
     FORMAT,
@@ -62,8 +62,9 @@ from zkernel.tiers import ShardState
 log = get_logger()
 
 
-def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
-    """Write a checkpoint of ``engine`` to ``directory/tag`` (collective); return that path."""
+def save(engine, directory: str | os.PathLike, tag: str | None = None, client_state: Any = None) -> Path:
+    """Write a checkpoint of ``engine`` to ``directory/tag`` (collective), with rank 0's ``client_state``
+    ([Note: client state] in `zkernel.checkpoint.client_state`); return that path."""
     check_between_steps(engine, "save_checkpoint")
     root = Path(directory)
     tag = check_tag(tag if tag is not None else f"step{engine.global_steps}")
@@ -80,7 +81,7 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None) -> Path:
                 f"{staging}, which rank 0 has just created, is not there for rank {info.rank}: every rank must "
                 "pass the same directory, on a filesystem all ranks share"
             )
-        plan = _RankPlan(engine, view)
+        plan = _RankPlan(engine, view, client_state)
         with progress(sum(e.nbytes for e in plan.entries), "saving checkpoint") as bar:
             record = write_file(staging / rank_file(info.rank), plan.entries, plan.metadata(tag), on_bytes=bar.update)
         report = plan.report(record)
@@ -210,7 +211,7 @@ class _GroupStateCache:
 class _RankPlan:
     """The tensors this rank writes and the records rank 0 needs for the manifest."""
 
-    def __init__(self, engine, view: ModelView) -> None:
+    def __init__(self, engine, view: ModelView, client_state: Any = None) -> None:
         self.engine = engine
         self.rank = engine.dist.rank
         self.view = view
@@ -221,6 +222,15 @@ class _RankPlan:
         self.cache = _GroupStateCache(engine)
         self.specs: StateSpecs | None = None
         self.extra: dict[str, int] = {}  # state-dict key -> bytes of its serialised extra state (rank 0)
+        self.client: int | None = None  # bytes of the serialised client state (rank 0, where given)
+        if client_state is not None:
+            client.check(client_state)  # every rank checks its own; rank 0's is kept
+            if self.rank == 0:
+                data = client.serialize(client_state)
+                self.entries.append(
+                    Entry(entry_name(client.KIND, client.NAME, 0), torch.uint8, (data.numel(),), lambda d=data: d)
+                )
+                self.client = data.numel()
         groups = engine.groups
         layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
         for group, layout in zip(groups, layouts):
@@ -313,6 +323,7 @@ class _RankPlan:
             },
             "rng": rng.capture(),
             "extra": self.extra,
+            "client": self.client,
         }
 
 
@@ -363,6 +374,7 @@ def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[st
         "state_dict": [list(k) for k in view.keys],
         "composed": ParamMap.of(engine.module).to_json(),
         "extra_state": {key: {"bytes": n} for key, n in reports[0]["extra"].items()},
+        **({"client_state": {"bytes": reports[0]["client"]}} if reports[0]["client"] is not None else {}),
         "optimizer_state": state or {"per_element": {}, "scalar": {}},
         "engine": engine.training_state(),
         "ranks": [{"rng": rep["rng"]} for rep in reports],

@@ -75,6 +75,13 @@ class StateSpecs:
     per_param: frozenset[str] = frozenset()
 
 
+def kept_optimizer_state(state) -> dict[str, torch.Tensor]:
+    """Host copies of the optimizer state in ``state`` (what `OptimizerTier.read_state` gave), to hand
+    back with a new master: the tiers take master and state together, and `read_state` may return the
+    tier's own staging buffers, which `write_state` must not be given."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in state.state.items()}
+
+
 def state_specs(engine, group: ParamGroup, numel: int) -> StateSpecs:
     """What the optimizer declared for a shard of ``numel`` elements, plus what it created lazily."""
     declared = engine.hook.zkernel_declare_optimizer(numel=numel, param_count=len(group.params))

@@ -40,7 +40,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 from zkernel.checkpoint import extra_state
 from zkernel.checkpoint.collective import exchange_json
 from zkernel.checkpoint.model import BUFFER, EXTRA, PARAM, ModelView, view_of
-from zkernel.checkpoint.shards import check_between_steps, describe_error, describe_groups, whole_params
+from zkernel.checkpoint.shards import (
+    check_between_steps,
+    describe_error,
+    describe_groups,
+    kept_optimizer_state,
+    whole_params,
+)
 from zkernel.param_map import ParamMap
 from zkernel.tiers import ShardState
 
@@ -146,7 +152,7 @@ def _write_group(engine, group, layout, names: list[str], values: dict[str, torc
     if group.requires_grad:
         state = engine.optimizer_tier.read_state(group)
         target = state.master.detach().to("cpu", copy=True).reshape(-1)
-        kept = {name: t.detach().to("cpu", copy=True) for name, t in state.state.items()}
+        kept = kept_optimizer_state(state)
     else:
         target = engine.params_tier.read_shard(group).detach().to("cpu", copy=True).reshape(-1)
     for frag in layout.fragments:
