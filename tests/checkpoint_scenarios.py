@@ -148,14 +148,22 @@ def save_to_per_rank_directories(config: dict, root: str) -> str:
     return "no error"
 
 
-def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
+def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int, seed: int, from_rank0: bool = False) -> dict:
     """A fresh model (other values) given ``weights`` by `Engine.load_state_dict` in two halves (strict=False),
-    then trained ``steps`` steps: its state dict right after, the losses, and what a bad dict does."""
+    then trained ``steps`` steps: its state dict right after, the losses, and what a bad dict does. With
+    ``from_rank0`` only rank 0 passes the dicts (``broadcast_from_rank0``); the others pass {}."""
     torch.manual_seed(seed + 2000)
     engine = zkernel.initialize(TrickyNet(), config)
     keys = list(weights)
-    first = engine.load_state_dict({k: weights[k] for k in keys[::2]}, strict=False)
-    second = engine.load_state_dict({k: weights[k] for k in keys[1::2]}, strict=False)
+    _, rank = world_rank()
+
+    def load(state_dict: dict, strict: bool = True):
+        if not from_rank0:
+            return engine.load_state_dict(state_dict, strict=strict)
+        return engine.load_state_dict(state_dict if rank == 0 else {}, strict=strict, broadcast_from_rank0=True)
+
+    first = load({k: weights[k] for k in keys[::2]}, strict=False)
+    second = load({k: weights[k] for k in keys[1::2]}, strict=False)
     loaded = {k: v.clone() for k, v in engine.state_dict().items()}
     errors = []
     for bad in (
@@ -164,7 +172,7 @@ def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int
         {k: v for k, v in weights.items() if k != "gain"},  # a missing key, strict
     ):
         try:
-            engine.load_state_dict({k: v * 0 for k, v in bad.items()})
+            load({k: v * 0 for k, v in bad.items()})
             errors.append(None)
         except RuntimeError as exc:
             errors.append(str(exc))

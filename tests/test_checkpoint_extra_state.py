@@ -189,16 +189,26 @@ def _two_ranks(directory: str) -> dict:
     _train(engine, 2, rank, world)
     saved = _extras(engine.module)
     engine.save_checkpoint(directory)
+    state = engine.state_dict()
     engine.close()
     torch.manual_seed(1)
     resumed = zkernel.initialize(Net(), _config("zero2"))
     resumed.load_checkpoint(directory)
+    resumed.close()
+    # The same weights and extra state from rank 0's dict alone (FSDP's broadcast_from_rank0).
+    torch.manual_seed(2)
+    broadcast = zkernel.initialize(Net(), _config("zero3"))
+    broadcast.load_state_dict(state if rank == 0 else {}, broadcast_from_rank0=True)
     on_cpu = partial(tree_map, lambda v: v.cpu() if isinstance(v, torch.Tensor) else v)
-    return {"saved": on_cpu(saved), "loaded": on_cpu(_extras(resumed.module))}
+    out = {"saved": on_cpu(saved), "loaded": on_cpu(_extras(resumed.module)), "broadcast": on_cpu(_extras(broadcast.module)),
+           "state": on_cpu(state), "broadcast_state": on_cpu(broadcast.state_dict())}  # fmt: skip
+    broadcast.close()
+    return out
 
 
 def test_rank_zero_saves_the_extra_state_and_every_rank_loads_it(tmp_path):
     runs = run_ranks(2, _two_ranks, str(tmp_path))
     for run in runs:  # each rank counted its own rows; rank 0's values are the checkpoint's
         assert _same(run["loaded"], runs[0]["saved"])
+        assert _same(run["broadcast"], runs[0]["saved"]) and _same(run["broadcast_state"], runs[0]["state"])
     assert runs[0]["saved"]["body.0._extra_state"]["rows"] == 2 * 2 * 6

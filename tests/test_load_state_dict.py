@@ -54,10 +54,10 @@ def _job(tasks):
     return job(tasks)
 
 
-@pytest.fixture(scope="module")
-def loaded():
+@pytest.fixture(scope="module", params=[False, True], ids=["every rank's dict", "broadcast from rank 0"])
+def loaded(request):
     weights, _ = _weights()
-    tasks = [("load_weights", (cfg, weights, STEPS, ACCUM, MICRO, SEED)) for cfg in CONFIGS.values()]
+    tasks = [("load_weights", (cfg, weights, STEPS, ACCUM, MICRO, SEED, request.param)) for cfg in CONFIGS.values()]
     return weights, run_ranks(2, _job, tasks)
 
 

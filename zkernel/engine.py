@@ -467,20 +467,22 @@ class Engine:
 
         return full_state_dict(self)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, *, broadcast_from_rank0: bool = False):
         """Write a plain model's state dict (as `state_dict` gives it) into the engine; collective.
 
-        Every rank passes the same keys. The parameters' fp32 masters, frozen
+        Every rank passes the same keys, or with ``broadcast_from_rank0`` rank 0
+        alone passes the dict (the others' argument is not read: pass ``{}``)
+        and its tensors are broadcast. The parameters' fp32 masters, frozen
         values and buffers take the given tensors; the optimizer state, counters
-        and loss scale stay. ``strict=False`` takes a part of the model (one file of
-        a sharded checkpoint, say); a call may follow another. Returns the
+        and loss scale stay. ``strict=False`` takes a part of the model (one file
+        of a sharded checkpoint, say); a call may follow another. Returns the
         missing and unexpected keys, as ``nn.Module.load_state_dict``; a key
         whose shape differs, or with ``strict`` a missing or unexpected key,
         raises on every rank and changes nothing.
         """
         from zkernel.checkpoint.state_dict import load_full_state_dict
 
-        return load_full_state_dict(self, state_dict, strict)
+        return load_full_state_dict(self, state_dict, strict, broadcast_from_rank0)
 
     def training_state(self) -> dict[str, Any]:
         """Counters and scales a checkpoint keeps so training continues as if uninterrupted (JSON values)."""

@@ -25,6 +25,12 @@ shard takes the new master, and the partitioner refreshes its whole copies
 (`zkernel_restore_state`, collective, for the groups touched, the same on
 every rank). A tiled layer is given as the user wrote it and cut here
 (`zkernel.param_map`).
+
+With ``broadcast_from_rank0`` (FSDP's option of that name) only rank 0 reads
+a dict: it checks it and tells the others its keys and dtypes with its
+verdict; then each user tensor is broadcast from rank 0 when the group (or
+whole parameter, or buffer) it feeds is written, so the other ranks never
+read the files and hold at most one group's tensors at a time.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from zkernel.checkpoint import extra_state
 from zkernel.checkpoint.collective import exchange_json
+from zkernel.checkpoint.format import dtype_name, parse_dtype
 from zkernel.checkpoint.model import BUFFER, EXTRA, PARAM, ModelView, view_of
 from zkernel.checkpoint.shards import (
     check_between_steps,
@@ -101,42 +108,62 @@ def _numel(shape) -> int:
     return n
 
 
-def load_full_state_dict(engine, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
+def load_full_state_dict(
+    engine, state_dict: Mapping[str, Any] | None, strict: bool = True, broadcast_from_rank0: bool = False
+) -> _IncompatibleKeys:
     """Write ``state_dict`` (the plain model's keys) into ``engine`` (see [Note: loading weights into a
-    live engine]); returns the missing and unexpected keys, as ``nn.Module.load_state_dict``."""
+    live engine]); returns the missing and unexpected keys, as ``nn.Module.load_state_dict``. With
+    ``broadcast_from_rank0`` only rank 0's dict is read and its tensors reach the others one at a time."""
     check_between_steps(engine, "load_state_dict")
     view = view_of(engine.module)
     targets = _UserKeys(engine, view)
-    error = None
-    try:
-        missing, unexpected = targets.check(state_dict, strict)
-    except (ValueError, TypeError) as exc:  # every rank must hear of it, or the others would wait
-        error, missing, unexpected = exc, [], []
-    digest = hashlib.sha256("\n".join(sorted(map(str, state_dict))).encode()).hexdigest()
-    statuses = exchange_json({"error": describe_error(error) if error else None, "keys": digest}, engine.dist)
+    info = engine.dist
+    from_rank0 = broadcast_from_rank0 and info.distributed
+    reads = info.rank == 0 or not from_rank0  # whether this rank's state_dict is read
+    error, missing, unexpected, given, extras_given = None, [], [], [], []
+    if reads:
+        try:
+            if not isinstance(state_dict, Mapping):
+                raise TypeError(f"state_dict must be a mapping of names to tensors, not a {type(state_dict).__name__}")
+            missing, unexpected = targets.check(state_dict, strict)
+            given = [[key, dtype_name(value.dtype)] for key, value in state_dict.items() if key in targets.shapes]
+            extras_given = [key for key in view.extra if key in state_dict]
+        except (ValueError, TypeError) as exc:  # every rank must hear of it, or the others would wait
+            error = exc
+    keys = hashlib.sha256("\n".join(sorted(map(str, state_dict or ()))).encode()).hexdigest() if reads else None
+    message = {"error": describe_error(error) if error else None, "keys": keys}
+    if from_rank0 and info.rank == 0:
+        message.update(given=given, extras=extras_given, missing=missing, unexpected=unexpected)
+    statuses = exchange_json(message, info)
     failures = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if s["error"]]
-    if not failures and len({s["keys"] for s in statuses}) > 1:
-        failures = ["the ranks passed different keys; every rank must pass the same state dict's keys"]
+    if not failures and len({s["keys"] for s in statuses if s["keys"] is not None}) > 1:
+        failures = ["the ranks passed different keys; every rank must pass the same state dict's keys (or pass "
+                    "broadcast_from_rank0=True and the dict on rank 0 only)"]  # fmt: skip
     if failures:
         raise RuntimeError("engine.load_state_dict changed nothing: " + "; ".join(failures)) from error
-    values = targets.held_values(state_dict)
+    if from_rank0:
+        first = statuses[0]
+        missing, unexpected = first["missing"], first["unexpected"]
+        values = _RankZeroValues(engine, targets, first["given"], first["extras"], state_dict if info.rank == 0 else None)
+    else:
+        values = _LocalValues(targets, state_dict)
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     touched = []
     for group, layout in zip(groups, layouts):
         names = [view.names[id(p)] for p in group.params]
-        if layout is None or not any(n in values for n in names):
+        if layout is None or not any(values.has(n) for n in names):
             continue
         touched.append(group)
-        _write_group(engine, group, layout, names, values)
+        _write_group(engine, group, layout, names, values.get(names))
     with torch.no_grad():
-        for name in whole_params(view, groups, layouts):
-            if name in values:
-                view.params[name].data.copy_(values[name].view(view.params[name].shape))
-        for name, buf in view.buffers.items():
-            if name in values:
-                buf.copy_(values[name].view(buf.shape))
-    extras = {key: state_dict[key] for key in view.extra if key in state_dict}
+        wholes = [n for n in whole_params(view, groups, layouts) if values.has(n)]
+        for name, value in values.get(wholes).items():
+            view.params[name].data.copy_(value.view(view.params[name].shape))
+        buffers = values.get([n for n in view.buffers if values.has(n)])
+        for name, value in buffers.items():
+            view.buffers[name].copy_(value.view(view.buffers[name].shape))
+    extras = values.extra_state()
     if extras:
         extra_state.restore(engine.module, extras)
     with engine.scheduler.plugin_call():
@@ -208,14 +235,82 @@ class _UserKeys:
             raise ValueError("state dict does not fit the model: " + "; ".join(problems))
         return missing, unexpected
 
-    def held_values(self, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Canonical held name -> its values as one flat CPU tensor (a tile cut from the user's tensor)."""
-        out: dict[str, torch.Tensor] = {}
-        for user, parts in self.parts.items():
-            value = state_dict.get(user)
-            if value is None:
-                continue
-            for kind, source, index in parts:
-                if kind != EXTRA and source not in out:
-                    out[source] = value.detach()[index].reshape(-1).cpu()
+    def sources(self, given) -> dict[str, str]:
+        """Canonical held name -> the user key among ``given`` its values come from (the first of
+        tied keys)."""
+        out: dict[str, str] = {}
+        for user in self.parts:
+            if user in given:
+                for kind, source, _ in self.parts[user]:
+                    if kind != EXTRA:
+                        out.setdefault(source, user)
         return out
+
+    def cut(self, user: str, value: torch.Tensor, wanted) -> dict[str, torch.Tensor]:
+        """The held tensors among ``wanted`` that user key ``user`` gives values to, each as one flat CPU
+        tensor (a tile cut from the user's tensor)."""
+        return {
+            source: value.detach()[index].reshape(-1).cpu()
+            for kind, source, index in self.parts[user]
+            if kind != EXTRA and source in wanted
+        }
+
+
+class _LocalValues:
+    """The held tensors' new values from this rank's own state dict."""
+
+    def __init__(self, targets: _UserKeys, state_dict: Mapping[str, Any]) -> None:
+        self.targets = targets
+        self.state_dict = state_dict
+        self.source = targets.sources(state_dict)
+
+    def has(self, name: str) -> bool:
+        return name in self.source
+
+    def get(self, names: list[str]) -> dict[str, torch.Tensor]:
+        wanted = {n for n in names if n in self.source}
+        out: dict[str, torch.Tensor] = {}
+        for user in dict.fromkeys(self.source[n] for n in names if n in wanted):
+            for name, value in self.targets.cut(user, self.state_dict[user], wanted).items():
+                out.setdefault(name, value)
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        """Modules' extra state (``<module>._extra_state`` keys) given in the state dict."""
+        return {key: self.state_dict[key] for key in self.targets.extra if key in self.state_dict}
+
+
+class _RankZeroValues(_LocalValues):
+    """The held tensors' new values from rank 0's state dict, each user tensor broadcast when a group
+    (or a whole parameter, a buffer) needs it: a rank holds at most one group's tensors at a time."""
+
+    def __init__(
+        self, engine, targets: _UserKeys, given: list, extras: list[str], state_dict: Mapping[str, Any] | None
+    ) -> None:
+        self.targets = targets
+        self.extras = extras
+        self.state_dict = state_dict
+        self.rank = engine.dist.rank
+        self.dtypes = {key: parse_dtype(name, f"rank 0's state dict: {key}") for key, name in given}
+        self.source = targets.sources(self.dtypes)
+        self.device = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def get(self, names: list[str]) -> dict[str, torch.Tensor]:
+        wanted = {n for n in names if n in self.source}
+        out: dict[str, torch.Tensor] = {}
+        for user in dict.fromkeys(self.source[n] for n in names if n in wanted):
+            if self.rank == 0:
+                value = self.state_dict[user].detach().to(self.device).contiguous()
+            else:
+                value = torch.empty(self.targets.shapes[user], dtype=self.dtypes[user], device=self.device)
+            dist.broadcast(value, src=0)
+            for name, held in self.targets.cut(user, value, wanted).items():
+                out.setdefault(name, held)
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        if not self.extras:
+            return {}
+        box = [{key: self.state_dict[key] for key in self.extras} if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=self.device)  # objects of this job's rank 0, not of a file
+        return box[0]
