@@ -165,6 +165,7 @@ def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int
     first = load({k: weights[k] for k in keys[::2]}, strict=False)
     second = load({k: weights[k] for k in keys[1::2]}, strict=False)
     loaded = {k: v.clone() for k, v in engine.state_dict().items()}
+    only = engine.state_dict(rank0_only=True)  # the whole dict on rank 0, {} elsewhere
     errors = []
     for bad in (
         {**weights, "block.0.weight": weights["block.0.weight"][:, :-1]},  # a wrong shape
@@ -181,7 +182,7 @@ def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int
     losses = run_steps(engine, batches(seed + 1, steps, accum, world, micro), accum)
     engine.close()
     return {"first": tuple(map(sorted, first)), "second": tuple(map(sorted, second)), "loaded": loaded,
-            "errors": errors, "unchanged": unchanged, "losses": losses}  # fmt: skip
+            "errors": errors, "unchanged": unchanged, "losses": losses, "rank0_only": only}  # fmt: skip
 
 
 def load_options(config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int, seed: int) -> dict:

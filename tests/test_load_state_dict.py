@@ -75,6 +75,11 @@ def test_loaded_weights_are_the_state_dict_and_train_as_torch_from_them(loaded, 
         assert got["loaded"].keys() == weights.keys()
         for key, value in weights.items():
             assert torch.equal(got["loaded"][key], value), key
+        if rank == 0:
+            assert got["rank0_only"].keys() == weights.keys()
+            assert all(torch.equal(got["rank0_only"][k], v) for k, v in weights.items())
+        else:
+            assert got["rank0_only"] == {}
         for a, b in zip(got["losses"], expected, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], expected)
 

@@ -455,17 +455,19 @@ class Engine:
             self, directory, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
         """The full model state dict, as the plain model's ``state_dict()`` would give it; collective.
 
         CPU tensors with the plain model's keys (tied parameters under each name),
         shapes and dtypes (trainable parameters from their fp32 masters), buffers
-        included, on every rank. Under zero3 ``engine.module.state_dict()``
-        cannot gather released parameters and raises; use this instead.
+        included, on every rank; with ``rank0_only`` on rank 0 alone (the others
+        get ``{}``), as FSDP's ``full_state_dict`` with ``cpu_offload``. Under
+        zero3 ``engine.module.state_dict()`` cannot gather released parameters
+        and raises; use this instead.
         """
         from zkernel.checkpoint.state_dict import full_state_dict
 
-        return full_state_dict(self)
+        return full_state_dict(self, rank0_only)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, *, broadcast_from_rank0: bool = False):
         """Write a plain model's state dict (as `state_dict` gives it) into the engine; collective.

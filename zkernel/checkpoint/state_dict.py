@@ -8,7 +8,9 @@ comes from exactly one rank) makes it whole everywhere; a replicated group
 needs none. Each tensor is then cast to the dtype the model had at
 `zkernel.initialize` and copied to the CPU, so the result has the plain
 model's keys (tied ones included, sharing one tensor), shapes and dtypes, and
-loads with ``load_state_dict(strict=True)``.
+loads with ``load_state_dict(strict=True)``. With ``rank0_only`` the sums are
+reductions to rank 0, and only rank 0 builds and returns the dict (the
+others return ``{}``), so a job's host memory holds the model once.
 
 [Note: loading weights into a live engine] The way back writes a plain
 model's tensors (all of them, or some: one file of a sharded safetensors
@@ -58,13 +60,14 @@ from zkernel.param_map import ParamMap
 from zkernel.tiers import ShardState
 
 
-def full_state_dict(engine) -> dict[str, Any]:
+def full_state_dict(engine, rank0_only: bool = False) -> dict[str, Any]:
     check_between_steps(engine, "state_dict", boundary=False)
     view = view_of(engine.module)
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     original = engine.original_tensors
     distributed = engine.dist.distributed
+    keeps = engine.dist.rank == 0 or not rank0_only  # whether this rank returns the tensors
     device = engine.device if distributed and dist.get_backend() == "nccl" else torch.device("cpu")
     values: dict[str, torch.Tensor] = {}
 
@@ -73,7 +76,7 @@ def full_state_dict(engine) -> dict[str, Any]:
         values[name] = tensor.detach().reshape(shape).to(device="cpu", dtype=dtype, copy=True)
 
     for group, layout in zip(groups, layouts):
-        if layout is None:
+        if layout is None or (layout.replicated and not keeps):
             continue
         names = [view.names[id(p)] for p in group.params]
         numels = [_numel(original[n][0]) for n in names]
@@ -89,9 +92,15 @@ def full_state_dict(engine) -> dict[str, Any]:
             at = offsets[frag.param] + frag.start
             flat[at : at + frag.numel].copy_(source[frag.offset : frag.offset + frag.numel])
         if distributed and not layout.replicated:
-            dist.all_reduce(flat)
-        for name, offset, numel in zip(names, offsets, numels):
-            finish(name, flat[offset : offset + numel])
+            if rank0_only:
+                dist.reduce(flat, dst=0)
+            else:
+                dist.all_reduce(flat)
+        if keeps:
+            for name, offset, numel in zip(names, offsets, numels):
+                finish(name, flat[offset : offset + numel])
+    if not keeps:
+        return {}
     for name in whole_params(view, groups, layouts):
         finish(name, view.params[name])
     for name, buf in view.buffers.items():
