@@ -226,6 +226,55 @@ def load_options(config: dict, directory: str, steps: int, save_at: int, accum: 
     return out
 
 
+def frozen_left_out(config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int, seed: int) -> dict:
+    """Save with ``exclude_frozen_parameters`` after ``save_at`` steps, then load into engines over the same
+    frozen base (resumes), another base (keeps its own frozen values), and one that trains the frozen weight."""
+    from safetensors import safe_open
+
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config)
+    world, rank = world_rank()
+    data = batches(seed + 1, steps, accum, world, micro)
+    run_steps(engine, data[:save_at], accum)
+    saved = {k: v.clone() for k, v in engine.state_dict().items()}
+    path = engine.save_checkpoint(directory, exclude_frozen_parameters=True)
+    uninterrupted = run_steps(engine, data[save_at:], accum)
+    engine.close()
+    with safe_open(str(path / f"rank{rank:05d}.safetensors"), "pt") as f:
+        stored = sorted(f.keys())
+    out = {"saved": saved, "uninterrupted": uninterrupted, "stored": stored}
+    torch.manual_seed(seed)
+    base = TrickyNet()  # the same frozen base; its trainable values are the checkpoint's to give
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.requires_grad:
+                p.add_(0.5)
+    resumed = zkernel.initialize(base, config)
+    resumed.load_checkpoint(directory)
+    out["resumed"] = run_steps(resumed, data[save_at:], accum)
+    resumed.close()
+    torch.manual_seed(seed + 7)
+    other = TrickyNet()
+    out["other_frozen"] = other.frozen_proj.weight.detach().clone()
+    engine = zkernel.initialize(other, config)
+    engine.load_checkpoint(directory)
+    out["other_loaded"] = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    torch.manual_seed(seed)
+    trains = TrickyNet()
+    trains.frozen_proj.weight.requires_grad_(True)
+    engine = zkernel.initialize(trains, config)
+    before = engine.state_dict()
+    try:
+        engine.load_checkpoint(directory)
+        out["error"] = None
+    except zkernel.CheckpointError as exc:
+        out["error"] = str(exc)
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
+    engine.close()
+    return out
+
+
 def job(tasks: list[tuple[str, tuple]]) -> list:
     """Run several scenarios of this module in one spawned job (one process start for all)."""
     return [globals()[name](*args) for name, args in tasks]

@@ -1,6 +1,7 @@
-"""`save_checkpoint(client_state=...)` and `load_checkpoint`'s ``load_module_only`` and
-``load_optimizer_states``, as DeepSpeed's checkpoints take them ([Note: client state] in
-`zkernel.checkpoint.client_state`)."""
+"""`save_checkpoint`'s ``client_state`` and ``exclude_frozen_parameters``, and `load_checkpoint`'s
+``load_module_only`` and ``load_optimizer_states``, as DeepSpeed's checkpoints take them ([Note: client
+state] in `zkernel.checkpoint.client_state`, [Note: frozen parameters left out] in
+`zkernel.checkpoint.save`)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,43 @@ def test_a_client_state_weights_only_loading_refuses_leaves_the_engine_unchanged
     with pytest.raises(zkernel.CheckpointError, match=r"load_module_only must be True or False, not 'yes'"):
         fresh.load_checkpoint(tmp_path, load_module_only="yes")
     fresh.close()
+
+
+FROZEN_CONFIGS = {
+    "zero2": _config("zero2"),
+    "zero3": _config("zero3"),
+    "zero3 params on cpu, frozen layer tiled": _config(
+        "zero3", offload={"params": "cpu"}, tiling={"modules": ["frozen_proj"], "tiles": 2}
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frozen")
+    tasks = [("frozen_left_out", (cfg, str(root / f"ckpt{i}"), STEPS, SAVE_AT, ACCUM, MICRO, SEED))
+             for i, cfg in enumerate(FROZEN_CONFIGS.values())]  # fmt: skip
+    return root, run_ranks(2, _job, tasks)
+
+
+@pytest.mark.parametrize("index", range(len(FROZEN_CONFIGS)), ids=list(FROZEN_CONFIGS))
+def test_frozen_parameters_left_out_of_a_checkpoint_keep_the_loading_engines_values(frozen, index):
+    root, results = frozen
+    for rank in range(2):
+        got = results[rank][index]
+        assert got["stored"] and not any("frozen_proj.weight" in key or "frozen_proj.tiles" in key and "weight" in key
+                                         for key in got["stored"]), got["stored"]  # fmt: skip
+        for a, b in zip(got["resumed"], got["uninterrupted"], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b), (got["resumed"], got["uninterrupted"])
+        loaded = got["other_loaded"]
+        assert torch.equal(loaded["frozen_proj.weight"], got["other_frozen"])  # its own base
+        assert all(torch.equal(loaded[k], v) for k, v in got["saved"].items() if k != "frozen_proj.weight")
+        assert got["error"] and "['frozen_proj.weight'] were frozen and left out" in got["error"] and got["unchanged"]
+    stored = [key for rank in range(2) for key in results[rank][index]["stored"]]
+    assert any("frozen_proj.bias" in key or "frozen_proj.tiles" in key for key in stored)  # trained: kept
+    full = zkernel.consolidate(root / f"ckpt{index}")
+    saved = results[0][index]["saved"]
+    assert full.keys() == saved.keys() - {"frozen_proj.weight"}
+    plain = TrickyNet()
+    missing, unexpected = plain.load_state_dict(full, strict=False)
+    assert missing == ["frozen_proj.weight"] and unexpected == []

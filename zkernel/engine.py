@@ -413,7 +413,13 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
-    def save_checkpoint(self, directory, tag: str | None = None, client_state: Mapping[str, Any] | None = None):
+    def save_checkpoint(
+        self,
+        directory,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        exclude_frozen_parameters: bool = False,
+    ):
         """Write a checkpoint to ``directory/tag`` (default tag ``step<global steps>``); collective.
 
         Call on every rank after `step` ended an accumulation window. Each rank
@@ -422,13 +428,15 @@ class Engine:
         points ``directory/latest`` at it. ``client_state``: a dict of the
         script's own (epoch, data position; tensors, containers, primitive
         values), rank 0's saved beside the model and handed back by
-        `load_checkpoint`. A save that fails or is killed leaves the previous
-        checkpoint loadable. Returns the checkpoint's path. See
-        `zkernel.checkpoint`.
+        `load_checkpoint`. ``exclude_frozen_parameters``: write no values of
+        parameters that do not require grad (a frozen base under adapters); a
+        load keeps the loading engine's own. A save that fails or is killed
+        leaves the previous checkpoint loadable. Returns the checkpoint's path.
+        See `zkernel.checkpoint`.
         """
         from zkernel.checkpoint.save import save
 
-        return save(self, directory, tag, client_state)
+        return save(self, directory, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,

@@ -9,8 +9,9 @@ tensor), which is what ``zkernel consolidate DIR OUT.safetensors`` runs.
 
 Trainable parameters come from their fp32 masters; frozen parameters and
 buffers are floating-point values widened to fp32 (integer and boolean
-buffers keep their dtype). Keys are the plain model's state-dict keys, tied
-parameters under each of their names, and modules' extra state
+buffers keep their dtype). Keys are the plain model's state-dict keys (less
+the frozen parameters a save left out), tied parameters under each of their
+names, and modules' extra state
 (``get_extra_state``) as the module gave it; a safetensors file holds only
 tensors, so there an extra state must be one.
 """
@@ -24,7 +25,7 @@ import torch
 
 from zkernel.checkpoint import extra_state
 from zkernel.checkpoint.format import FORMAT, CheckpointError
-from zkernel.checkpoint.model import BUFFER, EXTRA
+from zkernel.checkpoint.model import BUFFER, EXTRA, PARAM
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
 from zkernel.checkpoint.range_reader import RangeReader
 from zkernel.checkpoint.stream_writer import Entry, write_file
@@ -37,7 +38,9 @@ def _output_dtype(index: CheckpointIndex, kind: str, name: str) -> torch.dtype:
 
 
 def _keys(index: CheckpointIndex) -> list[tuple[str, str, str]]:
-    keys = [tuple(k) for k in index.manifest["state_dict"]]
+    """The state-dict keys with what holds each (frozen parameters left out of the checkpoint are not
+    among them: [Note: frozen parameters left out] in `zkernel.checkpoint.save`)."""
+    keys = [tuple(k) for k in index.manifest["state_dict"] if not (k[1] == PARAM and k[2] in index.excluded)]
     for key, kind, _ in keys:
         if kind == EXTRA and key not in index.extra_state:
             raise CheckpointError(f"checkpoint {index.dir}: state-dict key {key!r} is not stored")

@@ -166,8 +166,9 @@ def _read_everything(
             applying.result()()
             bar.update(1)
         for name in wholes:
-            touched[0] = True
-            loader.whole(name, view.params[name], stored.value_kind(name))
+            if not stored.excluded(name):
+                touched[0] = True
+                loader.whole(name, view.params[name], stored.value_kind(name))
             bar.update(1)
         for name, buf in view.buffers.items():
             touched[0] = True
@@ -210,6 +211,15 @@ def _check_model(engine, view: ModelView, index: CheckpointIndex, stored: Stored
         for name in sorted(set(mine) & set(theirs)):
             if theirs[name] != mine[name]:
                 problems.append(f"{name}: shape {theirs[name]} in the checkpoint, {mine[name]} in the model")
+    trained = sorted(
+        {stored.target.user_name(name)[0] for name, p in view.params.items() if p.requires_grad and stored.excluded(name)}
+    )
+    if trained:
+        problems.append(
+            f"parameters {trained[:5]} were frozen and left out of the checkpoint "
+            "(save_checkpoint(exclude_frozen_parameters=True)), but this engine trains them; freeze them, or load "
+            "their values with engine.load_state_dict after this load"
+        )
     missing = sorted(set(view.extra) - set(index.extra_state))
     if missing:
         problems.append(f"modules' extra state (get_extra_state) missing from the checkpoint: {missing[:5]}")
@@ -245,12 +255,26 @@ class _ShardLoader:
             shard = group.param_shard
             dtype = shard.dtype if shard is not None else self.engine.compute_dtype
             values = self.buffers.get((slot, "param"), layout.numel, dtype, covered)
+            kept = []  # fragments of parameters left out of the checkpoint: their values stay the engine's
             for frag in layout.fragments:
                 name = names[frag.param]
                 span = slice(frag.offset, frag.offset + frag.numel)
+                if self.stored.excluded(name):
+                    kept.append(span)
+                    continue
                 self.stored.add(batch, name, self.stored.value_kind(name), frag.start, values[span])
+            if len(kept) == len(layout.fragments):
+                return lambda: None
             batch.run(self.reader)
-            return lambda: self.engine.params_tier.write_shard(group, values)
+
+            def write_frozen() -> None:
+                if kept:
+                    current = self.engine.params_tier.read_shard(group).reshape(-1)
+                    for span in kept:
+                        values[span].copy_(current[span])
+                self.engine.params_tier.write_shard(group, values)
+
+            return write_frozen
         master = self.buffers.get((slot, "master"), layout.numel, torch.float32, covered)
         if not self.optimizer_states:  # the checkpoint's weights under the engine's own optimizer state
             for frag in layout.fragments:

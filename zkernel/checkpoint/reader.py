@@ -89,6 +89,8 @@ class CheckpointIndex:
         self.params: dict[str, Any] = manifest["params"]
         self.buffers: dict[str, Any] = manifest["buffers"]
         self.extra_state: dict[str, Any] = manifest.get("extra_state", {})  # key -> {"bytes": n}
+        # Frozen parameters save_checkpoint(exclude_frozen_parameters=True) left out: name -> {"shape", "dtype"}.
+        self.excluded: dict[str, Any] = manifest.get("excluded_frozen", {})
         client = manifest.get("client_state")  # {"bytes": n}, or None where save_checkpoint was given none
         self.client_state_bytes: int | None = None if client is None else int(client["bytes"])
         self._files: dict[str, VerifiedFile] = {}

@@ -91,15 +91,26 @@ class StoredParams:
         self.source = ParamMap.from_json(index.manifest.get("composed", []))
         self._regions: dict[str, tuple[_Region, list[_Region]]] = {}
         self._stored_shapes: dict[str, tuple[int, ...]] | None = None
+        self._excluded_users: set[str] | None = None
 
     # -- what both sides call the user's parameters ---------------------------------------------
 
     def stored_user_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The user's parameters in the checkpoint, with their shapes."""
+        """The user's parameters in the checkpoint (those left out as frozen too), with their shapes."""
         if self._stored_shapes is None:
-            shapes = {name: tuple(param["shape"]) for name, param in self.index.params.items()}
+            tables = (self.index.params, self.index.excluded)
+            shapes = {name: tuple(param["shape"]) for table in tables for name, param in table.items()}
             self._stored_shapes = _user_shapes(self.source, shapes)
         return self._stored_shapes
+
+    def excluded(self, held: str) -> bool:
+        """Whether the user's parameter ``held`` belongs to was left out of the checkpoint as frozen ([Note:
+        frozen parameters left out] in `zkernel.checkpoint.save`): the engine keeps its own values."""
+        if not self.index.excluded:
+            return False
+        if self._excluded_users is None:
+            self._excluded_users = {self.source.user_name(name)[0] for name in self.index.excluded}
+        return self.target.user_name(held)[0] in self._excluded_users
 
     def user_shapes(self, held: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The user's parameters of the engine, from its held parameters' shapes."""

@@ -20,6 +20,16 @@ as they were (at worst a ``.incomplete`` directory, removed by the next save).
 A failed save removes its directory, so no temporary file is left, and raises
 `CheckpointError` on every rank with each failing rank's error (which names
 the file).
+
+[Note: frozen parameters left out] ``exclude_frozen_parameters=True`` (as
+DeepSpeed's flag) writes no values of the parameters that do not require
+grad: a LoRA run over a frozen base model then saves its adapters and their
+optimizer state, not the base again at every save. The manifest lists them
+(``excluded_frozen``: name, shape, dtype), so a load checks their names and
+shapes and keeps the loading engine's own values for them, which must be
+frozen there too (its base weights, loaded from wherever they came from the
+first time). `zkernel.consolidate` leaves them out of the state dict it
+gives, which then loads with ``strict=False`` over the base.
 """
 
 from __future__ import annotations
@@ -62,9 +72,17 @@ from zkernel.tiers import ShardState
 log = get_logger()
 
 
-def save(engine, directory: str | os.PathLike, tag: str | None = None, client_state: Any = None) -> Path:
+def save(
+    engine,
+    directory: str | os.PathLike,
+    tag: str | None = None,
+    client_state: Any = None,
+    exclude_frozen_parameters: bool = False,
+) -> Path:
     """Write a checkpoint of ``engine`` to ``directory/tag`` (collective), with rank 0's ``client_state``
-    ([Note: client state] in `zkernel.checkpoint.client_state`); return that path."""
+    ([Note: client state] in `zkernel.checkpoint.client_state`); return that path. With
+    ``exclude_frozen_parameters`` the parameters that do not require grad are left out ([Note: frozen
+    parameters left out])."""
     check_between_steps(engine, "save_checkpoint")
     root = Path(directory)
     tag = check_tag(tag if tag is not None else f"step{engine.global_steps}")
@@ -81,7 +99,9 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None, client_st
                 f"{staging}, which rank 0 has just created, is not there for rank {info.rank}: every rank must "
                 "pass the same directory, on a filesystem all ranks share"
             )
-        plan = _RankPlan(engine, view, client_state)
+        if not isinstance(exclude_frozen_parameters, bool):
+            raise TypeError(f"exclude_frozen_parameters must be True or False, not {exclude_frozen_parameters!r}")
+        plan = _RankPlan(engine, view, client_state, exclude_frozen_parameters)
         with progress(sum(e.nbytes for e in plan.entries), "saving checkpoint") as bar:
             record = write_file(staging / rank_file(info.rank), plan.entries, plan.metadata(tag), on_bytes=bar.update)
         report = plan.report(record)
@@ -95,7 +115,7 @@ def save(engine, directory: str | os.PathLike, tag: str | None = None, client_st
         raise CheckpointError(f"saving checkpoint {tag!r} in {root} failed; " + "; ".join(failures)) from error
 
     def commit() -> None:
-        manifest = _manifest(engine, view, tag, reports)
+        manifest = _manifest(engine, view, tag, reports, exclude_frozen_parameters)
         write_atomic(staging / MANIFEST, _json_bytes(manifest))
         _commit(root, tag, staging)
 
@@ -211,7 +231,7 @@ class _GroupStateCache:
 class _RankPlan:
     """The tensors this rank writes and the records rank 0 needs for the manifest."""
 
-    def __init__(self, engine, view: ModelView, client_state: Any = None) -> None:
+    def __init__(self, engine, view: ModelView, client_state: Any = None, exclude_frozen: bool = False) -> None:
         self.engine = engine
         self.rank = engine.dist.rank
         self.view = view
@@ -234,11 +254,14 @@ class _RankPlan:
         groups = engine.groups
         layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
         for group, layout in zip(groups, layouts):
-            if layout is not None and not (layout.replicated and self.rank != 0):
+            if layout is None or (layout.replicated and self.rank != 0):
+                continue
+            if group.requires_grad or not exclude_frozen:
                 self._add_group(group, layout)
         if self.rank == 0:
             for name in whole_params(view, groups, layouts):
-                self._add_whole(PARAM, name, view.params[name], stored="param")
+                if view.params[name].requires_grad or not exclude_frozen:
+                    self._add_whole(PARAM, name, view.params[name], stored="param")
             for name, buf in view.buffers.items():
                 self._add_whole("buffer", name, buf)
             for key, value in view.extra.items():  # see [Note: extra state]
@@ -330,10 +353,15 @@ class _RankPlan:
 # -- the manifest (rank 0) -----------------------------------------------------------------------
 
 
-def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[str, Any]:
+def _manifest(engine, view: ModelView, tag: str, reports: list[dict], exclude_frozen: bool = False) -> dict[str, Any]:
     world = engine.dist.world_size
     params: dict[str, Any] = {}
+    excluded: dict[str, Any] = {}
     for name, p in view.params.items():
+        if exclude_frozen and not p.requires_grad:
+            shape, dtype = engine.original_tensors.get(name, (p.shape, p.dtype))
+            excluded[name] = {"shape": list(shape), "dtype": dtype_name(dtype)}
+            continue
         fragments = sorted(
             ([rank, start, numel] for rank, rep in enumerate(reports) for start, numel in rep["fragments"].get(name, ())),
             key=lambda f: f[1],
@@ -371,6 +399,7 @@ def _manifest(engine, view: ModelView, tag: str, reports: list[dict]) -> dict[st
         "files": {rank_file(r): rep["file"] for r, rep in enumerate(reports)},
         "params": params,
         "buffers": buffers,
+        **({"excluded_frozen": excluded} if excluded else {}),
         "state_dict": [list(k) for k in view.keys],
         "composed": ParamMap.of(engine.module).to_json(),
         "extra_state": {key: {"bytes": n} for key, n in reports[0]["extra"].items()},
