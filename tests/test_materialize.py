@@ -185,6 +185,88 @@ def test_init_fn_initialises_modules_without_reset_parameters():
         assert model[0].weight.abs().max() <= DIM**-0.5
 
 
+class Pretrained(nn.Module):
+    """A model family with its own initialiser, as Hugging Face's ``PreTrainedModel``; ``value`` stands for
+    a sub-model's config."""
+
+    value = 1.0
+
+    def _init_weights(self, module: nn.Module) -> None:
+        for tensor in module.parameters(recurse=False):
+            tensor.fill_(self.value)
+
+
+class Tower(Pretrained):
+    value = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.gain = Gain()
+
+
+class Composite(Pretrained):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = Tower()
+        self.head = nn.Linear(DIM, DIM)
+        self.embed = nn.Parameter(torch.empty(DIM))
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["model._init_weights", "a plain function"])
+def test_a_sub_model_of_the_family_is_initialised_by_its_own_method(bound):
+    """[Note: sub-models' own initialisers]: the root's bound ``_init_weights`` hands a sub-model's modules
+    to that sub-model's own, as Hugging Face's ``initialize_weights`` does; a plain function runs as given."""
+    model = _on_meta(Composite)
+    init = model._init_weights if bound else (lambda module: Composite._init_weights(model, module))
+    engine = zkernel.initialize(model, _zero3(), init_fn=init)
+    with engine.gathered_parameters():
+        assert torch.all(model.head.weight == 1.0) and torch.all(model.embed == 1.0)
+        tower = [model.tower.proj.weight, model.tower.proj.bias, model.tower.gain.gain]
+        assert all(torch.all(t == (2.0 if bound else 1.0)) for t in tower)
+    engine.close()
+
+
+class WeightNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(DIM, DIM, 3, padding=1), dim=2)
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x.transpose(1, 2)).transpose(1, 2))
+
+
+@pytest.mark.parametrize("with_init_fn", [False, True], ids=["reset_parameters", "init_fn writing conv.weight"])
+def test_weight_norm_originals_come_from_the_modules_own_initialisation(with_init_fn):
+    """[Note: parametrized tensors]: ``conv.parametrizations.weight.original0/1`` are set through
+    ``right_inverse`` from ``Conv1d``'s own initialisation; an init_fn's write to ``conv.weight`` is a no-op,
+    as in Hugging Face's wav2vec2, and its write to the bias stays."""
+    model = _on_meta(WeightNormed)
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, WeightNormed):
+            module.conv.weight.normal_()  # lands on a computed temporary
+            module.conv.bias.fill_(0.25)
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    engine = zkernel.initialize(model, _zero3(), init_fn=init if with_init_fn else None)
+    with engine.gathered_parameters():
+        g = model.conv.parametrizations.weight.original0.detach().clone()
+        v = model.conv.parametrizations.weight.original1.detach().clone()
+        weight = model.conv.weight.detach().clone()
+        bias = model.conv.bias.detach().clone()
+    assert torch.isfinite(g).all() and torch.isfinite(v).all()
+    torch.testing.assert_close(g, v.norm(dim=(0, 1), keepdim=True))  # weight_norm's decomposition of v
+    assert 0 < weight.abs().max() <= (DIM * 3) ** -0.5  # Conv1d's own bound, 1 / sqrt(fan_in)
+    if with_init_fn:
+        assert torch.all(bias == 0.25)
+    x = torch.randn(2, 5, DIM)
+    assert torch.isfinite(engine(x)).all()
+    engine.close()
+
+
 def test_init_fn_that_leaves_a_parameter_unset_is_an_error_naming_it():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(DIM, DIM), Gain())

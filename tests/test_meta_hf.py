@@ -249,3 +249,55 @@ def test_pretrained_weights_load_file_by_file_into_a_meta_built_model(tmp_path, 
         logits = engine(input_ids=ids).logits.cpu()  # on the engine's device
         assert torch.allclose(logits, pretrained(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
     engine.close()
+
+
+def test_a_composite_model_built_on_the_meta_device_takes_each_sub_models_own_init():
+    """LLaVA (a CLIP vision tower and a Llama under one root): ``init_fn=model._init_weights`` initialises
+    the tower's modules with CLIP's own ``_init_weights`` ([Note: sub-models' own initialisers]); the
+    root's alone leaves CLIP's class embedding unset."""
+    import transformers as T
+
+    import zkernel
+
+    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=16, patch_size=4)  # fmt: skip
+    text = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = T.LlavaConfig(vision_config=vision, text_config=text, image_token_index=63)
+    with torch.device("meta"):
+        model = T.LlavaForConditionalGeneration(config)
+    cfg = {**hf.zero3_config(1e-3), "precision": "fp32"}
+    engine = zkernel.initialize(model, cfg, init_fn=model._init_weights)
+    state = engine.state_dict()
+    engine.close()
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    embed = state["model.vision_tower.embeddings.class_embedding"]
+    assert 0.5 * 32**-0.5 < embed.std() < 2 * 32**-0.5  # CLIP's rule (std = width ** -0.5), not a constant
+    with torch.device("meta"):
+        model = T.LlavaForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="class_embedding"):
+        zkernel.initialize(model, cfg, init_fn=lambda module: model._init_weights(module))
+
+
+def test_wav2vec2_built_on_the_meta_device_gets_its_weight_normed_convolution():
+    """wav2vec2's positional convolution is weight-normed: its ``original0/1`` come from ``Conv1d``'s own
+    initialisation through ``right_inverse`` ([Note: parametrized tensors]), where HF's ``_init_weights``
+    write to ``conv.weight`` cannot reach them."""
+    import transformers as T
+
+    import zkernel
+
+    config = T.Wav2Vec2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+                              num_conv_pos_embedding_groups=4, vocab_size=16)  # fmt: skip
+    with torch.device("meta"):
+        model = T.Wav2Vec2ForCTC(config)
+    engine = zkernel.initialize(model, {**hf.zero3_config(1e-3), "precision": "fp32"}, init_fn=model._init_weights)
+    state = engine.state_dict()
+    audio = torch.randn(2, 400, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = engine(input_values=audio.to(engine.device)).logits
+    engine.close()
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    assert "wav2vec2.encoder.pos_conv_embed.conv.parametrizations.weight.original0" in state
+    assert torch.isfinite(logits).all()

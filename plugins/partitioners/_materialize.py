@@ -33,6 +33,29 @@ meta tensors (one unit's parameters, or one module's buffers):
 3. Every tensor of T must have been written: a NaN (or the integer sentinel)
    left behind is an error naming the tensor and the module that holds it.
 
+[Note: sub-models' own initialisers] ``init_fn`` given as a bound method of
+the root model (``model._init_weights``) runs, on a module inside a sub-model
+that has its own method of that name from the same family (the most basic
+class that defines it: Hugging Face's ``PreTrainedModel``), as that
+sub-model's method instead: a LLaVA's vision tower is initialised by the
+CLIP vision model's ``_init_weights`` with the CLIP config, as Hugging Face's
+``initialize_weights`` dispatches. The nearest such sub-model on the
+module's first path from the root wins; a plain callable runs everywhere as
+given.
+
+[Note: parametrized tensors] A tensor under ``torch.nn.utils.parametrize``
+(``weight_norm``: ``conv.parametrizations.weight.original0/1``) cannot be
+written through its module: ``conv.weight`` is computed from the originals,
+so an initialiser's in-place write lands on a temporary (Hugging Face's own
+``_init_weights`` of wav2vec2's positional convolution is such a no-op; the
+values it ends with come from ``Conv1d``'s constructor, decomposed when
+``weight_norm`` was applied). Where the originals are still unset after the
+initialiser, the module's own class initialises a plain tensor of the
+parametrized shape (its ``reset_parameters()``, on a copy of the module whose
+other tensors are meta stand-ins) and the parametrization's
+``right_inverse`` writes the originals from it, as a model built on a real
+device had them.
+
 A tensor held by several modules (a tie) is written only through its first
 holder in registration order, the module whose name ``named_parameters()``
 gives it; the other holders' slots hold the stand-in during the job. That is
@@ -45,10 +68,12 @@ depend only on the job's seed and T.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from zkernel.log import get_logger
 from zkernel.progress import progress
@@ -100,7 +125,9 @@ class MetaMaterializer:
         self._pre_order: list[nn.Module] = []
         self._post_order: list[nn.Module] = []
         self._parents: dict[int, set[int]] = {}
-        self._visit(root, "", set())
+        self._initializer: dict[int, InitFn] = {}  # module -> the init_fn that runs on it
+        self._family = _family(init_fn, root)
+        self._visit(root, "", set(), init_fn)
         # For each tensor: every (slot map, name) holding it and the modules holding it, in
         # registration order (the first is its canonical holder), its name and meta stand-in.
         self._slots: dict[int, list[tuple[_SlotMap, str]]] = {}
@@ -122,16 +149,19 @@ class MetaMaterializer:
         self._order = {id(m): i for i, m in enumerate(self._post_order)}
         self._modules = {id(m): m for m in self._post_order}
 
-    def _visit(self, module: nn.Module, path: str, seen: set[int]) -> None:
-        """Pre- and post-order of the distinct modules, their first paths and their parents."""
+    def _visit(self, module: nn.Module, path: str, seen: set[int], init_fn: InitFn | None) -> None:
+        """Pre- and post-order of the distinct modules, their first paths, parents and initialisers."""
         seen.add(id(module))
         self._path[id(module)] = path
         self._pre_order.append(module)
         self._parents.setdefault(id(module), set())
+        if self._family is not None and module is not self.root and isinstance(module, self._family[1]):
+            init_fn = getattr(module, self._family[0])  # a sub-model's own ([Note: sub-models' own initialisers])
+        self._initializer[id(module)] = init_fn
         for name, child in module.named_children():
             self._parents.setdefault(id(child), set()).add(id(module))
             if id(child) not in seen:
-                self._visit(child, f"{path}.{name}" if path else name, seen)
+                self._visit(child, f"{path}.{name}" if path else name, seen, init_fn)
         self._post_order.append(module)
 
     # -- public ---------------------------------------------------------------------
@@ -175,6 +205,7 @@ class MetaMaterializer:
                 torch.manual_seed(seed)
                 for module in scope:
                     self._init(module)
+                self._init_parametrized(real)
         finally:
             for slots, name, t in hidden:
                 slots[name] = t
@@ -229,7 +260,7 @@ class MetaMaterializer:
     def _init(self, module: nn.Module) -> None:
         try:
             if self.init_fn is not None:
-                self.init_fn(module)
+                self._initializer[id(module)](module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
         except Exception as err:
@@ -239,9 +270,36 @@ class MetaMaterializer:
                 f"a model built on the meta device: {label} raised {type(err).__name__}: {err}"
             ) from err
 
+    def _init_parametrized(self, tensors: list[torch.Tensor]) -> None:
+        """Originals of parametrizations the initialiser left unset, from their module's own initialisation
+        through ``right_inverse`` ([Note: parametrized tensors])."""
+        lists = {}
+        for t in tensors:
+            holder = self._holders[id(t)][0]
+            if isinstance(holder, parametrize.ParametrizationList) and bool(_unwritten(t)):
+                lists[id(holder)] = holder
+        for plist in lists.values():
+            path = self._path[id(plist)]
+            owner_path, _, name = ("." + path).rpartition(".parametrizations.")
+            owner = self.root.get_submodule(owner_path.lstrip("."))
+            plain = next((c for c in type(owner).__mro__ if not getattr(c, "__module__", "").endswith("parametrize")), None)
+            if plain is None or not hasattr(plain, "reset_parameters"):
+                continue  # left unset: _check_written names it
+            value = torch.empty_like(plist(), device=self.device)
+            proxy = plain.__new__(plain)
+            proxy.__dict__.update(owner.__dict__)
+            stand_in = {k: torch.empty_like(v, device="meta") for k, v in owner._parameters.items() if v is not None}
+            proxy.__dict__.update(_parameters={**stand_in, name: nn.Parameter(value)}, _modules={},
+                                  _buffers={k: torch.empty_like(v, device="meta") for k, v in owner._buffers.items()
+                                            if v is not None})  # fmt: skip
+            plain.reset_parameters(proxy)
+            plist.right_inverse(value)
+
     def _check_reset_parameters(self, ids: list[int], kind: str) -> None:
         for i in ids:
             module = self._holders[i][0]
+            if isinstance(module, parametrize.ParametrizationList):
+                continue  # set from its module's own initialisation ([Note: parametrized tensors])
             if not hasattr(module, "reset_parameters"):
                 raise ValueError(
                     f"zero3 cannot initialise meta-device {kind} `{self._names[i]}`: its module "
@@ -264,6 +322,15 @@ class MetaMaterializer:
                     "given (for a Hugging Face model pass init_fn=model._init_weights); otherwise build "
                     "that module on a real device"
                 )
+
+
+def _family(init_fn: InitFn | None, root: nn.Module) -> tuple[str, type] | None:
+    """(method name, the most basic class defining it) where ``init_fn`` is a method bound to ``root``."""
+    if not inspect.ismethod(init_fn) or init_fn.__self__ is not root:
+        return None
+    name = init_fn.__func__.__name__
+    definers = [cls for cls in type(root).__mro__ if name in vars(cls)]
+    return (name, definers[-1]) if definers else None
 
 
 def materialized_units(
