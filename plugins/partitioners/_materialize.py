@@ -319,8 +319,9 @@ class MetaMaterializer:
                     f"zero3 materialised meta-device {kind} `{self._names[id(t)]}` of "
                     f"{_describe(self._path[id(module)], module)}, but {how} left some of its values "
                     "unset. The initialiser must write every parameter and buffer of the modules it is "
-                    "given (for a Hugging Face model pass init_fn=model._init_weights); otherwise build "
-                    "that module on a real device"
+                    "given: for a Hugging Face model pass init_fn=model._init_weights, and where that leaves "
+                    "a value the model sets only in its constructor (CLIP's logit_scale), a function that "
+                    "calls it and also writes that value; otherwise build that module on a real device"
                 )
 
 
