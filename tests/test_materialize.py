@@ -79,10 +79,12 @@ def test_ties_survive_and_train_like_torch(name, units):
     assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
     losses = _train_steps(engine, STEPS, ACCUM, MICRO, SEED)
 
-    # The oracle: the same meta model materialised the same way (same units, same seeds), kept whole.
+    # The oracle: the same meta model materialised the same way (same units, same seeds, the engine's
+    # device: its random generator), kept whole and trained on the CPU.
     reference = _on_meta(MODELS[name])
-    for _ in materialized_units(reference, module_units(reference, units), torch.device("cpu"), 5):
+    for _ in materialized_units(reference, module_units(reference, units), engine.device, 5):
         pass
+    reference = reference.cpu()
     assert reference.head.weight is reference.embed.weight
     expected = reference_losses(reference, batches(SEED + 1, STEPS, ACCUM, 1, MICRO), LR, 0.0, CLIP)
     assert expected[-1] < expected[0]
@@ -322,7 +324,7 @@ def test_meta_buffers_are_built_by_their_modules_init(with_reset):
             zkernel.initialize(model, _zero3())
         return
     zkernel.initialize(model, _zero3())
-    assert torch.equal(model[1].inv_freq, Rotary.compute())
+    assert torch.equal(model[1].inv_freq.cpu(), Rotary.compute())
     assert torch.all(model[2].running_var == 1) and torch.all(model[2].running_mean == 0)
     assert model[2].num_batches_tracked.item() == 0
 
