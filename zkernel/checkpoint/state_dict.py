@@ -277,12 +277,16 @@ class _LocalValues:
         return name in self.source
 
     def get(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The new values of the held tensors among ``names`` that the state dict gives, by held name."""
         wanted = {n for n in names if n in self.source}
         out: dict[str, torch.Tensor] = {}
         for user in dict.fromkeys(self.source[n] for n in names if n in wanted):
-            for name, value in self.targets.cut(user, self.state_dict[user], wanted).items():
+            for name, value in self.targets.cut(user, self._value(user), wanted).items():
                 out.setdefault(name, value)
         return out
+
+    def _value(self, user: str) -> torch.Tensor:
+        return self.state_dict[user]
 
     def extra_state(self) -> dict[str, Any]:
         """Modules' extra state (``<module>._extra_state`` keys) given in the state dict."""
@@ -296,26 +300,21 @@ class _RankZeroValues(_LocalValues):
     def __init__(
         self, engine, targets: _UserKeys, given: list, extras: list[str], state_dict: Mapping[str, Any] | None
     ) -> None:
-        self.targets = targets
-        self.extras = extras
-        self.state_dict = state_dict
-        self.rank = engine.dist.rank
         self.dtypes = {key: parse_dtype(name, f"rank 0's state dict: {key}") for key, name in given}
-        self.source = targets.sources(self.dtypes)
+        super().__init__(targets, self.dtypes)  # the keys rank 0 gave, known on every rank
+        self.state_dict = state_dict
+        self.extras = extras
+        self.rank = engine.dist.rank
         self.device = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def get(self, names: list[str]) -> dict[str, torch.Tensor]:
-        wanted = {n for n in names if n in self.source}
-        out: dict[str, torch.Tensor] = {}
-        for user in dict.fromkeys(self.source[n] for n in names if n in wanted):
-            if self.rank == 0:
-                value = self.state_dict[user].detach().to(self.device).contiguous()
-            else:
-                value = torch.empty(self.targets.shapes[user], dtype=self.dtypes[user], device=self.device)
-            dist.broadcast(value, src=0)
-            for name, held in self.targets.cut(user, value, wanted).items():
-                out.setdefault(name, held)
-        return out
+    def _value(self, user: str) -> torch.Tensor:
+        """User key ``user``'s tensor from rank 0 (collective: every rank asks for the same keys in order)."""
+        if self.rank == 0:
+            value = self.state_dict[user].detach().to(self.device).contiguous()
+        else:
+            value = torch.empty(self.targets.shapes[user], dtype=self.dtypes[user], device=self.device)
+        dist.broadcast(value, src=0)
+        return value
 
     def extra_state(self) -> dict[str, Any]:
         if not self.extras:
