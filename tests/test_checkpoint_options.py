@@ -14,22 +14,9 @@ import torch
 import zkernel
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches, reference_losses
+from tests.test_load_state_dict import ACCUM, CLIP, LR, WD, _config  # the same recipe as the weight-loading tests
 
-STEPS, SAVE_AT, ACCUM, MICRO, SEED = 4, 2, 2, 3, 11
-LR, WD, CLIP = 2e-2, 0.1, 0.5
-
-
-def _config(partitioner: str, **extra) -> dict:
-    cfg = {
-        "partitioner": partitioner,
-        "precision": "fp32",
-        "gradient_accumulation_steps": ACCUM,
-        "gradient_clipping": CLIP,
-        "optimizer": {"lr": LR, "weight_decay": WD},
-        "partitioner_options": {"persistence_threshold": 0} if partitioner == "zero3" else {"bucket_size": 300},
-    }
-    cfg.update(extra)
-    return cfg
+STEPS, SAVE_AT, MICRO, SEED = 4, 2, 3, 11
 
 
 CONFIGS = {
