@@ -148,12 +148,22 @@ def save_to_per_rank_directories(config: dict, root: str) -> str:
     return "no error"
 
 
-def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int, seed: int, from_rank0: bool = False) -> dict:
+def load_weights(
+    config: dict, weights: dict, steps: int, accum: int, micro: int, seed: int, from_rank0: bool = False,
+    on_meta: bool = False,
+) -> dict:  # fmt: skip
     """A fresh model (other values) given ``weights`` by `Engine.load_state_dict` in two halves (strict=False),
     then trained ``steps`` steps: its state dict right after, the losses, and what a bad dict does. With
-    ``from_rank0`` only rank 0 passes the dicts (``broadcast_from_rank0``); the others pass {}."""
+    ``from_rank0`` only rank 0 passes the dicts (``broadcast_from_rank0``); the others pass {}. ``on_meta``
+    builds the model on the meta device with an initialiser that writes its buffers only, so every parameter
+    waits for the load ([Note: values left unset]): what a forward between the halves raised, else None."""
     torch.manual_seed(seed + 2000)
-    engine = zkernel.initialize(TrickyNet(), config)
+    if on_meta:
+        with torch.device("meta"):
+            model = TrickyNet()
+        engine = zkernel.initialize(model, config, init_fn=lambda m: [b.zero_() for b in m.buffers(recurse=False)])
+    else:
+        engine = zkernel.initialize(TrickyNet(), config)
     keys = list(weights)
     _, rank = world_rank()
 
@@ -163,6 +173,12 @@ def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int
         return engine.load_state_dict(state_dict if rank == 0 else {}, strict=strict, broadcast_from_rank0=True)
 
     first = load({k: weights[k] for k in keys[::2]}, strict=False)
+    between = None
+    if on_meta:
+        try:
+            engine(*batches(seed, 1, 1, 1, micro)[0][0][0])
+        except ValueError as exc:
+            between = str(exc)
     second = load({k: weights[k] for k in keys[1::2]}, strict=False)
     loaded = {k: v.clone() for k, v in engine.state_dict().items()}
     only = engine.state_dict(rank0_only=True)  # the whole dict on rank 0, {} elsewhere
@@ -182,7 +198,8 @@ def load_weights(config: dict, weights: dict, steps: int, accum: int, micro: int
     losses = run_steps(engine, batches(seed + 1, steps, accum, world, micro), accum)
     engine.close()
     return {"first": tuple(map(sorted, first)), "second": tuple(map(sorted, second)), "loaded": loaded,
-            "errors": errors, "unchanged": unchanged, "losses": losses, "rank0_only": only}  # fmt: skip
+            "errors": errors, "unchanged": unchanged, "losses": losses, "rank0_only": only,
+            "between": between}  # fmt: skip
 
 
 def load_options(config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int, seed: int) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 import zkernel
 from tests.harness import run_ranks
@@ -35,6 +36,7 @@ CONFIGS = {
         "zero3", offload={"optimizer": "cpu", "params": "cpu"}, optimizer={"name": "cpu_adam", "lr": LR, "weight_decay": WD}
     ),
     "zero3 tiled": _config("zero3", tiling={"modules": ["block.0", "block.2", "frozen_proj"], "tiles": 3}),
+    "zero3 built on meta": _config("zero3"),  # every parameter left unset until the load
 }
 
 
@@ -57,7 +59,10 @@ def _job(tasks):
 @pytest.fixture(scope="module", params=[False, True], ids=["every rank's dict", "broadcast from rank 0"])
 def loaded(request):
     weights, _ = _weights()
-    tasks = [("load_weights", (cfg, weights, STEPS, ACCUM, MICRO, SEED, request.param)) for cfg in CONFIGS.values()]
+    tasks = [
+        ("load_weights", (cfg, weights, STEPS, ACCUM, MICRO, SEED, request.param, name.endswith("on meta")))
+        for name, cfg in CONFIGS.items()
+    ]
     return weights, run_ranks(2, _job, tasks)
 
 
@@ -82,6 +87,10 @@ def test_loaded_weights_are_the_state_dict_and_train_as_torch_from_them(loaded, 
             assert got["rank0_only"] == {}
         for a, b in zip(got["losses"], expected, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], expected)
+        if list(CONFIGS)[index].endswith("on meta"):  # after the first half, the second's keys were unset
+            assert got["between"] and "`block.0.weight`" in got["between"] and "`gain`" not in got["between"]
+        else:
+            assert got["between"] is None
 
 
 def test_a_bad_state_dict_raises_on_every_rank_and_changes_nothing(loaded):
@@ -113,4 +122,27 @@ def test_weights_into_a_model_built_on_the_meta_device():
     targets = (tokens * 7 + 3) % VOCAB
     with torch.no_grad():
         assert abs(engine(tokens, targets).item() - model(tokens, targets).item()) <= 1e-6
+    engine.close()
+
+
+@pytest.mark.usefixtures("zkernel_debug_logs")
+def test_a_non_strict_load_that_matches_no_key_warns():
+    """A wrapper's prefix (PEFT's ``base_model.model.``) makes every key unexpected: nothing is written,
+    as torch's ``load_state_dict(strict=False)``, and a warning says so instead of silence."""
+    weights, _ = _weights()
+    engine = zkernel.initialize(TrickyNet(), _config("zero3"))
+    before = engine.state_dict()
+    prefixed = {"base_model.model." + key: value for key, value in weights.items()}
+    with capture_logs() as logs:
+        missing, unexpected = engine.load_state_dict(prefixed, strict=False)
+    assert unexpected == list(prefixed) and missing == list(weights)
+    (warning,) = [e for e in logs if e["event"] == "zkernel.load_state_dict.no_key_matched"]
+    assert warning["given"] == len(prefixed) and warning["given_keys"] == list(prefixed)[:3]
+    assert warning["model_keys"] == list(weights)[:3] and warning["log_level"] == "warning"
+    assert all(torch.equal(value, before[key]) for key, value in engine.state_dict().items())
+    # Some keys matched: the returned lists tell the rest, as torch's do, and nothing is logged.
+    with capture_logs() as logs:
+        missing, unexpected = engine.load_state_dict({**prefixed, "gain": weights["gain"]}, strict=False)
+    assert len(unexpected) == len(prefixed) and "gain" not in missing
+    assert not [e for e in logs if e["event"] == "zkernel.load_state_dict.no_key_matched"]
     engine.close()

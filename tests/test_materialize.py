@@ -269,15 +269,77 @@ def test_weight_norm_originals_come_from_the_modules_own_initialisation(with_ini
     engine.close()
 
 
-def test_init_fn_that_leaves_a_parameter_unset_is_an_error_naming_it():
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(DIM, DIM), Gain())
+@pytest.mark.usefixtures("zkernel_debug_logs")
+def test_a_parameter_the_init_fn_leaves_unset_waits_for_a_load_and_is_never_used_unset(tmp_path):
+    """[Note: values left unset]: initialize names it in a warning; every use of the values raises
+    naming it until a load (load_state_dict, load_checkpoint) has written it."""
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(DIM, DIM), Gain())
 
     def init(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             module.reset_parameters()
 
-    with pytest.raises(ValueError, match=r"parameter `1\.gain` of `1` \(Gain\), but init_fn left some of its values unset"):
+    model = build()
+    with capture_logs() as logs:
+        engine = zkernel.initialize(model, _zero3(), init_fn=init)
+    (warning,) = [e for e in logs if e["event"] == "zkernel.initialize.values_unset"]
+    assert warning["parameters"] == ["1.gain"] and warning["count"] == 1
+    x = torch.randn(3, DIM)
+
+    def gather() -> None:
+        with engine.gathered_parameters():
+            pass
+
+    uses = [lambda: engine(x), lambda: model(x), engine.state_dict, lambda: engine.save_checkpoint(tmp_path), gather]
+    unset = r"left `1\.gain` unset and no load has written them since"
+    for use in uses:
+        with pytest.raises(ValueError, match=unset):
+            use()
+    assert not list(tmp_path.iterdir()), "no checkpoint of unset values"
+    engine.load_state_dict({"0.bias": torch.zeros(DIM)}, strict=False)  # another key: still unset
+    with pytest.raises(ValueError, match=unset):
+        engine(x)
+    gain = torch.linspace(0.5, 1.5, DIM)
+    engine.load_state_dict({"1.gain": gain}, strict=False)
+    weights = engine.state_dict()
+    assert torch.equal(weights["1.gain"], gain) and torch.equal(weights["0.bias"], torch.zeros(DIM))
+    torch.testing.assert_close(engine(x).cpu(), F.linear(x, weights["0.weight"]) * gain)  # from the engine's device
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.save_checkpoint(tmp_path, tag="trained")
+    trained = engine.state_dict()
+    engine.close()
+
+    again = zkernel.initialize(build(), _zero3(), init_fn=init)
+    with pytest.raises(ValueError, match=unset):
+        again(x)
+    again.load_checkpoint(tmp_path, tag="trained")
+    torch.testing.assert_close(again(x).cpu(), F.linear(x, trained["0.weight"], trained["0.bias"]) * trained["1.gain"])
+    again.close()
+
+
+def test_init_fn_that_leaves_a_buffer_unset_is_an_error_naming_it():
+    """A buffer is not deferred: a non-persistent one is in no state dict a load could write."""
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.empty(DIM), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM), Scale())
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    with pytest.raises(ValueError, match=r"buffer `1\.scale` of `1` \(Scale\), but init_fn left some of its values unset"):
         zkernel.initialize(model, _zero3(), init_fn=init)
 
 

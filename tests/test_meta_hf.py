@@ -254,7 +254,7 @@ def test_pretrained_weights_load_file_by_file_into_a_meta_built_model(tmp_path, 
 def test_a_composite_model_built_on_the_meta_device_takes_each_sub_models_own_init():
     """LLaVA (a CLIP vision tower and a Llama under one root): ``init_fn=model._init_weights`` initialises
     the tower's modules with CLIP's own ``_init_weights`` ([Note: sub-models' own initialisers]); the
-    root's alone leaves CLIP's class embedding unset."""
+    root's alone leaves CLIP's position ids unset."""
     import transformers as T
 
     import zkernel
@@ -275,8 +275,39 @@ def test_a_composite_model_built_on_the_meta_device_takes_each_sub_models_own_in
     assert 0.5 * 32**-0.5 < embed.std() < 2 * 32**-0.5  # CLIP's rule (std = width ** -0.5), not a constant
     with torch.device("meta"):
         model = T.LlavaForConditionalGeneration(config)
-    with pytest.raises(ValueError, match="class_embedding"):
+    with pytest.raises(ValueError, match="buffer `model.vision_tower.embeddings.position_ids`"):
         zkernel.initialize(model, cfg, init_fn=lambda module: model._init_weights(module))
+
+
+def test_clip_built_on_the_meta_device_takes_its_constructor_only_value_from_the_pretrained_weights():
+    """CLIP's ``logit_scale`` is set only in its constructor and no ``_init_weights`` writes it: built on
+    the meta device it is left unset ([Note: values left unset]) until the pretrained weights arrive."""
+    import transformers as T
+
+    import zkernel
+
+    config = T.CLIPConfig(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "vocab_size": 64, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 16, "patch_size": 4},
+        projection_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    pretrained = T.CLIPModel(config).eval()
+    with torch.device("meta"):
+        model = T.CLIPModel(config)
+    engine = zkernel.initialize(model, {**hf.zero3_config(1e-3), "precision": "fp32"}, init_fn=model._init_weights)
+    engine.eval()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), pytest.raises(ValueError, match="`logit_scale` unset"):
+        engine(input_ids=ids, pixel_values=pixels)
+    assert tuple(engine.load_state_dict(pretrained.state_dict())) == ([], [])
+    with torch.no_grad():
+        got = engine(input_ids=ids.to(engine.device), pixel_values=pixels.to(engine.device)).logits_per_image.cpu()
+        torch.testing.assert_close(got, pretrained(input_ids=ids, pixel_values=pixels).logits_per_image)
+    engine.close()
 
 
 def test_wav2vec2_built_on_the_meta_device_gets_its_weight_normed_convolution():

@@ -48,6 +48,7 @@ from zkernel.step_pipeline import StepPipeline
 from zkernel.streams import Streams
 from zkernel.tiers import OptimizerTier, ParamsTier, StoredBytes
 from zkernel.timeline import SpanKind, Timeline
+from zkernel.unset import UnsetValues
 
 log = get_logger()
 
@@ -125,6 +126,7 @@ class Engine:
             max_norm=config.gradient_clipping,
             updated=lambda group: _prefetch_updated(scheduler_ref, group),
         )
+        self.unset = UnsetValues(self.groups)  # [Note: values left unset] in `zkernel.unset`
         self.scheduler = Scheduler(
             hook,
             self.groups,
@@ -137,6 +139,7 @@ class Engine:
             root=module,
             window=lambda: _window(engine_ref),
             order=ReductionOrder.of_model(module, self.groups, streams_device(parts.streams)) if dist_info.distributed else None,
+            unset=self.unset,
         )
         scheduler_ref = weakref.ref(self.scheduler)
         self.micro_steps = 0
@@ -231,6 +234,7 @@ class Engine:
         block; writes to them are not propagated to the shards.
         """
         self._check_open()
+        self.unset.require("engine.gathered_parameters()")
         self.pipeline.wait_all()
         groups = [g for g in self.scheduler.bound if not g.gathered]
         with self.scheduler.plugin_call():
@@ -436,6 +440,7 @@ class Engine:
         """
         from zkernel.checkpoint.save import save
 
+        self.unset.require("engine.save_checkpoint()")
         return save(self, directory, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(
@@ -475,6 +480,7 @@ class Engine:
         """
         from zkernel.checkpoint.state_dict import full_state_dict
 
+        self.unset.require("engine.state_dict()")
         return full_state_dict(self, rank0_only)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, *, broadcast_from_rank0: bool = False):

@@ -135,6 +135,7 @@ from zkernel.profiling import profiler_range
 from zkernel.reduction_order import ReductionOrder
 from zkernel.released import is_released, set_fetcher
 from zkernel.trace import ModuleTrace
+from zkernel.unset import UnsetValues
 
 log = get_logger()
 
@@ -161,9 +162,11 @@ class Scheduler:
         root: nn.Module | None = None,
         window: Callable[[], tuple[bool, int]] = lambda: (True, 0),
         order: ReductionOrder | None = None,
+        unset: UnsetValues | None = None,
     ) -> None:
         self.hook = hook
         self.root = root
+        self._unset = unset  # a forward refuses parameters no one has written ([Note: values left unset])
         self._window = window  # () -> (whether the engine's micro-step ends a window, its number)
         self._forward_depth = 0  # forwards of the root running now, nested ones included
         self._kept: list[ParamGroup] = []  # groups left whole for the backward (see [Note: root kept for backward])
@@ -250,6 +253,8 @@ class Scheduler:
         a call is a pass of its own. Within a pass they only count depth."""
         if _in_backward():
             return
+        if self._forward_depth == 0 and self._unset is not None:
+            self._unset.require("A forward of the model")
         self._forward_depth += 1
         if self._forward_depth == 1:
             self.begin_forward(*self._window())

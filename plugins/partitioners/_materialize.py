@@ -31,7 +31,10 @@ meta tensors (one unit's parameters, or one module's buffers):
    tensors of earlier units (already sliced), of later units (still meta) and
    the ones the user built on a real device are left alone.
 3. Every tensor of T must have been written: a NaN (or the integer sentinel)
-   left behind is an error naming the tensor and the module that holds it.
+   left behind in a buffer is an error naming the tensor and the module that
+   holds it. A parameter left unset is recorded instead (``unset``), for a
+   load to write before anything uses it ([Note: values left unset] in
+   `zkernel.unset`).
 
 [Note: sub-models' own initialisers] ``init_fn`` given as a bound method of
 the root model (``model._init_weights``) runs, on a module inside a sub-model
@@ -121,6 +124,7 @@ class MetaMaterializer:
         self.root = root
         self.device = torch.device(device)
         self.init_fn = init_fn
+        self.unset: set[str] = set()  # parameters the initialiser left unset
         self._path: dict[int, str] = {}
         self._pre_order: list[nn.Module] = []
         self._post_order: list[nn.Module] = []
@@ -312,16 +316,18 @@ class MetaMaterializer:
     def _check_written(self, tensors: list[torch.Tensor], kind: str) -> None:
         flags = torch.stack([_unwritten(t) for t in tensors]).cpu()
         for t, bad in zip(tensors, flags.tolist()):
-            if bad:
+            if bad and kind == "parameter":
+                self.unset.add(self._names[id(t)])  # for a load to write ([Note: values left unset])
+            elif bad:
                 module = self._holders[id(t)][0]
                 how = "init_fn" if self.init_fn is not None else "reset_parameters()"
                 raise ValueError(
                     f"zero3 materialised meta-device {kind} `{self._names[id(t)]}` of "
                     f"{_describe(self._path[id(module)], module)}, but {how} left some of its values "
-                    "unset. The initialiser must write every parameter and buffer of the modules it is "
-                    "given: for a Hugging Face model pass init_fn=model._init_weights, and where that leaves "
-                    "a value the model sets only in its constructor (CLIP's logit_scale), a function that "
-                    "calls it and also writes that value; otherwise build that module on a real device"
+                    "unset. A buffer's values must come from the initialiser (a non-persistent buffer is in "
+                    "no state dict a load could write it from): for a Hugging Face model pass "
+                    "init_fn=model._init_weights, where that leaves it unset a function that calls it and "
+                    "also writes this buffer; otherwise build that module on a real device"
                 )
 
 
@@ -340,6 +346,7 @@ def materialized_units(
     device: torch.device,
     seed: int,
     init_fn: InitFn | None = None,
+    unset: set[str] | None = None,
 ) -> Iterator[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
     """Yield ``units`` (zero3's ``module_units``) with their meta parameters materialised, one at a time.
 
@@ -347,7 +354,8 @@ def materialized_units(
     a caller that slices and frees each unit before the next holds one whole
     unit at a time. After the last unit, buffers still on meta are built under
     ``seed + len(units)``, ``seed + len(units) + 1``, ... A model with nothing
-    on meta passes through untouched.
+    on meta passes through untouched. The names of parameters the initialiser
+    left unset are added to ``unset`` as each unit is yielded.
     """
     has_meta = any(t.is_meta for t in root.parameters()) or any(b.is_meta for b in root.buffers())
     if not has_meta:
@@ -358,7 +366,10 @@ def materialized_units(
     with progress(meta_bytes, "building the model") as bar:
         for index, (unit_name, unit, named) in enumerate(units):
             nbytes = sum(p.numel() * p.element_size() for _, p in named if p.is_meta)
-            yield unit_name, unit, materializer.parameters(named, seed + index)
+            built = materializer.parameters(named, seed + index)
+            if unset is not None:
+                unset.update(materializer.unset)
+            yield unit_name, unit, built
             bar.update(nbytes)
     jobs = materializer.buffers(seed + len(units))
     log.debug("zkernel.materialize.done", units=len(units), buffer_modules=jobs, device=str(device))

@@ -80,14 +80,14 @@ def load(
     """
     check_between_steps(engine, "load_checkpoint")
     started = time.perf_counter()
-    error, index, touched, saved_client = None, None, [False], [{}]
+    error, index, touched, saved_client, written = None, None, [False], [{}], []
     optimizer_states = load_optimizer_states and not load_module_only
     try:
         for name, flag in (("load_optimizer_states", load_optimizer_states), ("load_module_only", load_module_only)):
             if not isinstance(flag, bool):
                 raise TypeError(f"load_checkpoint's {name} must be True or False, not {flag!r}")
         index = open_checkpoint(Path(directory), tag)
-        _read_everything(engine, index, touched, optimizer_states, saved_client)
+        written = _read_everything(engine, index, touched, optimizer_states, saved_client)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait forever
         error = exc
     statuses = exchange_json({"error": describe_error(error)} if error is not None else {}, engine.dist)
@@ -109,6 +109,7 @@ def load(
             engine.params_tier.to_device(group, consume=True, block=True)
             engine.hook.zkernel_restore_state(group=group)
             engine.params_tier.drop_device(group)
+    engine.unset.written(written)
     rank = engine.dist.rank
     if not load_module_only:
         engine.load_training_state(index.manifest["engine"])
@@ -131,10 +132,10 @@ def load(
 
 def _read_everything(
     engine, index: CheckpointIndex, touched: list[bool], optimizer_states: bool, saved_client: list[dict]
-) -> None:
+) -> list[str]:
     """Every group's shard (with its optimizer state, or the state the engine keeps), then whole
     parameters, buffers and modules' extra state, into this rank's tiers and modules (no collectives);
-    the client state into ``saved_client[0]``."""
+    the client state into ``saved_client[0]``. Returns the names of the parameters given values."""
     view = view_of(engine.module)
     stored = StoredParams(index, ParamMap.of(engine.module))
     _check_model(engine, view, index, stored)
@@ -177,6 +178,7 @@ def _read_everything(
     if extras:
         touched[0] = True
         extra_state.restore(engine.module, extras)
+    return [name for name in view.params if not stored.excluded(name)]
 
 
 def _read_extra_state(view: ModelView, index: CheckpointIndex, device: torch.device) -> dict[str, Any]:

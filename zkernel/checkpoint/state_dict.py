@@ -56,8 +56,11 @@ from zkernel.checkpoint.shards import (
     kept_optimizer_state,
     whole_params,
 )
+from zkernel.log import get_logger
 from zkernel.param_map import ParamMap
 from zkernel.tiers import ShardState
+
+log = get_logger()
 
 
 def full_state_dict(engine, rank0_only: bool = False) -> dict[str, Any]:
@@ -156,6 +159,8 @@ def load_full_state_dict(
         values = _RankZeroValues(engine, targets, first["given"], first["extras"], state_dict if info.rank == 0 else None)
     else:
         values = _LocalValues(targets, state_dict)
+    if info.rank == 0 and unexpected and len(unexpected) == len(state_dict or ()):
+        _warn_nothing_matched(unexpected, missing)
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     touched = []
@@ -180,7 +185,21 @@ def load_full_state_dict(
             engine.params_tier.to_device(group, consume=True, block=True)
             engine.hook.zkernel_restore_state(group=group)
             engine.params_tier.drop_device(group)
+    engine.unset.written(values.source)
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _warn_nothing_matched(given: list[str], expected: list[str]) -> None:
+    """A non-strict load none of whose keys is the model's writes nothing; say so instead of staying silent
+    (a wrapper's prefix, PEFT's ``base_model.model.``, is the usual cause)."""
+    log.warning(
+        "zkernel.load_state_dict.no_key_matched",
+        given=len(given),
+        given_keys=given[:3],
+        model_keys=expected[:3],
+        advice="none of the state dict's keys is one of the model's, so nothing was loaded; rename the keys "
+        "to the model's (engine.state_dict().keys())",
+    )
 
 
 def _write_group(engine, group, layout, names: list[str], values: dict[str, torch.Tensor]) -> None:
