@@ -3,8 +3,12 @@
 Everything else about the distribution lives in pyproject.toml.
 """
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# The sources compile side by side, one per core (ZKERNEL_BUILD_JOBS overrides): the install is
+# part of every fresh clone's test run.
+ParallelCompile("ZKERNEL_BUILD_JOBS").install()
 
 native = Pybind11Extension(
     "zkernel._native",

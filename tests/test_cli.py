@@ -20,6 +20,8 @@ BUILTINS = [
     ("optimizer", "adamw"),
     ("optimizer", "cpu_adam"),
     ("offload tier", "none"),
+    ("offload tier", "cpu"),
+    ("offload tier", "nvme"),
 ]
 
 # Variables torchrun sets; a test run under torchrun must not make the demo think it is a rank.
@@ -127,6 +129,14 @@ def test_version(argv):
     result = run_cli(*argv)
     assert result.returncode == 0
     assert zkernel.__version__ in result.stdout
+
+
+def test_the_parser_and_config_command_import_no_torch():
+    """``zkernel --version`` and ``zkernel config`` answer without the seconds torch takes to import."""
+    probe = "import sys, zkernel.cli as c; c.build_parser(); c.main(['config']); print('torch' in sys.modules, file=sys.stderr)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "False", result.stderr
 
 
 def test_configure_logging_json_is_rank_aware_and_hides_debug(capsys, restore_zkernel_logger):

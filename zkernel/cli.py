@@ -425,7 +425,7 @@ def _add_logging_options(parser: argparse.ArgumentParser, default: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from zkernel import __version__
-    from zkernel.demo.train import add_training_arguments
+    from zkernel.demo.arguments import add_training_arguments
 
     parser = argparse.ArgumentParser(
         prog="zkernel", description="ZeRO partitioning and offload for PyTorch, as a plugin microkernel."

@@ -36,10 +36,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from zkernel.aio import ALIGNMENT
 from zkernel.config import Config, ConfigError, config_from_dict
 from zkernel.deepspeed_scheduler import map_scheduler
-from zkernel.distributed import expected_world_size
 from zkernel.log import get_logger
 
 log = get_logger()
@@ -202,6 +200,8 @@ def _offload(reader: _Reader, key: str) -> tuple[str, str | None]:
 
 def _aio(reader: _Reader, offload: dict[str, Any]) -> None:
     """Map ``aio.block_size`` to the ``aio_block_size`` of each nvme tier; the rest of ``aio`` has no equivalent."""
+    from zkernel.aio import ALIGNMENT  # imports torch: only where an nvme block size is given
+
     block = reader.integer("aio.block_size", minimum=1)
     roles = [role for role in ("optimizer", "params") if offload[role] == "nvme"]
     if block is not None and not roles:
@@ -381,6 +381,8 @@ def _batch_sizes(reader: _Reader, out: dict[str, Any]) -> tuple[int | None, int 
         # "auto" is the Hugging Face Trainer's to fill in; absent or auto, zkernel needs neither.
         sizes.append(None if reader.peek(key) in (None, "auto") else reader.integer(key, minimum=1))
     micro, batch = sizes
+    from zkernel.distributed import expected_world_size  # imports torch: only where batch sizes need it
+
     world = expected_world_size()  # the data-parallel world the config is for
     if accumulation is None and micro is not None and batch is not None:
         accumulation = max(1, batch // micro // world)

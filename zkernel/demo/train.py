@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 import zkernel
+from zkernel.demo.arguments import SHORT_SECONDS, add_training_arguments
 from zkernel.demo.corpus import load_corpus, sample_batch
 from zkernel.demo.gpt import GPT, GPTConfig
 from zkernel.log import get_logger
 
 log = get_logger("zkernel.demo")
 
-SHORT_SECONDS = 5.0
 WARMUP_STEPS = 8
 PROMPT = "The third stage "
 
@@ -47,43 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
     parser.add_argument("-v", "--verbose", action="store_true", help="also show zkernel debug events")
     return parser
-
-
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options shared by ``zkernel demo`` and this module (the CLI forwards them)."""
-    parser.add_argument("--seconds", type=float, default=60.0, help="training time (default: 60)")
-    parser.add_argument(
-        "--partitioner", default="zero3", help="partitioner to train with (default: zero3)"
-    )
-    parser.add_argument(
-        "--offload-optimizer",
-        default="cpu",
-        help="offload.optimizer tier: fp32 masters and Adam state in host memory, stepped by the native "
-        "CPU Adam while the device computes (default: cpu; 'none' keeps them on the device)",
-    )
-    parser.add_argument(
-        "--offload-params", default="none", help="offload.params tier (zero3 only; default: none)"
-    )
-    parser.add_argument(
-        "--short",
-        action="store_true",
-        help=f"test mode: {SHORT_SECONDS:g} s of training and a shorter sample",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default: 2e-3)")
-    parser.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch per rank")
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--sample-chars", type=int, default=None, help="characters to generate at the end")
-    parser.add_argument(
-        "--meta-init",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="build the model on the meta device and let zero3 materialise it shard by shard "
-        "(default: on with zero3, which is the only partitioner that can)",
-    )
 
 
 def demo_config(
