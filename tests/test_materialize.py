@@ -320,6 +320,13 @@ def test_a_parameter_the_init_fn_leaves_unset_waits_for_a_load_and_is_never_used
     torch.testing.assert_close(again(x).cpu(), F.linear(x, trained["0.weight"], trained["0.bias"]) * trained["1.gain"])
     again.close()
 
+    never = build()
+    engine = zkernel.initialize(never, _zero3(), init_fn=init)
+    with capture_logs() as logs:
+        engine.close()  # never loaded: the model gets the value back as the initialiser left it, with a warning
+    (warning,) = [e for e in logs if e["event"] == "zkernel.close.values_unset"]
+    assert warning["parameters"] == ["1.gain"] and never[1].gain.isnan().all()
+
 
 def test_init_fn_that_leaves_a_buffer_unset_is_an_error_naming_it():
     """A buffer is not deferred: a non-persistent one is in no state dict a load could write."""

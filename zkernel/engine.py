@@ -384,6 +384,13 @@ class Engine:
         if self._closed:
             return
         self._exit_guard()
+        if self.unset.names:  # [Note: values left unset]: given back as the initialiser left them (NaN)
+            log.warning(
+                "zkernel.close.values_unset",
+                parameters=self.unset.names[:8],
+                count=len(self.unset.names),
+                advice="neither the initialiser nor a load wrote these parameters; the model gets them back as NaN",
+            )
         failed: Exception | None = None
         try:
             self.pipeline.wait_all()
