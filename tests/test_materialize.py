@@ -164,10 +164,70 @@ class Gain(nn.Module):
         return x * self.gain
 
 
-def test_module_without_reset_parameters_is_an_error_naming_its_path():
+@pytest.mark.usefixtures("zkernel_debug_logs")
+def test_a_parameter_whose_module_has_no_reset_parameters_waits_for_a_load():
+    """Without init_fn, such a parameter is left unset ([Note: values left unset]): named at initialize,
+    refused at the first forward, given by a load (accelerate's ``init_empty_weights`` flow)."""
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(DIM, DIM), nn.Sequential(nn.Tanh(), Gain()))
-    with pytest.raises(ValueError, match=r"`1\.1\.gain`.*`1\.1` \(Gain\) has no reset_parameters\(\).*init_fn="):
+    with capture_logs() as logs:
+        engine = zkernel.initialize(model, _zero3())
+    (warning,) = [e for e in logs if e["event"] == "zkernel.initialize.values_unset"]
+    assert warning["parameters"] == ["1.1.gain"]
+    x = torch.randn(3, DIM)
+    with pytest.raises(ValueError, match=r"left `1\.1\.gain` unset.*reset_parameters\(\).*init_fn=model\._init_weights"):
+        engine(x)
+    engine.load_state_dict({"1.1.gain": torch.full((DIM,), 0.5)}, strict=False)
+    weights = engine.state_dict()
+    torch.testing.assert_close(engine(x).cpu(), torch.tanh(F.linear(x, weights["0.weight"], weights["0.bias"])) * 0.5)
+    engine.close()
+
+
+class Table(nn.Module):
+    """A constructor-computed non-persistent buffer and a parameter no reset_parameters() writes, as
+    diffusers' PixArt (``scale_shift_table``) and its sinusoidal position tables."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.table = nn.Parameter(torch.randn(DIM) / DIM**0.5)
+        self.register_buffer("pos", torch.sin(torch.arange(DIM, dtype=torch.float32)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.table + self.pos
+
+
+def test_a_model_with_empty_weights_needs_no_initialiser_before_its_weights_are_loaded():
+    """accelerate's ``init_empty_weights()``: parameters on meta, buffers real. zero3 leaves the parameters
+    unset, keeps the buffer, and a load of the pretrained state dict gives the pretrained model's output."""
+    torch.manual_seed(3)
+    pretrained = Table()
+    empty = Table()
+    for module in empty.modules():
+        for name, p in list(module._parameters.items()):
+            module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    engine = zkernel.initialize(empty, _zero3())
+    assert tuple(engine.load_state_dict(pretrained.state_dict())) == ([], [])
+    x = torch.randn(3, DIM)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x).cpu(), pretrained(x))
+    engine.close()
+
+
+def test_a_buffer_whose_module_has_no_reset_parameters_is_an_error_naming_its_path():
+    """No load could write a non-persistent buffer: refused at initialize."""
+
+    class Shift(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("shift", torch.zeros(DIM), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.shift
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.Sequential(nn.Tanh(), Shift()))
+    with pytest.raises(ValueError, match=r"buffer `1\.1\.shift`.*`1\.1` \(Shift\) has no reset_parameters\(\).*init_fn="):
         zkernel.initialize(model, _zero3())
 
 

@@ -172,12 +172,17 @@ def test_materialised_init_is_the_models_own(arch):
         assert torch.equal(buf, eager_buffers[name]), name
 
 
-def test_module_without_reset_parameters_names_its_path():
+def test_module_without_reset_parameters_is_named_and_refused_at_the_first_forward():
+    """GPT-2's Conv1D has no reset_parameters(): without init_fn its weights wait for a load ([Note: values
+    left unset]), and a forward before one says to pass the model's own initialiser."""
     model = hf.build_on_meta("gpt2", 64, 1)
     import zkernel
 
-    with pytest.raises(ValueError, match=r"`transformer\.h\.0\.attn\.c_attn` \(Conv1D\).*init_fn=model\._init_weights"):
-        zkernel.initialize(model, hf.zero3_config(1e-3))
+    engine = zkernel.initialize(model, hf.zero3_config(1e-3))
+    ids = hf.token_batches(0, 1, 1, 2)[0][0]
+    with pytest.raises(ValueError, match=r"`transformer\.h\.0\.attn\.c_attn\.weight`.*init_fn=model\._init_weights"):
+        engine(input_ids=ids)
+    engine.close()
 
 
 def test_checkpointed_recurrent_layers_get_no_cache_in_training():

@@ -4,16 +4,20 @@
 from the initialiser zero3 runs on each unit (`initialize`'s ``init_fn``).
 Where the initialiser leaves a parameter unset (a value the model sets only
 in its constructor, as CLIP's ``logit_scale``, which Hugging Face's
-``_init_weights`` never writes), the usual next step writes it anyway:
-pretrained weights through `Engine.load_state_dict`, or a checkpoint through
-`Engine.load_checkpoint`. So `initialize` does not refuse such a model: the
+``_init_weights`` never writes; or one whose module has no
+``reset_parameters()`` and no ``init_fn`` was given, as in a diffusers model
+built with accelerate's ``init_empty_weights()``), the usual next step writes
+it anyway: pretrained weights through `Engine.load_state_dict`, or a
+checkpoint through `Engine.load_checkpoint`. So `initialize` does not refuse such a model: the
 partitioner reports the names (`ParamGroup.unset`), `initialize` logs a
 warning naming them, each load takes off the names it wrote, and until none
 is left every call that would use or hand out the values (a forward, however
 it is called; `state_dict`, `save_checkpoint`, `gathered_parameters`) raises
 an error naming them, on every rank alike (the names are the same on every
 rank: each builds the same units from the same seeds). A value is never
-used unset, and the check costs one truth test per forward. Buffers are not
+used unset, and the check costs one truth test per forward. The price: a
+run from scratch that forgot its ``init_fn`` hears of it at `initialize` as a
+warning, and as an error only at its first forward. Buffers are not
 deferred: a non-persistent one (rotary ``inv_freq``) is in no state dict, so
 an unset buffer stays an error at `initialize`.
 """
@@ -39,7 +43,8 @@ class UnsetValues:
                 parameters=self.names[:8],
                 count=len(self.names),
                 advice="the initialiser left these values unset; load them (engine.load_state_dict or "
-                "load_checkpoint) before the first forward, or pass an init_fn that writes them",
+                "load_checkpoint) before the first forward, or pass an init_fn that writes them (a Hugging Face "
+                "model: init_fn=model._init_weights), or give their modules a reset_parameters()",
             )
 
     def written(self, names: Iterable[str]) -> None:
@@ -56,7 +61,7 @@ class UnsetValues:
                 f"{action} needs every parameter's value, but the meta-device initialiser left "
                 f"{', '.join(f'`{n}`' for n in self.names[:8])}{more} unset and no load has written them since. "
                 "Load them first (engine.load_state_dict with the pretrained weights, or engine.load_checkpoint), "
-                "or pass zkernel.initialize(..., init_fn=fn) where fn also writes them (a function that calls "
-                "model._init_weights(module) and, on the module holding CLIP's logit_scale, fills it with "
-                "config.logit_scale_init_value)"
+                "or give their modules a reset_parameters(), or pass zkernel.initialize(..., init_fn=fn) where "
+                "fn writes them (a Hugging Face model: init_fn=model._init_weights; for a value that leaves "
+                "unset, as CLIP's logit_scale, a function that calls it and also fills that value)"
             )

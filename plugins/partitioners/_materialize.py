@@ -32,9 +32,12 @@ meta tensors (one unit's parameters, or one module's buffers):
    the ones the user built on a real device are left alone.
 3. Every tensor of T must have been written: a NaN (or the integer sentinel)
    left behind in a buffer is an error naming the tensor and the module that
-   holds it. A parameter left unset is recorded instead (``unset``), for a
-   load to write before anything uses it ([Note: values left unset] in
-   `zkernel.unset`).
+   holds it, as is a buffer whose module has no ``reset_parameters()`` when
+   there is no ``init_fn``. A parameter left unset (also one whose module has
+   no way to initialise it) is recorded instead (``unset``), for a load to
+   write before anything uses it ([Note: values left unset] in
+   `zkernel.unset`): a model built with accelerate's ``init_empty_weights()``
+   and given its weights by `Engine.load_state_dict` needs no initialiser.
 
 [Note: sub-models' own initialisers] ``init_fn`` given as a bound method of
 the root model (``model._init_weights``) runs, on a module inside a sub-model
@@ -198,7 +201,7 @@ class MetaMaterializer:
     def _job(self, tensors: list[torch.Tensor], seed: int, kind: str) -> None:
         ids = [id(t) for t in tensors]
         scope = self._scope(ids)
-        if self.init_fn is None:
+        if self.init_fn is None and kind == "buffer":  # a parameter left unset waits for a load
             self._check_reset_parameters(ids, kind)
         real = [self._allocate(t) for t in tensors]
         ids = [id(t) for t in real]
