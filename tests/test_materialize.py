@@ -183,6 +183,17 @@ def test_a_parameter_whose_module_has_no_reset_parameters_waits_for_a_load():
     engine.close()
 
 
+class Scale(nn.Module):
+    """A non-persistent buffer and no reset_parameters: only an initialiser can give it values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.empty(DIM), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 class Table(nn.Module):
     """A constructor-computed non-persistent buffer and a parameter no reset_parameters() writes, as
     diffusers' PixArt (``scale_shift_table``) and its sinusoidal position tables."""
@@ -216,18 +227,9 @@ def test_a_model_with_empty_weights_needs_no_initialiser_before_its_weights_are_
 
 def test_a_buffer_whose_module_has_no_reset_parameters_is_an_error_naming_its_path():
     """No load could write a non-persistent buffer: refused at initialize."""
-
-    class Shift(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("shift", torch.zeros(DIM), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.shift
-
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(DIM, DIM), nn.Sequential(nn.Tanh(), Shift()))
-    with pytest.raises(ValueError, match=r"buffer `1\.1\.shift`.*`1\.1` \(Shift\) has no reset_parameters\(\).*init_fn="):
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.Sequential(nn.Tanh(), Scale()))
+    with pytest.raises(ValueError, match=r"buffer `1\.1\.scale`.*`1\.1` \(Scale\) has no reset_parameters\(\).*init_fn="):
         zkernel.initialize(model, _zero3())
 
 
@@ -390,15 +392,6 @@ def test_a_parameter_the_init_fn_leaves_unset_waits_for_a_load_and_is_never_used
 
 def test_init_fn_that_leaves_a_buffer_unset_is_an_error_naming_it():
     """A buffer is not deferred: a non-persistent one is in no state dict a load could write."""
-
-    class Scale(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("scale", torch.empty(DIM), persistent=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.scale
-
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(DIM, DIM), Scale())
 

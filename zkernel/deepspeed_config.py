@@ -374,6 +374,8 @@ def _optimizer(reader: _Reader, out: dict[str, Any], optimizer_tier: str) -> Non
 def _batch_sizes(reader: _Reader, out: dict[str, Any]) -> tuple[int | None, int | None, int]:
     """Map ``gradient_accumulation_steps``, derived from the batch sizes where absent as DeepSpeed
     derives it; returns (micro-batch, global batch, world size) for the info event."""
+    from zkernel.distributed import expected_world_size  # imports torch: only for a DeepSpeed config
+
     accumulation = reader.integer("gradient_accumulation_steps", minimum=1)
     sizes = []
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
@@ -381,8 +383,6 @@ def _batch_sizes(reader: _Reader, out: dict[str, Any]) -> tuple[int | None, int 
         # "auto" is the Hugging Face Trainer's to fill in; absent or auto, zkernel needs neither.
         sizes.append(None if reader.peek(key) in (None, "auto") else reader.integer(key, minimum=1))
     micro, batch = sizes
-    from zkernel.distributed import expected_world_size  # imports torch: only where batch sizes need it
-
     world = expected_world_size()  # the data-parallel world the config is for
     if accumulation is None and micro is not None and batch is not None:
         accumulation = max(1, batch // micro // world)

@@ -2,24 +2,24 @@
 
 [Note: values left unset] A model built on the meta device gets its values
 from the initialiser zero3 runs on each unit (`initialize`'s ``init_fn``).
-Where the initialiser leaves a parameter unset (a value the model sets only
-in its constructor, as CLIP's ``logit_scale``, which Hugging Face's
+Where the initialiser leaves a parameter unset (a value the model sets only in
+its constructor, as CLIP's ``logit_scale``, which Hugging Face's
 ``_init_weights`` never writes; or one whose module has no
 ``reset_parameters()`` and no ``init_fn`` was given, as in a diffusers model
 built with accelerate's ``init_empty_weights()``), the usual next step writes
 it anyway: pretrained weights through `Engine.load_state_dict`, or a
-checkpoint through `Engine.load_checkpoint`. So `initialize` does not refuse such a model: the
-partitioner reports the names (`ParamGroup.unset`), `initialize` logs a
-warning naming them, each load takes off the names it wrote, and until none
-is left every call that would use or hand out the values (a forward, however
-it is called; `state_dict`, `save_checkpoint`, `gathered_parameters`) raises
-an error naming them, on every rank alike (the names are the same on every
-rank: each builds the same units from the same seeds). A value is never
-used unset, and the check costs one truth test per forward. The price: a
-run from scratch that forgot its ``init_fn`` hears of it at `initialize` as a
-warning, and as an error only at its first forward. Buffers are not
-deferred: a non-persistent one (rotary ``inv_freq``) is in no state dict, so
-an unset buffer stays an error at `initialize`.
+checkpoint through `Engine.load_checkpoint`. So `initialize` does not refuse
+such a model: the partitioner reports the names (`ParamGroup.unset`),
+`initialize` logs a warning naming them, each load takes off the names it
+wrote, and until none is left every call that would use or hand out the values
+(a forward, however it is called; `state_dict`, `save_checkpoint`,
+`gathered_parameters`) raises an error naming them, on every rank alike (the
+names are the same on every rank: each builds the same units from the same
+seeds). A value is never used unset, and the check costs one truth test per
+forward. The price: a run from scratch that forgot its ``init_fn`` hears of it
+at `initialize` as a warning, and as an error only at its first forward.
+Buffers are not deferred: a non-persistent one (rotary ``inv_freq``) is in no
+state dict, so an unset buffer stays an error at `initialize`.
 """
 
 from __future__ import annotations

@@ -116,18 +116,21 @@ class MetaMaterializer:
     """Builds the meta tensors of ``root`` on ``device``, one job at a time (see [Note: materialising a unit]).
 
     ``init_fn(module)`` initialises a module (Hugging Face: ``model._init_weights``);
-    None calls ``module.reset_parameters()`` where the module has one. Create it
+    None calls ``module.reset_parameters()`` where the module has one. The names
+    of parameters left unset are added to ``unset`` as each job ends. Create it
     before any tensor of ``root`` is materialised: it records every tensor's
     original shape.
     """
 
-    def __init__(self, root: nn.Module, device: torch.device, init_fn: InitFn | None = None) -> None:
+    def __init__(
+        self, root: nn.Module, device: torch.device, init_fn: InitFn | None = None, unset: set[str] | None = None
+    ) -> None:
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn must be a callable taking one module, got {type(init_fn).__name__}")
         self.root = root
         self.device = torch.device(device)
         self.init_fn = init_fn
-        self.unset: set[str] = set()  # parameters the initialiser left unset
+        self.unset: set[str] = set() if unset is None else unset  # parameters the initialiser left unset
         self._path: dict[int, str] = {}
         self._pre_order: list[nn.Module] = []
         self._post_order: list[nn.Module] = []
@@ -364,15 +367,12 @@ def materialized_units(
     if not has_meta:
         yield from units
         return
-    materializer = MetaMaterializer(root, device, init_fn)
+    materializer = MetaMaterializer(root, device, init_fn, unset)
     meta_bytes = sum(p.numel() * p.element_size() for _, _, named in units for _, p in named if p.is_meta)
     with progress(meta_bytes, "building the model") as bar:
         for index, (unit_name, unit, named) in enumerate(units):
             nbytes = sum(p.numel() * p.element_size() for _, p in named if p.is_meta)
-            built = materializer.parameters(named, seed + index)
-            if unset is not None:
-                unset.update(materializer.unset)
-            yield unit_name, unit, built
+            yield unit_name, unit, materializer.parameters(named, seed + index)
             bar.update(nbytes)
     jobs = materializer.buffers(seed + len(units))
     log.debug("zkernel.materialize.done", units=len(units), buffer_modules=jobs, device=str(device))
