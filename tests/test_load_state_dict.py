@@ -88,7 +88,8 @@ def test_loaded_weights_are_the_state_dict_and_train_as_torch_from_them(loaded, 
         for a, b in zip(got["losses"], expected, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], expected)
         if list(CONFIGS)[index].endswith("on meta"):  # after the first half, the second's keys were unset
-            assert got["between"] and "`block.0.weight`" in got["between"] and "`gain`" not in got["between"]
+            between = got["between"]  # the persistent buffer waited too
+            assert between and "`block.0.weight`" in between and "`shift`" in between and "`gain`" not in between
         else:
             assert got["between"] is None
 

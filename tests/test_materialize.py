@@ -173,7 +173,7 @@ def test_a_parameter_whose_module_has_no_reset_parameters_waits_for_a_load():
     with capture_logs() as logs:
         engine = zkernel.initialize(model, _zero3())
     (warning,) = [e for e in logs if e["event"] == "zkernel.initialize.values_unset"]
-    assert warning["parameters"] == ["1.1.gain"]
+    assert warning["values"] == ["1.1.gain"]
     x = torch.randn(3, DIM)
     with pytest.raises(ValueError, match=r"left `1\.1\.gain` unset.*reset_parameters\(\).*init_fn=model\._init_weights"):
         engine(x)
@@ -223,6 +223,51 @@ def test_a_model_with_empty_weights_needs_no_initialiser_before_its_weights_are_
     with torch.no_grad():
         torch.testing.assert_close(engine(x).cpu(), pretrained(x))
     engine.close()
+
+
+class Positions(nn.Module):
+    """Persistent buffers only the constructor computes, as SD3's sinusoidal ``pos_embed``: on meta, nothing
+    but a load can give them values (one float, one integer: both sentinels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.register_buffer("table", torch.sin(torch.arange(DIM, dtype=torch.float32)))
+        self.register_buffer("order", torch.arange(DIM).flip(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x[..., self.order] + self.table)
+
+
+@pytest.mark.usefixtures("zkernel_debug_logs")
+def test_a_persistent_buffer_only_the_constructor_sets_waits_for_a_load(tmp_path):
+    """[Note: values left unset]: a persistent buffer is in the state dict, so like a parameter it waits for
+    `load_state_dict` or `load_checkpoint` instead of failing initialize; until then a forward raises."""
+    torch.manual_seed(5)
+    pretrained = Positions()
+    model = _on_meta(Positions)
+    with capture_logs() as logs:
+        engine = zkernel.initialize(model, _zero3())
+    (warning,) = [e for e in logs if e["event"] == "zkernel.initialize.values_unset"]
+    assert warning["values"] == ["table", "order"]
+    x = torch.randn(3, DIM)
+    with pytest.raises(ValueError, match=r"left `table`, `order` unset and no load has written them since"):
+        engine(x)
+    engine.load_state_dict({"table": pretrained.table}, strict=False)
+    with pytest.raises(ValueError, match=r"left `order` unset"):
+        engine.state_dict()
+    engine.load_state_dict(pretrained.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x).cpu(), pretrained(x))
+    assert torch.equal(engine.state_dict()["order"], pretrained.order)
+    engine.save_checkpoint(tmp_path)
+    engine.close()
+
+    again = zkernel.initialize(_on_meta(Positions), _zero3())
+    again.load_checkpoint(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).cpu(), pretrained(x))
+    again.close()
 
 
 def test_a_buffer_whose_module_has_no_reset_parameters_is_an_error_naming_its_path():
@@ -348,7 +393,7 @@ def test_a_parameter_the_init_fn_leaves_unset_waits_for_a_load_and_is_never_used
     with capture_logs() as logs:
         engine = zkernel.initialize(model, _zero3(), init_fn=init)
     (warning,) = [e for e in logs if e["event"] == "zkernel.initialize.values_unset"]
-    assert warning["parameters"] == ["1.gain"] and warning["count"] == 1
+    assert warning["values"] == ["1.gain"] and warning["count"] == 1
     x = torch.randn(3, DIM)
 
     def gather() -> None:
@@ -387,7 +432,7 @@ def test_a_parameter_the_init_fn_leaves_unset_waits_for_a_load_and_is_never_used
     with capture_logs() as logs:
         engine.close()  # never loaded: the model gets the value back as the initialiser left it, with a warning
     (warning,) = [e for e in logs if e["event"] == "zkernel.close.values_unset"]
-    assert warning["parameters"] == ["1.gain"] and never[1].gain.isnan().all()
+    assert warning["values"] == ["1.gain"] and never[1].gain.isnan().all()
 
 
 def test_init_fn_that_leaves_a_buffer_unset_is_an_error_naming_it():

@@ -286,6 +286,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
         original_tensors=original_tensors,
         placement_plan=plan,
         lr_schedule=lr_schedule,
+        left_unset=frozenset(base.left_unset),
     )
     return Engine(model, cfg, dist_info, parts)
 

@@ -80,6 +80,8 @@ class EngineParts:
     placement_plan: Any = None
     # The selected `zkernel.lr_schedule.LRSchedule` (None: no schedule, as ``lr_schedule.name = "none"``).
     lr_schedule: Any = None
+    # Names of the values the partitioner's meta-device construction left unset ([Note: values left unset]).
+    left_unset: frozenset[str] = frozenset()
 
 
 class Engine:
@@ -126,7 +128,7 @@ class Engine:
             max_norm=config.gradient_clipping,
             updated=lambda group: _prefetch_updated(scheduler_ref, group),
         )
-        self.unset = UnsetValues(self.groups)  # [Note: values left unset] in `zkernel.unset`
+        self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.unset`
         self.scheduler = Scheduler(
             hook,
             self.groups,
@@ -387,9 +389,9 @@ class Engine:
         if self.unset.names:  # [Note: values left unset]: given back as the initialiser left them (NaN)
             log.warning(
                 "zkernel.close.values_unset",
-                parameters=self.unset.names[:8],
+                values=self.unset.names[:8],
                 count=len(self.unset.names),
-                advice="neither the initialiser nor a load wrote these parameters; the model gets them back as NaN",
+                advice="neither the initialiser nor a load wrote these values; the model gets them back as NaN",
             )
         failed: Exception | None = None
         try:

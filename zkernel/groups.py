@@ -73,10 +73,6 @@ class ParamGroup:
     # Positions in ``params`` of the parameters stepped with hyperparameters of their own, set by the
     # kernel when the group is placed ([Note: per-parameter hyperparameters] in `zkernel.param_hyper`).
     param_hyper: dict[int, ParamHyper] = attrs.field(factory=dict)
-    # Names among ``param_names`` whose values the partitioner's construction left unset (an
-    # initialiser of a meta-device model that did not write them): the kernel refuses to use them
-    # until a load writes them ([Note: values left unset] in `zkernel.unset`).
-    unset: frozenset[str] = frozenset()
     layout: Any = None
 
     @property

@@ -40,6 +40,11 @@ class RuntimeContext:
     init_fn: Callable[[nn.Module], Any] | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
+    # Names of the parameters and buffers a partitioner's construction of a meta-device model left
+    # unset (the initialiser did not write them); the partitioner adds to it while it partitions, and
+    # the kernel refuses to use them until a load writes them ([Note: values left unset] in
+    # `zkernel.unset`). One set shared by every context evolved from the same base.
+    left_unset: set[str] = attrs.field(factory=set, eq=False)
 
     @property
     def rank(self) -> int:

@@ -30,14 +30,15 @@ meta tensors (one unit's parameters, or one module's buffers):
    stand-in of its tensor's original shape, so writes to it are free no-ops:
    tensors of earlier units (already sliced), of later units (still meta) and
    the ones the user built on a real device are left alone.
-3. Every tensor of T must have been written: a NaN (or the integer sentinel)
-   left behind in a buffer is an error naming the tensor and the module that
-   holds it, as is a buffer whose module has no ``reset_parameters()`` when
-   there is no ``init_fn``. A parameter left unset (also one whose module has
-   no way to initialise it) is recorded instead (``unset``), for a load to
-   write before anything uses it ([Note: values left unset] in
+3. Every tensor of T must have been written. A parameter or a persistent
+   buffer left unset (a NaN or the integer sentinel left behind, also where
+   its module has no way to initialise it) is recorded (``unset``), for a
+   load to write before anything uses it ([Note: values left unset] in
    `zkernel.unset`): a model built with accelerate's ``init_empty_weights()``
    and given its weights by `Engine.load_state_dict` needs no initialiser.
+   A non-persistent buffer left unset, or one whose module has no
+   ``reset_parameters()`` when there is no ``init_fn``, is an error naming
+   the tensor and the module that holds it: no load could write it.
 
 [Note: sub-models' own initialisers] ``init_fn`` given as a bound method of
 the root model (``model._init_weights``) runs, on a module inside a sub-model
@@ -117,7 +118,8 @@ class MetaMaterializer:
 
     ``init_fn(module)`` initialises a module (Hugging Face: ``model._init_weights``);
     None calls ``module.reset_parameters()`` where the module has one. The names
-    of parameters left unset are added to ``unset`` as each job ends. Create it
+    of parameters and persistent buffers left unset are added to ``unset`` as
+    each job ends. Create it
     before any tensor of ``root`` is materialised: it records every tensor's
     original shape.
     """
@@ -130,7 +132,7 @@ class MetaMaterializer:
         self.root = root
         self.device = torch.device(device)
         self.init_fn = init_fn
-        self.unset: set[str] = set() if unset is None else unset  # parameters the initialiser left unset
+        self.unset: set[str] = set() if unset is None else unset  # values the initialiser left unset
         self._path: dict[int, str] = {}
         self._pre_order: list[nn.Module] = []
         self._post_order: list[nn.Module] = []
@@ -204,8 +206,8 @@ class MetaMaterializer:
     def _job(self, tensors: list[torch.Tensor], seed: int, kind: str) -> None:
         ids = [id(t) for t in tensors]
         scope = self._scope(ids)
-        if self.init_fn is None and kind == "buffer":  # a parameter left unset waits for a load
-            self._check_reset_parameters(ids, kind)
+        if self.init_fn is None and kind == "buffer":  # a value a load can write waits for it
+            self._check_reset_parameters([i for i in ids if not self._loadable(i)])
         real = [self._allocate(t) for t in tensors]
         ids = [id(t) for t in real]
         hidden = self._hide_all_but(set(ids))
@@ -305,24 +307,32 @@ class MetaMaterializer:
             plain.reset_parameters(proxy)
             plist.right_inverse(value)
 
-    def _check_reset_parameters(self, ids: list[int], kind: str) -> None:
+    def _check_reset_parameters(self, ids: list[int]) -> None:
+        """Non-persistent buffers ``ids`` must have a ``reset_parameters()`` to write them."""
         for i in ids:
             module = self._holders[i][0]
             if isinstance(module, parametrize.ParametrizationList):
                 continue  # set from its module's own initialisation ([Note: parametrized tensors])
             if not hasattr(module, "reset_parameters"):
                 raise ValueError(
-                    f"zero3 cannot initialise meta-device {kind} `{self._names[i]}`: its module "
+                    f"zero3 cannot initialise meta-device non-persistent buffer `{self._names[i]}` (no "
+                    f"load could write it): its module "
                     f"{_describe(self._path[id(module)], module)} has no reset_parameters(). Pass "
                     "zkernel.initialize(..., init_fn=fn) where fn(module) initialises a module's "
                     "tensors (for a Hugging Face model: init_fn=model._init_weights), give the module "
                     "a reset_parameters(), or build it on a real device"
                 )
 
+    def _loadable(self, i: int) -> bool:
+        """Whether a load can write tensor ``i``: a parameter, or a persistent buffer."""
+        slots, name = self._slots[i][0]
+        holder = self._holders[i][0]
+        return slots is holder._parameters or name not in holder._non_persistent_buffers_set
+
     def _check_written(self, tensors: list[torch.Tensor], kind: str) -> None:
         flags = torch.stack([_unwritten(t) for t in tensors]).cpu()
         for t, bad in zip(tensors, flags.tolist()):
-            if bad and kind == "parameter":
+            if bad and self._loadable(id(t)):
                 self.unset.add(self._names[id(t)])  # for a load to write ([Note: values left unset])
             elif bad:
                 module = self._holders[id(t)][0]
@@ -330,8 +340,8 @@ class MetaMaterializer:
                 raise ValueError(
                     f"zero3 materialised meta-device {kind} `{self._names[id(t)]}` of "
                     f"{_describe(self._path[id(module)], module)}, but {how} left some of its values "
-                    "unset. A buffer's values must come from the initialiser (a non-persistent buffer is in "
-                    "no state dict a load could write it from): for a Hugging Face model pass "
+                    "unset. A non-persistent buffer's values must come from the initialiser (it is in no "
+                    "state dict a load could write it from): for a Hugging Face model pass "
                     "init_fn=model._init_weights, where that leaves it unset a function that calls it and "
                     "also writes this buffer; otherwise build that module on a real device"
                 )
@@ -361,7 +371,8 @@ def materialized_units(
     unit at a time. After the last unit, buffers still on meta are built under
     ``seed + len(units)``, ``seed + len(units) + 1``, ... A model with nothing
     on meta passes through untouched. The names of parameters the initialiser
-    left unset are added to ``unset`` as each unit is yielded.
+    left unset are added to ``unset`` as each unit is yielded, those of buffers
+    after the last.
     """
     has_meta = any(t.is_meta for t in root.parameters()) or any(b.is_meta for b in root.buffers())
     if not has_meta:

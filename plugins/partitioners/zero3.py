@@ -137,7 +137,6 @@ class Zero3:
         self._peer: PeerGathers | None = None
         self._peer_reduce: PeerReductions | None = None
         self._pool_min_bytes = math.inf  # the smallest shard the pool holds (see [Note: peer gathers])
-        self._unset: set[str] = set()  # meta parameters the initialiser left unset ([Note: values left unset])
 
     # -- partition ----------------------------------------------------------------
 
@@ -157,7 +156,7 @@ class Zero3:
         planned = module_units(module, self.options.units, self.options.leaf_modules, self.options.leaf_experts)
         self._peer = self._peer_pool(planned)
         units = materialized_units(
-            module, planned, context.device, self.options.init_seed, context.init_fn, unset=self._unset
+            module, planned, context.device, self.options.init_seed, context.init_fn, unset=context.left_unset
         )
         for unit_name, unit, named in units:
             for trainable, part in _parts(named):
@@ -259,7 +258,6 @@ class Zero3:
             grad_is_shard=True,
             param_shard=shard,
             layout=Zero3State(flat=flat, persistent=persistent, full=full, peer_offset=peer_offset),
-            unset=frozenset(n for n, _ in named if n in self._unset),
         )
         self._point_at(group, full)
         if not persistent:

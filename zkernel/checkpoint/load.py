@@ -135,7 +135,7 @@ def _read_everything(
 ) -> list[str]:
     """Every group's shard (with its optimizer state, or the state the engine keeps), then whole
     parameters, buffers and modules' extra state, into this rank's tiers and modules (no collectives);
-    the client state into ``saved_client[0]``. Returns the names of the parameters given values."""
+    the client state into ``saved_client[0]``. Returns the names of the parameters and buffers given values."""
     view = view_of(engine.module)
     stored = StoredParams(index, ParamMap.of(engine.module))
     _check_model(engine, view, index, stored)
@@ -178,7 +178,7 @@ def _read_everything(
     if extras:
         touched[0] = True
         extra_state.restore(engine.module, extras)
-    return [name for name in view.params if not stored.excluded(name)]
+    return [*(name for name in view.params if not stored.excluded(name)), *view.buffers]
 
 
 def _read_extra_state(view: ModelView, index: CheckpointIndex, device: torch.device) -> dict[str, Any]:
