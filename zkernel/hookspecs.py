@@ -226,9 +226,13 @@ def zkernel_partition_params(module: torch.nn.Module, context: RuntimeContext) -
     meta device, for ZeRO-3 to materialise one unit at a time).
 
     :param module: the user's model.
-    :param context: rank, world size, device, config, process group, and
+    :param context: rank, world size, device, config, process group,
         ``context.placement`` (whether masters and parameter shards stay on the
-        compute device, see `zkernel.tiers.PlacementInfo`).
+        compute device, see `zkernel.tiers.PlacementInfo`), and, for a
+        partitioner that materialises a meta-device model,
+        ``context.init_fn`` and ``context.left_unset``, the set it adds the
+        names of values its initialiser left unset to (a load must write
+        them before a forward: [Note: values left unset] in `zkernel.unset`).
     :return: the parameter groups in registration order, possibly lazily (a
         generator): `initialize` places each yielded group in the tiers before
         asking for the next, so a partitioner holds at most one group's
