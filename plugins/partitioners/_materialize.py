@@ -119,9 +119,8 @@ class MetaMaterializer:
     ``init_fn(module)`` initialises a module (Hugging Face: ``model._init_weights``);
     None calls ``module.reset_parameters()`` where the module has one. The names
     of parameters and persistent buffers left unset are added to ``unset`` as
-    each job ends. Create it
-    before any tensor of ``root`` is materialised: it records every tensor's
-    original shape.
+    each job ends. Create it before any tensor of ``root`` is materialised: it
+    records every tensor's original shape.
     """
 
     def __init__(
@@ -316,7 +315,7 @@ class MetaMaterializer:
             if not hasattr(module, "reset_parameters"):
                 raise ValueError(
                     f"zero3 cannot initialise meta-device non-persistent buffer `{self._names[i]}` (no "
-                    f"load could write it): its module "
+                    "load could write it): its module "
                     f"{_describe(self._path[id(module)], module)} has no reset_parameters(). Pass "
                     "zkernel.initialize(..., init_fn=fn) where fn(module) initialises a module's "
                     "tensors (for a Hugging Face model: init_fn=model._init_weights), give the module "
