@@ -326,6 +326,49 @@ def seq2seq_generate() -> dict:
     return result
 
 
+def blip2_generate() -> dict:
+    """BLIP-2's greedy ``generate`` under zero3 (every module split), each rank its own images and prompts:
+    its ``generate`` reads the root's ``query_tokens`` between the vision tower's and the language model's
+    forwards ([Note: reads inside generate]). Rank 0 also generates every rank's with a whole copy; after
+    ``close`` the model's own ``generate`` is back."""
+    import transformers
+
+    hidden, vocab = 32, 64
+    image = vocab - 1
+    layers = {"hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = transformers.Blip2Config(
+        vision_config={**layers, "intermediate_size": 64, "image_size": 16, "patch_size": 4},
+        qformer_config={**layers, "intermediate_size": 64, "encoder_hidden_size": hidden, "vocab_size": vocab},
+        text_config={**layers, "model_type": "opt", "vocab_size": vocab, "ffn_dim": 64, "word_embed_proj_dim": hidden,
+                     "max_position_embeddings": 64, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
+        num_query_tokens=4, image_token_index=image,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Blip2ForConditionalGeneration(config).eval()
+    whole = copy.deepcopy(model)
+    engine = zkernel.initialize(model, {"partitioner": "zero3", **_SPLIT_ALL, "precision": "fp32"})
+    world, rank = _world_rank()
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.cat([torch.full((2 * world, 4), image), torch.randint(3, vocab - 2, (2 * world, 5), generator=g)], 1)
+    pixels = torch.randn(2 * world, 3, 16, 16, generator=g)
+    mine = slice(2 * rank, 2 * rank + 2)
+    with torch.no_grad():
+        out = engine.module.generate(
+            input_ids=prompts[mine].to(engine.device), pixel_values=pixels[mine].to(engine.device),
+            max_new_tokens=3 + 2 * rank, do_sample=False, synced_gpus=True,
+        )  # fmt: skip
+    engine.close()
+    result = {"tokens": out.tolist(), "own_generate_back": "generate" not in vars(model)}
+    if rank == 0:
+        with torch.no_grad():
+            result["reference"] = [
+                whole.generate(input_ids=prompts[2 * r : 2 * r + 2], pixel_values=pixels[2 * r : 2 * r + 2],
+                               max_new_tokens=3 + 2 * r, do_sample=False).tolist()
+                for r in range(world)
+            ]  # fmt: skip
+    return result
+
+
 # -- other architectures through the public API ------------------------------------------------
 
 _ZOO_TEXT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 64}
@@ -454,6 +497,10 @@ def hf_suite(big: tuple[int, int], small: tuple[int, int], steps: int) -> dict:
         out["t5:generate"] = seq2seq_generate()
     except Exception as exc:  # noqa: BLE001
         out["t5:generate"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        out["blip2:generate"] = blip2_generate()
+    except Exception as exc:  # noqa: BLE001
+        out["blip2:generate"] = {"error": f"{type(exc).__name__}: {exc}"}
     for name in ZOO:
         for cfg in ZOO_CONFIGS:
             try:

@@ -106,6 +106,18 @@ def test_encoder_decoder_generate_under_zero3_matches_the_whole_model(suite):
         assert got["tokens"] == expected[rank], f"rank {rank}"
 
 
+def test_a_generate_that_reads_parameters_between_forwards_matches_the_whole_model(suite):
+    """BLIP-2's own ``generate`` reads the root's ``query_tokens`` outside any forward; while it runs such
+    a read fetches the parameter ([Note: reads inside generate]); before, it raised
+    `ReleasedParameterError`. Ranks generate different numbers of tokens (``synced_gpus``)."""
+    expected = suite[0]["blip2:generate"].get("reference")
+    for rank, results in enumerate(suite):
+        got = results["blip2:generate"]
+        assert "error" not in got, got
+        assert got["tokens"] == expected[rank], f"rank {rank}"
+        assert got["own_generate_back"]
+
+
 @pytest.mark.parametrize("arch", hf.ARCHS)
 def test_checkpointed_decoder_layers_with_the_cache_on_train_like_torch(suite, arch):
     """zkernel's activation checkpointing of every decoder layer while the model passes its key/value

@@ -70,7 +70,8 @@ embedding reused as the output head, a weight read in a parent's forward) is
 caught by the released parameter's own trap (`zkernel.released`, [Note: fetch
 on first read]): from the start of a forward of the model (through the engine
 or not, [Note: forward entry]) to the end of its backward, or to the end of a
-forward without autograd (``guarding``), the first operation that reads a
+forward without autograd (``guarding``), and while a model's own ``generate``
+runs ([Note: reads inside generate]), the first operation that reads a
 released parameter fetches its group, which is then kept whole until the end
 of backward, in this and every later step. Outside that window, and inside a plugin call (the plugins
 never read a released parameter), the trap raises as it does for any read
@@ -197,6 +198,7 @@ class Scheduler:
         self._boundary = True
         self.in_hook = False
         self.guarding = False  # from the engine's forward to the end of its backward (see [Note: guard])
+        self.generating = 0  # how many entry modules' generate() are running (see [Note: reads inside generate])
         self.handles: list = []
         self._install()
 
@@ -220,6 +222,8 @@ class Scheduler:
         for entry in _entry_modules(self.root) if self.root is not None else ():
             self.handles.append(entry.register_forward_pre_hook(eager_hook(self._enter_root), prepend=True))
             self.handles.append(entry.register_forward_hook(eager_hook(self._leave_root), always_call=True))
+            if callable(getattr(type(entry), "generate", None)):
+                self.handles.append(_GenerateGuarded(entry, weakref.ref(self)))
 
     def _make_fetcher(self):
         scheduler_ref = weakref.ref(self)  # held for the model's parameters: see _make_grad_ready_hook
@@ -234,7 +238,7 @@ class Scheduler:
         """A released parameter is being read: fetch its group when the engine's forward or
         backward is running (see [Note: guard]); whether it is whole now."""
         group = self.group_of_param.get(id(param))
-        if not self.guarding or self.in_hook or group is None:
+        if not (self.guarding or self.generating) or self.in_hook or group is None:
             return False
         self.fetch_external(group)
         return not is_released(param)
@@ -593,6 +597,47 @@ def _entry_modules(root: nn.Module, depth: int = 2) -> list[nn.Module]:
         seen.update(id(m) for m in level)
         entries.extend(level)
     return entries
+
+
+class _GenerateGuarded:
+    """[Note: reads inside generate] A model's own ``generate`` may read its parameters between the
+    forwards it runs: BLIP-2's reads the root's ``query_tokens`` after running the vision tower and
+    the Q-Former, and before the language model's ``generate``. Outside a forward that read raised
+    `ReleasedParameterError`. Every rank runs the same ``generate`` (Hugging Face's ``synced_gpus``,
+    which ZeRO-3 needs anyway), so a fetch there is as safe as inside a forward: while an entry
+    module's ``generate`` runs, a read of a released parameter fetches its group as the guard does
+    in a forward ([Note: guard]), which keeps it whole from then on. Each forward ``generate`` runs
+    is still a pass of its own, traced and prefetched as before. An instance attribute wraps the
+    class's method until the engine removes its hooks; the module is held weakly, so this handle
+    keeps nothing alive."""
+
+    def __init__(self, module: nn.Module, scheduler_ref) -> None:
+        self._module = weakref.ref(module)
+        self._own = module.__dict__.get("generate")  # an instance attribute the user set, put back on removal
+        method = module.generate
+
+        def generate(*args, **kwargs):
+            scheduler = scheduler_ref()
+            if scheduler is None:
+                return method(*args, **kwargs)
+            scheduler.generating += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                scheduler.generating -= 1
+
+        generate.__wrapped__ = method
+        generate.__doc__ = method.__doc__
+        module.generate = generate
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is None or "generate" not in module.__dict__:
+            return
+        if self._own is not None:
+            module.generate = self._own
+        else:
+            del module.generate
 
 
 def _hook_target(output: torch.Tensor) -> torch.Tensor:
