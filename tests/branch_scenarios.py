@@ -103,6 +103,73 @@ def reference_branching(steps: int, world: int, lr: float) -> list[float]:
     return losses
 
 
+class Latents(nn.Module):
+    """Returns a view of its own parameter, as Perceiver's latents (``expand``)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(rows, dim))
+
+    def forward(self, batch: int) -> torch.Tensor:
+        return self.latents.expand(batch, -1, -1)
+
+
+class Positions(nn.Module):
+    """Returns its table itself (``detach``: no view of the parameter, the same memory) or a slice of it."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(rows, dim) / 4)
+
+    def forward(self, rows: int) -> torch.Tensor:
+        return self.table.detach() if rows == len(self.table) else self.table[:rows]
+
+
+class AliasNet(nn.Module):
+    """Units whose outputs alias their parameters, read by the next units (large enough that freed memory
+    is given back to the system)."""
+
+    def __init__(self, rows: int = 64, dim: int = 512) -> None:
+        super().__init__()
+        self.latents = Latents(rows, dim)
+        self.positions = Positions(rows, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, batch: int, rows: int) -> torch.Tensor:
+        h = self.latents(batch)[:, :rows] + self.positions(rows)
+        return self.proj(self.norm(h)).square().mean()
+
+
+def aliased_outputs(config: dict, steps: int) -> dict:
+    """AliasNet under ``config``: losses of evaluation passes (without autograd, both of Positions' outputs)
+    and of training steps, with a plain copy's beside them (every rank has the same input)."""
+    torch.manual_seed(11)
+    plain = AliasNet()
+    model = AliasNet()
+    model.load_state_dict(plain.state_dict())
+    engine = zkernel.initialize(model, config)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=config["optimizer"]["lr"], weight_decay=0.0)
+    out = {"eval": [], "eval_plain": [], "train": [], "train_plain": []}
+    for step in range(steps):
+        with torch.no_grad():
+            for rows in (64, 40):
+                out["eval"].append(float(engine(3, rows)))
+                out["eval_plain"].append(float(plain(3, rows)))
+        rows = 64 if step % 2 else 48
+        loss = engine(2, rows)
+        engine.backward(loss)
+        engine.step()
+        out["train"].append(float(loss))
+        reference = plain(2, rows)
+        reference.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out["train_plain"].append(float(reference))
+    engine.close()
+    return out
+
+
 def diverge(config: dict, branch_on_rank1: str) -> str:
     """Rank 1 takes ``branch_on_rank1`` at the second step while rank 0 stays left: the error text."""
     rank, world = _rank_world()

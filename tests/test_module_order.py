@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.branch_scenarios import deferred_statements, deferred_statements_then_close, diverge, reference_branching, train_branching
+from tests.branch_scenarios import aliased_outputs, deferred_statements, deferred_statements_then_close, diverge, reference_branching, train_branching
 from tests.harness import _free_port, gpus_hidden_if_short, run_ranks
 
 STEPS, LR = 6, 2e-2
@@ -50,6 +50,16 @@ def test_branches_on_two_ranks_match_torch():
     results = run_ranks(2, train_branching, _config("cpu", "cpu"), STEPS, True, None)
     for r in results:
         _check(r["losses"], reference_branching(STEPS, 2, LR), "2 ranks")
+
+
+def test_units_whose_outputs_alias_their_parameters_stay_whole_while_the_output_is_read():
+    """[Note: outputs that alias a parameter]: a unit returning a view of its parameter (Perceiver's
+    latents) or the parameter's own memory was released after its forward, and the next unit read freed
+    memory (garbage or a crash, without autograd). Eval passes and training on two ranks match torch."""
+    config = {**_config(), "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.0}, "precision": "fp32"}
+    for result in run_ranks(2, aliased_outputs, config, 3):
+        for kind in ("eval", "train"):
+            _check(result[kind], result[f"{kind}_plain"], kind)
 
 
 def test_ranks_that_run_different_modules_stop_with_an_error_naming_them():

@@ -293,11 +293,11 @@ class Scheduler:
         groups = self.groups_of_module[id(module)]
         for group in groups:
             self.tracer.finish(group)
-        tensors = []
-        if torch.is_grad_enabled():
-            with self.plugin_call():  # the scheduler's own reads of the output
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        keep = bool(tensors) and (module is self.root or self._reached_first(module))
+        with self.plugin_call():  # the scheduler's own reads of the output
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            aliased = _shares_storage(groups, outputs)  # see [Note: outputs that alias a parameter]
+        tensors = [t for t in outputs if t.requires_grad] if torch.is_grad_enabled() else []
+        keep = aliased or (bool(tensors) and (module is self.root or self._reached_first(module)))
         for group in groups:
             if group.index in self.external:
                 continue
@@ -638,6 +638,26 @@ class _GenerateGuarded:
             module.generate = self._own
         else:
             del module.generate
+
+
+def _storage_pointer(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, some subclasses)
+        return 0
+
+
+def _shares_storage(groups: Sequence[ParamGroup], outputs: Sequence[torch.Tensor]) -> bool:
+    """[Note: outputs that alias a parameter] A module may return its own parameter or a view of it
+    (Perceiver's ``latents.expand(batch, -1, -1)``, a position table sliced to the sequence):
+    releasing its unit after the forward freed the memory the output reads, and the next module
+    read garbage, or crashed. So a unit whose output shares storage with one of its parameters
+    stays whole as the root's does: to the end of a pass without autograd, or to its backward
+    (the next module may have saved the output for it). One storage lookup per output and
+    parameter, at each unit's forward end."""
+    pointers = {_storage_pointer(t) for t in outputs}
+    pointers.discard(0)
+    return bool(pointers) and any(_storage_pointer(p) in pointers for group in groups for p in group.params)
 
 
 def _hook_target(output: torch.Tensor) -> torch.Tensor:
