@@ -150,7 +150,7 @@ def aliased_outputs(config: dict, steps: int) -> dict:
     model.load_state_dict(plain.state_dict())
     engine = zkernel.initialize(model, config)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=config["optimizer"]["lr"], weight_decay=0.0)
-    out = {"eval": [], "eval_plain": [], "train": [], "train_plain": []}
+    out = {"eval": [], "eval_plain": [], "train": [], "train_plain": [], "device": engine.device.type}
     for step in range(steps):
         with torch.no_grad():
             for rows in (64, 40):

@@ -58,8 +58,10 @@ def test_units_whose_outputs_alias_their_parameters_stay_whole_while_the_output_
     memory (garbage or a crash, without autograd). Eval passes and training on two ranks match torch."""
     config = {**_config(), "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.0}, "precision": "fp32"}
     for result in run_ranks(2, aliased_outputs, config, 3):
+        tolerance = 1e-5 if result["device"] == "cpu" else 1e-4  # the engine's GPU kernels against torch on the CPU
         for kind in ("eval", "train"):
-            _check(result[kind], result[f"{kind}_plain"], kind)
+            for i, (a, b) in enumerate(zip(result[kind], result[f"{kind}_plain"], strict=True)):
+                assert abs(a - b) <= tolerance * abs(b), f"{kind} {i}: {a} vs {b}"
 
 
 def test_ranks_that_run_different_modules_stop_with_an_error_naming_them():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 SHORT_SECONDS = 5.0
+SHORT_MIN_STEPS = 12  # --short trains at least this many optimizer steps, however slow the machine
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--short",
         action="store_true",
-        help=f"test mode: {SHORT_SECONDS:g} s of training and a shorter sample",
+        help=f"test mode: {SHORT_SECONDS:g} s of training (at least {SHORT_MIN_STEPS} optimizer steps) and a shorter sample",
     )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default: 2e-3)")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import zkernel
-from zkernel.demo.arguments import SHORT_SECONDS, add_training_arguments
+from zkernel.demo.arguments import SHORT_MIN_STEPS, SHORT_SECONDS, add_training_arguments
 from zkernel.demo.corpus import load_corpus, sample_batch
 from zkernel.demo.gpt import GPT, GPTConfig
 from zkernel.log import get_logger
@@ -135,6 +135,7 @@ def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = Non
     if not gpu:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     seconds = SHORT_SECONDS if args.short else args.seconds
+    min_steps = SHORT_MIN_STEPS if args.short else 1
     sample_chars = args.sample_chars if args.sample_chars is not None else (60 if args.short else 200)
 
     tokenizer, data = load_corpus()
@@ -209,7 +210,8 @@ def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = Non
             engine.step()
             step_loss += loss.item() / accumulation
         elapsed = time.perf_counter() - start
-        mean_loss, stop = sync(step_loss, rank == 0 and elapsed >= seconds)
+        done = elapsed >= seconds and len(losses) + 1 >= min_steps
+        mean_loss, stop = sync(step_loss, rank == 0 and done)
         losses.append(mean_loss)
         bar.n = min(elapsed, bar.total)
         bar.set_postfix_str(f"step {len(losses)}  loss {mean_loss:.3f}", refresh=False)
