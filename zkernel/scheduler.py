@@ -71,7 +71,7 @@ caught by the released parameter's own trap (`zkernel.released`, [Note: fetch
 on first read]): from the start of a forward of the model (through the engine
 or not, [Note: forward entry]) to the end of its backward, or to the end of a
 forward without autograd (``guarding``), and while a model's own ``generate``
-runs ([Note: reads inside generate]), the first operation that reads a
+runs ([Note: reads inside generate] in `zkernel.entries`), the first operation that reads a
 released parameter fetches its group, which is then kept whole until the end
 of backward, in this and every later step. Outside that window, and inside a plugin call (the plugins
 never read a released parameter), the trap raises as it does for any read
@@ -128,6 +128,7 @@ from torch.utils._pytree import tree_flatten
 
 from zkernel.compiled import eager_hook
 from zkernel.divergence import PathCheck
+from zkernel.entries import GenerateGuarded, entry_modules
 from zkernel.grad_readiness import GradReadiness
 from zkernel.groups import ParamGroup, Phase, ReducedGradient
 from zkernel.log import get_logger
@@ -198,7 +199,7 @@ class Scheduler:
         self._boundary = True
         self.in_hook = False
         self.guarding = False  # from the engine's forward to the end of its backward (see [Note: guard])
-        self.generating = 0  # how many entry modules' generate() are running (see [Note: reads inside generate])
+        self.generating = 0  # entry modules' generate() running ([Note: reads inside generate])
         self.handles: list = []
         self._install()
 
@@ -219,11 +220,11 @@ class Scheduler:
             for p in group.params:
                 self.handles.append(set_fetcher(p, fetch))
         # After the units' hooks: an entry's own unit is fetched inside the bracket.
-        for entry in _entry_modules(self.root) if self.root is not None else ():
+        for entry in entry_modules(self.root) if self.root is not None else ():
             self.handles.append(entry.register_forward_pre_hook(eager_hook(self._enter_root), prepend=True))
             self.handles.append(entry.register_forward_hook(eager_hook(self._leave_root), always_call=True))
             if callable(getattr(type(entry), "generate", None)):
-                self.handles.append(_GenerateGuarded(entry, weakref.ref(self)))
+                self.handles.append(GenerateGuarded(entry, weakref.ref(self)))
 
     def _make_fetcher(self):
         scheduler_ref = weakref.ref(self)  # held for the model's parameters: see _make_grad_ready_hook
@@ -253,7 +254,7 @@ class Scheduler:
         A root run again inside its own forward, or recomputed in backward, is part of the pass.
         ``generate`` of an encoder-decoder model also runs the encoder alone (``get_encoder()``,
         T5's ``encoder``, BART's ``model.encoder``), as multimodal models run their vision tower:
-        the modules within two levels of the root are entries too (`_entry_modules`), so such
+        the modules within two levels of the root are entries too (`entry_modules`), so such
         a call is a pass of its own. Within a pass they only count depth."""
         if _in_backward():
             return
@@ -584,60 +585,6 @@ def streams_device(streams) -> torch.device:
     """The compute device of an engine's side streams (CPU without CUDA)."""
     stream = getattr(streams, "h2d", None)
     return torch.device("cuda", stream.device_index) if stream is not None else torch.device("cpu")
-
-
-def _entry_modules(root: nn.Module, depth: int = 2) -> list[nn.Module]:
-    """The root and the modules within ``depth`` levels of it: where a forward may begin (see
-    [Note: forward entry]). Few, and each runs once a pass, so their hooks cost nothing measurable."""
-    entries = [root]
-    level = [root]
-    seen = {id(root)}
-    for _ in range(depth):
-        level = [child for module in level for child in module.children() if id(child) not in seen]
-        seen.update(id(m) for m in level)
-        entries.extend(level)
-    return entries
-
-
-class _GenerateGuarded:
-    """[Note: reads inside generate] A model's own ``generate`` may read its parameters between the
-    forwards it runs: BLIP-2's reads the root's ``query_tokens`` after running the vision tower and
-    the Q-Former, and before the language model's ``generate``. Outside a forward that read raised
-    `ReleasedParameterError`. Every rank runs the same ``generate`` (Hugging Face's ``synced_gpus``,
-    which ZeRO-3 needs anyway), so a fetch there is as safe as inside a forward: while an entry
-    module's ``generate`` runs, a read of a released parameter fetches its group as the guard does
-    in a forward ([Note: guard]), which keeps it whole from then on. Each forward ``generate`` runs
-    is still a pass of its own, traced and prefetched as before. An instance attribute wraps the
-    class's method until the engine removes its hooks; the module is held weakly, so this handle
-    keeps nothing alive."""
-
-    def __init__(self, module: nn.Module, scheduler_ref) -> None:
-        self._module = weakref.ref(module)
-        self._own = module.__dict__.get("generate")  # an instance attribute the user set, put back on removal
-        method = module.generate
-
-        def generate(*args, **kwargs):
-            scheduler = scheduler_ref()
-            if scheduler is None:
-                return method(*args, **kwargs)
-            scheduler.generating += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                scheduler.generating -= 1
-
-        generate.__wrapped__ = method
-        generate.__doc__ = method.__doc__
-        module.generate = generate
-
-    def remove(self) -> None:
-        module = self._module()
-        if module is None or "generate" not in module.__dict__:
-            return
-        if self._own is not None:
-            module.generate = self._own
-        else:
-            del module.generate
 
 
 def _storage_pointer(t: torch.Tensor) -> int:
