@@ -32,13 +32,14 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointError
 
-from zkernel import lifecycle
+from zkernel import lifecycle, param_writes
 from zkernel.config import Config
 from zkernel.distributed import DistInfo
 from zkernel.groups import ParamGroup, Phase, StepOptions
 from zkernel.log import get_logger
 from zkernel.loss_scale import DynamicLossScaler
 from zkernel.machine import available_host_bytes
+from zkernel.param_writes import WriteFolder
 from zkernel.profiling import profiler_range
 from zkernel.released import is_released
 from zkernel.reduction_order import ReductionOrder
@@ -129,6 +130,7 @@ class Engine:
             updated=lambda group: _prefetch_updated(scheduler_ref, group),
         )
         self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.unset`
+        self.writes = WriteFolder(self)  # [Note: writes to gathered parameters] in `zkernel.param_writes`
         self.scheduler = Scheduler(
             hook,
             self.groups,
@@ -142,6 +144,7 @@ class Engine:
             window=lambda: _window(engine_ref),
             order=ReductionOrder.of_model(module, self.groups, streams_device(parts.streams)) if dist_info.distributed else None,
             unset=self.unset,
+            fold=self.writes.fold,
         )
         scheduler_ref = weakref.ref(self.scheduler)
         self.micro_steps = 0
@@ -233,7 +236,9 @@ class Engine:
         Between steps ZeRO-3 parameters are released (their ``.data`` is an
         empty tensor). Inside this block they hold their current values in
         storage of their own, so tensors taken from them stay valid after the
-        block; writes to them are not propagated to the shards.
+        block; writes to them are kept, each rank's elements of its own shard
+        ([Note: writes to gathered parameters] in `zkernel.param_writes`), so
+        make the same write on every rank.
         """
         self._check_open()
         self.unset.require("engine.gathered_parameters()")
@@ -246,6 +251,7 @@ class Engine:
             yield self._module
         finally:
             with self.scheduler.plugin_call():
+                self.scheduler.fold_writes()
                 for group in groups:
                     self.hook.zkernel_release_params(group=group, phase=Phase.USER)
 
@@ -400,11 +406,14 @@ class Engine:
             failed = exc
         home = self._restore_home()
         with self.scheduler.plugin_call():
+            if failed is None:
+                self.scheduler.fold_writes()
             for group in self.groups:
                 master = self.optimizer_tier.read_master(group) if group.requires_grad else None
                 self.params_tier.to_device(group, consume=True, block=True)
                 self.hook.zkernel_restore_params(group=group, master=master, home=home)
                 self.params_tier.drop_device(group)
+        param_writes.forget([p for group in self.groups for p in group.params])
         with torch.no_grad():
             for name, dtype in self._original_dtypes:
                 param = self._module.get_parameter(name)
@@ -450,6 +459,7 @@ class Engine:
         from zkernel.checkpoint.save import save
 
         self.unset.require("engine.save_checkpoint()")
+        self._fold_writes()
         return save(self, directory, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(
@@ -490,6 +500,7 @@ class Engine:
         from zkernel.checkpoint.state_dict import full_state_dict
 
         self.unset.require("engine.state_dict()")
+        self._fold_writes()
         return full_state_dict(self, rank0_only)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, *, broadcast_from_rank0: bool = False):
@@ -553,6 +564,12 @@ class Engine:
         self.params_tier.write_shard(group, values.to(group.param_shard.dtype if group.param_shard is not None else self.compute_dtype))
 
     # -- internals --------------------------------------------------------------
+
+    def _fold_writes(self) -> None:
+        """Writes made to whole parameters since the last forward reach the masters before they are read."""
+        self.pipeline.wait_all()
+        with self.scheduler.plugin_call():
+            self.scheduler.fold_writes()
 
     def _compute_span(self, label: str):
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None

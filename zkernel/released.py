@@ -61,6 +61,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zkernel import param_writes
+
 __all__ = ["ReleasedParameterError", "is_released", "mark_gathered", "mark_released", "set_fetcher"]
 
 
@@ -91,6 +93,9 @@ _METADATA_METHODS = {
     )
     if hasattr(_Tensor, name)
 }  # fmt: skip
+
+
+_DATA_ACCESS = {_Tensor.data.__get__, _Tensor.data.__set__}
 
 
 def _is_metadata(func) -> bool:
@@ -139,6 +144,8 @@ def _trap(func, args, kwargs):
         return func(*args, **(kwargs or {}))
     fetch = _fetchers.get(id(released))
     if fetch is not None and fetch(released):  # whole now: run on its values (see [Note: fetch on first read])
+        if func in _DATA_ACCESS:  # a write through it is not seen otherwise ([Note: writes to gathered parameters])
+            param_writes.note(released)
         return func(*args, **(kwargs or {}))
     if _is_metadata(func):
         with torch._C.DisableTorchFunctionSubclass():
@@ -187,7 +194,7 @@ def _name_of(param) -> str:
 
 def mark_released(param: nn.Parameter, name: str) -> None:
     """Make reads of ``param`` raise until `mark_gathered`. Call after pointing ``.data`` at the placeholder."""
-    cls = type(param)
+    cls = param_writes.own_class(type(param))
     if cls in _original_classes:
         return
     setattr(param, _NAME, name)
@@ -195,10 +202,12 @@ def mark_released(param: nn.Parameter, name: str) -> None:
 
 
 def mark_gathered(param: nn.Parameter) -> None:
-    """Give ``param`` its own class back. Call before pointing ``.data`` at whole values."""
-    original = _original_classes.get(type(param))
-    if original is not None:
-        param.__class__ = original
+    """Give ``param`` its own class back (unwatched: see `zkernel.param_writes`). Call before pointing
+    ``.data`` at whole values."""
+    cls = type(param)
+    own = param_writes.own_class(_original_classes.get(cls, cls))
+    if own is not cls:
+        param.__class__ = own
 
 
 def is_released(param: torch.Tensor) -> bool:

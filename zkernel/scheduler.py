@@ -165,8 +165,10 @@ class Scheduler:
         window: Callable[[], tuple[bool, int]] = lambda: (True, 0),
         order: ReductionOrder | None = None,
         unset: UnsetValues | None = None,
+        fold: Callable[[ParamGroup], None] = lambda group: None,
     ) -> None:
         self.hook = hook
+        self._fold = fold  # keeps writes to a whole group's parameters ([Note: writes to gathered parameters])
         self.root = root
         self._unset = unset  # a forward refuses parameters no one has written ([Note: values left unset])
         self._window = window  # () -> (whether the engine's micro-step ends a window, its number)
@@ -361,6 +363,8 @@ class Scheduler:
 
     def _release(self, group: ParamGroup, phase: Phase) -> None:
         with self.plugin_call():
+            if phase is Phase.FORWARD and group.gathered:
+                self._fold(group)
             self.hook.zkernel_release_params(group=group, phase=phase)
             if phase is Phase.BACKWARD:
                 self.params_tier.drop_device(group)
@@ -551,7 +555,15 @@ class Scheduler:
         self._kept.clear()
         self.tracer.end()
 
+    def fold_writes(self) -> None:
+        """Keep what was written to whole parameters (see [Note: writes to gathered parameters])."""
+        for group in self.groups:
+            if group.gathered:
+                self._fold(group)
+
     def begin_forward(self, boundary: bool, micro_step: int) -> None:
+        with self.plugin_call():
+            self.fold_writes()  # written between steps
         self._boundary = boundary
         self.micro_step = micro_step
         self.tracer.begin(torch.is_grad_enabled())
@@ -560,6 +572,8 @@ class Scheduler:
 
     def finish_forward(self) -> None:
         """At the end of a forward; one without autograd ends its pass (no backward will release)."""
+        with self.plugin_call():
+            self.fold_writes()  # before a step may read the masters, in backward already
         if not torch.is_grad_enabled():
             self.guarding = False
             self._release_gathered()

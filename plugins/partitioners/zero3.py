@@ -66,6 +66,7 @@ from torch import nn
 from zkernel import hookimpl
 from zkernel.config import ConfigError, boolean, choice, integer, str_tuple
 from zkernel.groups import ParamGroup, Phase
+from zkernel.param_writes import watch
 from zkernel.profiling import profiler_range
 from zkernel.released import mark_gathered, mark_released
 from zkernel.streams import current_stream, record_event
@@ -292,6 +293,7 @@ class Zero3:
         for p, view in zip(group.params, views):
             mark_gathered(p)
             p.data = view
+            watch(p)  # [Note: writes to gathered parameters] in `zkernel.param_writes`
         group.gathered = True
 
     def _point_at_placeholder(self, group: ParamGroup) -> None:
