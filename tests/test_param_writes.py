@@ -1,8 +1,9 @@
-"""Writes to zero3 parameters while they are whole reach the masters, as they reach a plain model's
+"""Writes to whole parameters reach their fp32 masters, as they reach a plain model's
 parameters ([Note: writes to gathered parameters] in `zkernel.param_writes`): a model that clamps its
 own weight's ``.data`` inside forward (Gemma3n's AltUp, FLAVA's ``logit_scale``), an in-place clamp of
 a parameter under ``no_grad`` inside forward, a write inside ``engine.gathered_parameters()`` and, for
-a parameter zero3 keeps whole, a clamp between steps (OpenCLIP's ``logit_scale``)."""
+a parameter kept whole, a clamp between steps (OpenCLIP's ``logit_scale``), wherever the fp32 master
+is not the parameter itself (zero3, bf16 compute, the optimizer offloaded)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ CONFIGS = {
     "small parameters kept whole": {},
     "params and optimizer on the cpu": {"partitioner_options": {"persistence_threshold": 0},
                                         "offload": {"params": "cpu", "optimizer": "cpu"}},
+    "zero2, optimizer on the cpu": {"partitioner": "zero2", "offload": {"optimizer": "cpu"}},
+    "zero1": {"partitioner": "zero1"},
 }  # fmt: skip
 
 
@@ -121,6 +124,7 @@ def _train(model_cls, name: str, precision: str = "fp32") -> dict:
     tolerance = 1e-5 if engine.device.type == "cpu" else 1e-4  # GPU kernels against torch on the CPU
     engine.close()
     closed = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # their own class again
     return {"losses": losses, "state": state, "closed": closed, "reference": reference, "compared": compared,
             "tolerance": tolerance}
 
@@ -137,8 +141,9 @@ def test_writes_inside_forward_and_between_steps_train_like_torch(name):
         assert result["compared"] > 0
 
 
-def test_writes_in_bf16_keep_the_masters_precision_elsewhere():
-    result = run_ranks(WORLD, _train, SelfClamping, "every module split", "bf16")[0]
+@pytest.mark.parametrize("name", ["every module split", "zero1"])
+def test_writes_in_bf16_keep_the_masters_precision_elsewhere(name):
+    result = run_ranks(WORLD, _train, SelfClamping, name, "bf16")[0]
     state, reference = result["state"], _reference_in_process(SelfClamping)["state"]
     assert state["coef.weight"].dtype == torch.float32
     for key, expected in reference.items():  # bf16 compute against fp32 torch; unclamped weights are 0.3 off

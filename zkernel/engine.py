@@ -413,7 +413,7 @@ class Engine:
                 self.params_tier.to_device(group, consume=True, block=True)
                 self.hook.zkernel_restore_params(group=group, master=master, home=home)
                 self.params_tier.drop_device(group)
-        param_writes.forget([p for group in self.groups for p in group.params])
+        param_writes.unwatch([p for group in self.groups for p in group.params])
         with torch.no_grad():
             for name, dtype in self._original_dtypes:
                 param = self._module.get_parameter(name)

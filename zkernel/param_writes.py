@@ -1,4 +1,4 @@
-"""Writes to whole zero3 parameters reach their masters, as they reach a plain model's parameters.
+"""Writes to whole parameters reach their fp32 masters, as they reach a plain model's parameters.
 
 [Note: writes to gathered parameters] A zero3 parameter is whole only while
 gathered: its values are a copy, in the compute dtype, of the ranks' shards,
@@ -13,7 +13,12 @@ step's publish overwrote it, and training went on from the unwritten master
 without a word. DeepSpeed and FSDP2 drop the writes made in forward alike
 (DeepSpeed keeps a user's only inside ``GatheredParameters(modifier_rank=r)``).
 
-Detection, at no cost per operation: a gathered zero3 parameter's class is a
+The same holds for the whole parameters of none, ZeRO-1 and ZeRO-2 where
+their fp32 master is not the parameter itself (bf16 or fp16 compute, or the
+master offloaded): a clamp between steps reached only the compute copy, which
+the next step's publish overwrote.
+
+Detection, at no cost per operation: a whole parameter's class is a
 watched twin of its own (as the released-parameter trap swaps classes, see
 `zkernel.released`), whose ``data`` property notes the parameter whenever it
 is read or assigned: ``p.data.clamp_()`` writes through a tensor that shares
@@ -76,7 +81,7 @@ def _set_data(param, value) -> None:
 
 
 class _WatchedMixin:
-    """Mixed into a gathered zero3 parameter's own class (see [Note: writes to gathered parameters])."""
+    """Mixed into a whole parameter's own class (see [Note: writes to gathered parameters])."""
 
     __slots__ = ()
     data = property(_get_data, _set_data, doc="The parameter's values as a tensor autograd does not track.")
@@ -114,9 +119,12 @@ def note(param: nn.Parameter) -> None:
     _noted.add(id(param))
 
 
-def forget(params: Sequence[nn.Parameter]) -> None:
-    """Stop tracking ``params`` (the engine closed)."""
+def unwatch(params: Sequence[nn.Parameter]) -> None:
+    """Give ``params`` their own classes back and stop tracking them (the engine closed)."""
     for p in params:
+        own = own_class(type(p))
+        if own is not type(p):
+            p.__class__ = own
         _noted.discard(id(p))
         _versions.pop(id(p), None)
 

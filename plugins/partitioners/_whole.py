@@ -21,6 +21,7 @@ from torch import nn
 
 from zkernel.config import integer
 from zkernel.groups import ParamGroup
+from zkernel.param_writes import watch
 
 from ._flat import FlatLayout, all_gather_flat, flatten_into, split_buckets, split_trainable, unique_named_params
 
@@ -78,6 +79,7 @@ def build_whole_groups(module: nn.Module, context, shards: int, bucket_numel: in
                 dist.broadcast(master_full, src=0)
         for p, view in zip(params, flat.views(full)):
             p.data = view
+            watch(p)  # [Note: writes to gathered parameters] in `zkernel.param_writes`
         own = flat.own if shards > 1 else slice(0, flat.padded)
         param_shard = full[own]
         if master_full is None:
