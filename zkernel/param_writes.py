@@ -164,19 +164,14 @@ class WriteFolder:
             snapshot(group.params[i])
 
     def _fold_into_shard(self, group: ParamGroup, layout, indices: set[int]) -> int:
-        from zkernel.checkpoint.shards import kept_optimizer_state
-        from zkernel.tiers import ShardState
+        from zkernel.checkpoint.shards import read_shard_values, write_shard_values
 
         engine = self._engine_ref()
         fragments = [f for f in layout.fragments if f.param in indices]
         if not fragments:
             return 0
         self.compared += 1
-        if group.requires_grad:
-            state = engine.optimizer_tier.read_state(group)
-            target = state.master.detach().to("cpu", copy=True).reshape(-1)
-        else:
-            target = engine.params_tier.read_shard(group).detach().to("cpu", copy=True).reshape(-1)
+        target, kept = read_shard_values(engine, group)
         changed = 0
         with torch.no_grad():
             for frag in fragments:
@@ -188,11 +183,6 @@ class WriteFolder:
                 if count:
                     old[differs] = new[differs].to(old.dtype)
                     changed += count
-        if not changed:
-            return 0
-        if group.requires_grad:
-            engine.optimizer_tier.write_state(group, ShardState(master=target, state=kept_optimizer_state(state)))
-            engine.refresh_param_shard(group)
-        else:
-            engine.params_tier.write_shard(group, target)
+        if changed:
+            write_shard_values(engine, group, target, kept)
         return changed

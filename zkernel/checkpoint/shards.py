@@ -82,6 +82,27 @@ def kept_optimizer_state(state) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True) for name, t in state.state.items()}
 
 
+def read_shard_values(engine, group: ParamGroup) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """A host copy of ``group``'s own values, flat: its fp32 master (a trainable group, with host copies of
+    its optimizer state to hand back) or its parameter shard (a frozen one, state None)."""
+    if group.requires_grad:
+        state = engine.optimizer_tier.read_state(group)
+        return state.master.detach().to("cpu", copy=True).reshape(-1), kept_optimizer_state(state)
+    return engine.params_tier.read_shard(group).detach().to("cpu", copy=True).reshape(-1), None
+
+
+def write_shard_values(engine, group: ParamGroup, values: torch.Tensor, kept: dict[str, torch.Tensor] | None) -> None:
+    """Give ``group`` the values `read_shard_values` returned, changed: its master and the rounded
+    parameter shard, or a frozen group's shard."""
+    from zkernel.tiers import ShardState
+
+    if group.requires_grad:
+        engine.optimizer_tier.write_state(group, ShardState(master=values, state=kept))
+        engine.refresh_param_shard(group)
+    else:
+        engine.params_tier.write_shard(group, values)
+
+
 def state_specs(engine, group: ParamGroup, numel: int) -> StateSpecs:
     """What the optimizer declared for a shard of ``numel`` elements, plus what it created lazily."""
     declared = engine.hook.zkernel_declare_optimizer(numel=numel, param_count=len(group.params))

@@ -53,12 +53,12 @@ from zkernel.checkpoint.shards import (
     check_between_steps,
     describe_error,
     describe_groups,
-    kept_optimizer_state,
+    read_shard_values,
     whole_params,
+    write_shard_values,
 )
 from zkernel.log import get_logger
 from zkernel.param_map import ParamMap
-from zkernel.tiers import ShardState
 
 log = get_logger()
 
@@ -204,21 +204,12 @@ def _warn_nothing_matched(given: list[str], expected: list[str]) -> None:
 
 def _write_group(engine, group, layout, names: list[str], values: dict[str, torch.Tensor]) -> None:
     """This rank's fragments of the given parameters into ``group``'s master (or frozen values)."""
-    if group.requires_grad:
-        state = engine.optimizer_tier.read_state(group)
-        target = state.master.detach().to("cpu", copy=True).reshape(-1)
-        kept = kept_optimizer_state(state)
-    else:
-        target = engine.params_tier.read_shard(group).detach().to("cpu", copy=True).reshape(-1)
+    target, kept = read_shard_values(engine, group)
     for frag in layout.fragments:
         value = values.get(names[frag.param])
         if value is not None:
             target[frag.offset : frag.offset + frag.numel].copy_(value[frag.start : frag.start + frag.numel])
-    if group.requires_grad:
-        engine.optimizer_tier.write_state(group, ShardState(master=target, state=kept))
-        engine.refresh_param_shard(group)
-    else:
-        engine.params_tier.write_shard(group, target)
+    write_shard_values(engine, group, target, kept)
 
 
 class _UserKeys:
