@@ -103,7 +103,7 @@ def _worker(args) -> None:
     from torch import nn
 
     import zkernel
-    from zkernel.hookspecs import hookimpl
+    from zkernel.spec.hookspecs import hookimpl
 
     sys.path.insert(0, str(HERE))
     from gpt_model import GPT, PRESETS, VOCAB, flops_per_token

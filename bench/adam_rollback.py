@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from zkernel import native
+from zkernel.platform import native
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 GRAD_SCALE = 1.0 / 1024

@@ -7,7 +7,7 @@ tool goes first every round (a read right after a burst of writes is slower on a
 host-cached virtual disk); by default there is one round per tool, so each leads
 once. fio uses 1 MiB blocks, --direct=1, libaio (io_uring or psync where libaio
 is missing), one job. zkernel writes/reads one buffer from
-`zkernel.aio.aligned_empty` (page-locked when CUDA is available) with one
+`zkernel.platform.aio.aligned_empty` (page-locked when CUDA is available) with one
 request, timed from submit to wait. DeepSpeed writes/reads one buffer from its
 own `new_cpu_locked_tensor` (mlock'ed, its no-bounce-buffer path) with one
 `async_pwrite`/`async_pread` + `wait()`, timed the same way; its settings are
@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from zkernel import aio, native
+from zkernel.platform import aio, native
 
 GIB = 1 << 30
 

@@ -3,7 +3,7 @@
     python bench/capacity_ladder.py --gpu-memory 79GiB --ram 120GiB --disk 58GiB --micro-batch 8
 
 For each placement of the ladder, the widths of ``--widths`` (heads = width / 128)
-are tried with as many layers as the default planner (`zkernel.planning.plan`,
+are tried with as many layers as the default planner (`zkernel.sizing.planning.plan`,
 probes off) says still fit, found by bisection; the largest model over the widths
 is the placement's row. The placements:
 
@@ -32,9 +32,10 @@ import json
 import sys
 import tempfile
 
-from zkernel.model_shape import TransformerShape
-from zkernel.planning import PlacementError, plan
-from zkernel.sizes import format_bytes
+from zkernel.sizing.model_shape import TransformerShape
+from zkernel.spec.planner import PlacementError
+from zkernel.sizing.planning import plan
+from zkernel.platform.sizes import format_bytes
 
 VOCAB = 50304
 SEQ = 1024

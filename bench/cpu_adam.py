@@ -32,7 +32,7 @@ import time
 import torch
 from torch.optim import adamw as torch_adamw
 
-from zkernel import native
+from zkernel.platform import native
 
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
 GRAD_SCALE = 1.0 / 1024

@@ -1,4 +1,4 @@
-"""CRC32C benchmark: `zkernel.native.crc32c` per core and over the pool, hardware and table paths.
+"""CRC32C benchmark: `zkernel.platform.native.crc32c` per core and over the pool, hardware and table paths.
 
 For each size in --sizes (bytes; suffixes K, M, G): one random buffer,
 checksummed by each variant in turn (the order rotates every round; medians
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from zkernel import native
+from zkernel.platform import native
 
 
 def _size(text: str) -> int:

@@ -54,7 +54,7 @@ def main() -> None:
             for _ in range(GATHERS):
                 dist.all_gather_into_tensor(full, shard)
 
-    from zkernel.timeline import Timeline
+    from zkernel.telemetry.timeline import Timeline
     from zkernel_plugins.partitioners._peer_gather import open_pool
 
     pool = open_pool(SHARD, torch.bfloat16, device, required=True, timeline=Timeline(device, enabled=False))  # zero3's own

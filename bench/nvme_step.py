@@ -8,7 +8,7 @@
    ``--nvme-path``, then both at once (fio ``--rw=rw``: half the requests
    read, half write), since the optimizer phase reads one group's state
    while it writes another's. Without fio: the same three passes with
-   zkernel's own async I/O engine (`zkernel.aio.AioHandle`: O_DIRECT, 1 MiB
+   zkernel's own async I/O engine (`zkernel.platform.aio.AioHandle`: O_DIRECT, 1 MiB
    requests, 32 in flight, what the nvme tier uses; the mixed pass reads the
    file's first half while it writes its second), and the table says so.
 2. The step: the anchors' GPT (``--model``, bench/gpt_model.py, built on the
@@ -82,7 +82,7 @@ AIO_DEPTH = 32  # requests in flight, as the nvme tier keeps them
 
 def _aio_buffers() -> list:
     """One aligned 1 MiB buffer per request in flight, filled so that writes carry data."""
-    from zkernel import aio
+    from zkernel.platform import aio
 
     buffers = [aio.aligned_empty(MIB) for _ in range(AIO_DEPTH)]
     for b in buffers:
@@ -92,7 +92,7 @@ def _aio_buffers() -> list:
 
 def _aio(path: str, nbytes: int, write: bool) -> float:
     """GB/s of one sequential O_DIRECT pass with zkernel's engine: 1 MiB requests, 32 in flight."""
-    from zkernel import aio
+    from zkernel.platform import aio
 
     depth, buffers = AIO_DEPTH, _aio_buffers()
     with aio.AioHandle(queue_depth=depth) as handle:
@@ -109,7 +109,7 @@ def _aio(path: str, nbytes: int, write: bool) -> float:
 def _aio_mixed(path: str, nbytes: int) -> float:
     """GB/s (read + written) of reading the file's first half while writing its second half,
     alternating 1 MiB requests, 32 in flight."""
-    from zkernel import aio
+    from zkernel.platform import aio
 
     depth, buffers = AIO_DEPTH, _aio_buffers()
     half = nbytes // 2 // MIB * MIB
@@ -127,7 +127,7 @@ def _aio_mixed(path: str, nbytes: int) -> float:
 def disk_ceiling(directory: Path, gib: float) -> tuple[str, float, float, float]:
     """(how it was measured, sequential write GB/s, sequential read GB/s, read + write at once GB/s)
     on ``directory``'s file system."""
-    from zkernel import aio
+    from zkernel.platform import aio
 
     nbytes = max(MIB, int(gib * GIB) // MIB * MIB)
     path = str(directory / "zkernel_nvme_step_disk.bin")
@@ -172,7 +172,7 @@ def _settle(engine, cuda: bool) -> None:
 
 def train(args) -> dict:
     import zkernel
-    from zkernel.timeline import SpanKind
+    from zkernel.telemetry.timeline import SpanKind
 
     sys.path.insert(0, str(HERE))
     from gpt_model import GPT, PRESETS, VOCAB

@@ -4,7 +4,7 @@
 
 With one unit per module a ZeRO-3 step makes about 1,000 of these calls ([Note: stream calls on
 the hot path] in `zkernel/streams.py`). Each line prints the microseconds per call of torch's form
-(the anchor), of `zkernel.streams`' form, and their ratio, from the same run (median of 5 rounds).
+(the anchor), of `zkernel.platform.streams`' form, and their ratio, from the same run (median of 5 rounds).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/stream_calls.py needs a CUDA device")
-    from zkernel.streams import current_stream, record_event, use_stream
+    from zkernel.platform.streams import current_stream, record_event, use_stream
 
     stream = torch.cuda.Stream()
 

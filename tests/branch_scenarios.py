@@ -197,8 +197,8 @@ def deferred_statements(count: int, diverge_at: int | None, transports: list[str
     import time
     from types import SimpleNamespace
 
-    from zkernel.distributed import init_distributed
-    from zkernel.divergence import PathCheck
+    from zkernel.platform.distributed import init_distributed
+    from zkernel.kernel.divergence import PathCheck
 
     init_distributed()
 
@@ -239,8 +239,8 @@ def deferred_statements_then_close(diverge_at: int, transport: str = "auto") -> 
     """Ranks diverge at the last statement and the check is closed at once (before any poll)."""
     from types import SimpleNamespace
 
-    from zkernel.distributed import init_distributed
-    from zkernel.divergence import PathCheck
+    from zkernel.platform.distributed import init_distributed
+    from zkernel.kernel.divergence import PathCheck
 
     init_distributed()
     rank, _ = _rank_world()
@@ -261,8 +261,8 @@ def deferred_statements_lock_held(diverge_at: int, transport: str = "auto") -> s
     import time
     from types import SimpleNamespace
 
-    from zkernel.distributed import init_distributed
-    from zkernel.divergence import PathCheck
+    from zkernel.platform.distributed import init_distributed
+    from zkernel.kernel.divergence import PathCheck
 
     init_distributed()
     rank, _ = _rank_world()

@@ -15,7 +15,7 @@ from torch import nn
 
 import zkernel
 from tests.models import VOCAB, TrickyNet, batches
-from zkernel import hookimpl
+from zkernel.spec import hookimpl
 from zkernel_plugins.offload_tiers.device import DeviceOptimizerTier
 
 
@@ -93,7 +93,7 @@ def resume(model: str, config: dict, directory: str, steps: int, save_at: int, a
 
 def released_reads(config: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
     """zero3 between steps: what reads of released parameters do, and the engine's state dict."""
-    from zkernel.released import ReleasedParameterError
+    from zkernel.params.released import ReleasedParameterError
 
     torch.manual_seed(seed)
     engine = zkernel.initialize(TrickyNet(), config)

@@ -37,7 +37,7 @@ def zkernel_debug_logs():
 
 @pytest.fixture
 def restore_zkernel_logger():
-    """Undo `zkernel.cli.configure_logging` after a test: the logger's level and handlers, structlog's config."""
+    """Undo `zkernel.cli.commands.configure_logging` after a test: the logger's level and handlers, structlog's config."""
     import structlog
 
     logger = logging.getLogger("zkernel")

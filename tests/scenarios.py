@@ -238,7 +238,7 @@ def user_program(debug: bool) -> None:
 
 def small_gpt():
     """The demo GPT, small: the model of the estimator's accuracy test (tests/test_estimator.py)."""
-    from zkernel.demo.gpt import GPT, GPTConfig
+    from zkernel.cli.demo.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(vocab_size=65, seq_len=32, d_model=64, n_layers=2, n_heads=4))
 
@@ -286,7 +286,7 @@ def train_with_pipeline_stats(config: dict, steps: int, accum: int, micro: int, 
 def peer_pool_where_it_cannot_map() -> dict:
     """Open zero3's peer-gather pool where symmetric memory is unavailable (the CPU): under
     "auto" every rank agrees to gather with NCCL instead; under "always" each rank raises."""
-    from zkernel.timeline import Timeline
+    from zkernel.telemetry.timeline import Timeline
     from zkernel_plugins.partitioners._peer_gather import open_pool
 
     if not dist.is_initialized():

@@ -1,4 +1,4 @@
-"""`zkernel.adam_math.adam_rollback` against torch.optim.Adam/AdamW as the oracle.
+"""`zkernel.platform.adam_math.adam_rollback` against torch.optim.Adam/AdamW as the oracle.
 
 torch steps, the rollback undoes the step, and the state must equal what was
 saved before it. torch's kernels (for-loop, foreach, fused) round differently
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zkernel import native
-from zkernel.adam_math import adam_rollback, check_rollback_possible
+from zkernel.platform import native
+from zkernel.platform.adam_math import adam_rollback, check_rollback_possible
 
 ULPS = 6.0
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -1,4 +1,4 @@
-"""Undoing a CPU Adam step (`zkernel.native.adam_rollback`), as speculative steps need it.
+"""Undoing a CPU Adam step (`zkernel.platform.native.adam_rollback`), as speculative steps need it.
 
 Tolerance of a step-then-rollback round trip: an element may differ from its
 pre-step value by at most ``ULPS`` units of 2^-23 times the largest magnitude
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zkernel import native
+from zkernel.platform import native
 
 N = 50_017  # odd: exercises the vector tails
 ULPS = 4.0

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from zkernel.aio import AioHandle, aligned_empty, preallocate
+from zkernel.platform.aio import AioHandle, aligned_empty, preallocate
 
 KIB = 1024
 
@@ -165,7 +165,7 @@ def test_file_size_limit_in_a_subprocess(tmp_path):
         import resource, signal
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        from zkernel.aio import AioHandle, aligned_empty
+        from zkernel.platform.aio import AioHandle, aligned_empty
         h = AioHandle()
         try:
             h.write(aligned_empty(4 << 20), {str(tmp_path / 'big.bin')!r}, 0)

@@ -10,8 +10,8 @@ import tempfile
 import pytest
 import torch
 
-from zkernel import native
-from zkernel.aio import AioHandle, ChecksumError, aligned_empty
+from zkernel.platform import native
+from zkernel.platform.aio import AioHandle, ChecksumError, aligned_empty
 
 KIB = 1024
 

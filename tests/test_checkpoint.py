@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 import zkernel
 from tests.checkpoint_scenarios import resume, run_steps
-from zkernel import hookimpl
-from zkernel.groups import OptimizerDeclaration, StateSpec
+from zkernel.spec import hookimpl
+from zkernel.spec.groups import OptimizerDeclaration, StateSpec
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches, reference_losses
 from zkernel.checkpoint.format import INCOMPLETE, LATEST, MANIFEST
@@ -222,7 +222,7 @@ def test_reshard_to_one_rank(saved):
 
 
 def _cuts(shape: tuple[int, ...], rows: list[int], cols: list[int], prefix: str) -> list:
-    from zkernel.param_map import Piece
+    from zkernel.params.param_map import Piece
 
     return [Piece(f"{prefix}{i}.{j}", (slice(r0, r1), slice(c0, c1)))
             for i, (r0, r1) in enumerate(zip(rows, rows[1:])) for j, (c0, c1) in enumerate(zip(cols, cols[1:]))]  # fmt: skip
@@ -232,7 +232,7 @@ def test_element_ranges_translate_between_any_two_cuttings():
     """[Note: loading across compositions]: every element range of a piece cut one way, read from pieces
     cut another way (or whole), is the user tensor's elements; contiguous reads stay one range."""
     from zkernel.checkpoint.recompose import _merged, _Region, _translate
-    from zkernel.param_map import Piece
+    from zkernel.params.param_map import Piece
 
     shape = (7, 11, 3)
     user = torch.arange(7 * 11 * 3).reshape(shape)
@@ -273,7 +273,7 @@ def test_consolidate_equals_torch_and_loads_strictly(saved, tmp_path, restore_zk
             assert full[key].dtype == torch.float32 and full[key].shape == value.shape, key
             assert torch.allclose(full[key], value, rtol=1e-4, atol=1e-6), f"{source}: {key}"
     out = tmp_path / "model.safetensors"
-    from zkernel.cli import main
+    from zkernel.cli.commands import main
 
     assert main(["consolidate", str(root / "src-zero3"), str(out)]) == 0
     from_file = load_file(out)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import zkernel
-from zkernel.config import load_config
+from zkernel.kernel.config_source import load_config
 
 BUILTINS = [
     ("partitioner", "none"),
@@ -133,7 +133,7 @@ def test_version(argv):
 
 def test_the_parser_and_config_command_import_no_torch():
     """``zkernel --version`` and ``zkernel config`` answer without the seconds torch takes to import."""
-    probe = "import sys, zkernel.cli as c; c.build_parser(); c.main(['config']); print('torch' in sys.modules, file=sys.stderr)"
+    probe = "import sys, zkernel.cli.commands as c; c.build_parser(); c.main(['config']); print('torch' in sys.modules, file=sys.stderr)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "False", result.stderr
@@ -144,7 +144,7 @@ def test_configure_logging_json_is_rank_aware_and_hides_debug(capsys, restore_zk
 
     import structlog
 
-    from zkernel.cli import configure_logging
+    from zkernel.cli.commands import configure_logging
 
     configure_logging(json_output=True, rank=1)
     log = structlog.get_logger("zkernel")

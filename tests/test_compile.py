@@ -84,7 +84,7 @@ def test_compiled_models_train_under_zero3_like_compiled_torch():
 
 
 def test_a_module_compiled_in_place_is_one_unit_and_the_estimator_agrees():
-    from zkernel.estimator import _units
+    from zkernel.sizing.estimator import _units
     from zkernel_plugins.partitioners._flat import module_units
 
     def units(model, policy):

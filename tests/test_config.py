@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import zkernel
-from zkernel.config import Config, ConfigError, load_config
+from zkernel.spec.config import Config, ConfigError
+from zkernel.kernel.config_source import load_config
 
 
 def tiny():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zkernel.config import Config, ConfigError, build_options
-from zkernel.distributed import DistInfo
-from zkernel.groups import ParamGroup, StepOptions
-from zkernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager
-from zkernel.registry import Family
-from zkernel.runtime import RuntimeContext
+from zkernel.spec.config import Config, ConfigError
+from zkernel.spec.options import build_options
+from zkernel.platform.distributed import DistInfo
+from zkernel.spec.groups import ParamGroup, StepOptions
+from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager
+from zkernel.spec.registry import Family
+from zkernel.spec.runtime import RuntimeContext
 from zkernel_plugins.optimizers import adamw as adamw_plugin
 from zkernel_plugins.optimizers import cpu_adam
 

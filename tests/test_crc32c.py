@@ -1,4 +1,4 @@
-"""CRC32C (`zkernel.native.crc32c`): published check values, an independent Python oracle, both paths."""
+"""CRC32C (`zkernel.platform.native.crc32c`): published check values, an independent Python oracle, both paths."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from zkernel import native
+from zkernel.platform import native
 
 
 def _reference_table() -> list[int]:

@@ -246,7 +246,7 @@ def test_nccl_ranks_that_diverge_stop_with_the_module_named(branch, module):
 
 def _timeline_collectives(config):
     import zkernel
-    from zkernel.timeline import SpanKind
+    from zkernel.telemetry.timeline import SpanKind
 
     torch.manual_seed(SEED)
     engine = zkernel.initialize(TrickyNet(), {**config, "timeline": True})

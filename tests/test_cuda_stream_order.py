@@ -101,7 +101,7 @@ def test_gradient_download_waits_for_a_lagging_backward(offload, tmp_path):
 @pytest.mark.parametrize("grad_dtype", ["fp32", "bf16"])
 def test_host_accumulation_is_timed(grad_dtype):
     """Later micro-batches' gradients are added on the host: the timeline shows those adds with their bytes."""
-    from zkernel.timeline import SpanKind
+    from zkernel.telemetry.timeline import SpanKind
 
     accum = 3
     torch.manual_seed(SEED)
@@ -138,7 +138,7 @@ def test_device_accumulation_crosses_once_and_adds_as_the_host_does(stage):
     host adds, and the same fp32 sums, so without clipping both runs train bit for bit alike, and as
     torch does. The lagging backward checks that the final add on the d2h stream waits for the
     compute stream's adds."""
-    from zkernel.timeline import SpanKind
+    from zkernel.telemetry.timeline import SpanKind
 
     torch.backends.cuda.matmul.allow_tf32 = False
     accum = 3

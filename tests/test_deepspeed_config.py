@@ -15,7 +15,8 @@ from tests.harness import run_ranks
 from tests.models import TrickyNet
 from tests.scenarios import train
 from tests.test_partitioners import ACCUM, CLIP, LR, MICRO, SEED, STEPS, WD, assert_matches, reference
-from zkernel.config import Config, ConfigError, config_from_dict, load_config
+from zkernel.spec.config import Config, ConfigError, config_from_dict
+from zkernel.kernel.config_source import load_config
 
 # The mapping reports at info level; capture_logs sees what the `zkernel` logger's level lets through.
 pytestmark = pytest.mark.usefixtures("zkernel_debug_logs")

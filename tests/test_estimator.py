@@ -12,9 +12,9 @@ import zkernel
 from tests.harness import run_ranks
 from tests.models import TrickyNet
 from tests.scenarios import memory_after_step, small_gpt
-from zkernel.config import ConfigError
-from zkernel.estimator import totals
-from zkernel.model_shape import TransformerShape, estimate_activations
+from zkernel.spec.config import ConfigError
+from zkernel.sizing.estimator import totals
+from zkernel.sizing.model_shape import TransformerShape, estimate_activations
 
 GPT_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "sequence": 32}  # = small_gpt()
 
@@ -91,8 +91,8 @@ def check(predicted, measured, label) -> bool:
 def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
     """Every partitioner and option, fp32 and bf16, on every installed tier the placement table knows
     (for both roles: parameters offloaded under zero3 too)."""
-    from zkernel.config import Config
-    from zkernel.estimator import TIER_PLACEMENT, installed_tiers
+    from zkernel.spec.config import Config
+    from zkernel.sizing.estimator import TIER_PLACEMENT, installed_tiers
 
     tiers = [t for t in installed_tiers(Config()) if t in TIER_PLACEMENT and "optimizer" in TIER_PLACEMENT[t].serves]
     assert "none" in tiers
@@ -125,7 +125,7 @@ def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
             inexact.append(cfg)
     assert not inexact, f"the builtin partitioners and tiers are modelled byte for byte; not for {inexact}"
     assert meta_gpt.wte.weight.is_meta  # read, never materialised
-    from zkernel.estimator import _ALIGN
+    from zkernel.sizing.estimator import _ALIGN
     from zkernel_plugins.partitioners._flat import ALIGN
 
     assert _ALIGN == ALIGN  # the flat layouts' alignment, mirrored
@@ -192,7 +192,7 @@ def test_activation_estimate_is_linear_in_batch_and_checkpointing_saves():
 
 def test_activation_estimate_is_near_what_autograd_saves():
     """Against the bytes autograd actually saves for the demo GPT (fp32, CPU), within the estimate's stated scope."""
-    from zkernel.demo.gpt import GPT, GPTConfig
+    from zkernel.cli.demo.gpt import GPT, GPTConfig
 
     b, s, h, layers, vocab = 2, 64, 128, 3, 96
     model = GPT(GPTConfig(vocab_size=vocab, seq_len=s, d_model=h, n_layers=layers, n_heads=4))
@@ -216,7 +216,7 @@ def test_activation_estimate_is_near_what_autograd_saves():
 
 
 def test_cli_tabulates_every_partitioner_and_marks_what_fits(capsys, restore_zkernel_logger):
-    from zkernel.cli import format_size, main
+    from zkernel.cli.commands import format_size, main
 
     shape = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "50304", "--sequence", "1024"]
     code = main([
@@ -340,7 +340,7 @@ def test_cpu_tier_gpu_share_auto_is_not_modelled_and_bad_fractions_are_errors():
 
 
 def test_table_gives_the_configured_fractions_to_the_configured_tier_only():
-    from zkernel.estimator import estimate_table
+    from zkernel.sizing.estimator import estimate_table
 
     model = linears(*[(64, 64)] * 10)
     cfg = spill_config("zero3", "nvme", host_share=0.5)

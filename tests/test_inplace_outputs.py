@@ -1,6 +1,6 @@
 """Unit outputs modified in place by their caller (Swinv2's ``ReLU(inplace=True)`` after a Linear on
 an input of four dimensions, whose output is a view): zero3 fetches the unit for its backward all
-the same ([Note: outputs modified in place] in `zkernel.scheduler`)."""
+the same ([Note: outputs modified in place] in `zkernel.kernel.scheduler`)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from structlog.testing import capture_logs
 
 from tests.harness import run_ranks
 from tests.scenarios import user_program
-from zkernel.cli import configure_logging
-from zkernel.log import get_logger
+from zkernel.cli.commands import configure_logging
+from zkernel.telemetry.log import get_logger
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 import zkernel
 from tests.models import TrickyNet, batches
 from tests.scenarios import fp16_overflow
-from zkernel.loss_scale import DynamicLossScaler, LossScaleError
+from zkernel.kernel.loss_scale import DynamicLossScaler, LossScaleError
 
 # (hysteresis, consecutive, overflows by step, scale after each step), worked out by hand from
 # DeepSpeed's DynamicLossScaler.update_scale (window 3, initial scale 1024).

@@ -17,9 +17,9 @@ import zkernel
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches, reference_losses
 from tests.scenarios import _train_steps
-from zkernel import hookimpl
-from zkernel.config import ConfigError
-from zkernel.lr_schedule import LRSchedule
+from zkernel.spec import hookimpl
+from zkernel.spec.config import ConfigError
+from zkernel.spec.lr_schedule import LRSchedule
 
 BETAS = (0.9, 0.999)
 COS_PI_4 = (1 + math.cos(math.pi / 4)) / 2  # 0.8536

@@ -139,7 +139,7 @@ def test_prefetcher_starts_each_gather_once_per_pass():
     from torch import nn
 
     import zkernel
-    from zkernel.hookspecs import hookimpl
+    from zkernel.spec.hookspecs import hookimpl
 
     class Counter:
         def __init__(self) -> None:
@@ -172,7 +172,7 @@ def test_lookahead_hands_each_unit_to_each_stage_once_per_pass_within_its_budget
     window (walking it anew before every unit was quadratic), again on request, and anew in a new pass."""
     from types import SimpleNamespace
 
-    from zkernel.lookahead import Lookahead, Stage
+    from zkernel.kernel.lookahead import Lookahead, Stage
 
     sizes = [10, 10, 30, 10, 10, 10, 40, 10]
     order = [SimpleNamespace(index=i, nbytes=n) for i, n in enumerate(sizes)]
@@ -230,7 +230,7 @@ def test_a_weight_read_outside_its_module_is_fetched_by_its_trap_and_whole_weigh
     from torch.overrides import TorchFunctionMode
 
     import zkernel
-    from zkernel import released
+    from zkernel.params import released
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -346,8 +346,8 @@ def test_root_groups_stay_whole_from_forward_into_backward():
     training matches torch throughout."""
     import torch
 
-    from zkernel.groups import Phase
-    from zkernel.hookspecs import hookimpl
+    from zkernel.spec.groups import Phase
+    from zkernel.spec.hookspecs import hookimpl
 
     class Gathers:
         def __init__(self) -> None:
@@ -393,8 +393,8 @@ def test_first_units_of_the_next_forward_are_gathered_during_the_step():
     matches torch throughout."""
     import torch
 
-    from zkernel.groups import Phase
-    from zkernel.hookspecs import hookimpl
+    from zkernel.spec.groups import Phase
+    from zkernel.spec.hookspecs import hookimpl
 
     class Prefetches:
         def __init__(self) -> None:
@@ -446,8 +446,8 @@ def _backward_gathers(engine, reference, opt, loss_of):
     ``loss_of(model)``, whose losses must match; returns, per step, the engine's backward gather
     events in order: ("prefetch", unit) when the prefetcher starts one, ("wait", unit) when a
     unit's own backward hook finds its gather not started and issues it then."""
-    from zkernel.groups import Phase
-    from zkernel.hookspecs import hookimpl
+    from zkernel.spec.groups import Phase
+    from zkernel.spec.hookspecs import hookimpl
 
     class Gathers:
         def __init__(self) -> None:

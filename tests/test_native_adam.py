@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zkernel import native
+from zkernel.platform import native
 
 N = 50_017  # odd: exercises the SIMD tails
 
@@ -181,7 +181,7 @@ def test_resizing_the_pool_right_after_it_starts_does_not_hang():
     import subprocess
     import sys
 
-    code = "from zkernel import native\nnative.set_threads(1)\nnative.set_threads(3)\nnative.set_threads(2)\n"
+    code = "from zkernel.platform import native\nnative.set_threads(1)\nnative.set_threads(3)\nnative.set_threads(2)\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # hung every time before the fix
 
 
@@ -200,7 +200,7 @@ def test_stale_extension_names_the_rebuild(monkeypatch):
 def test_ranks_sharing_a_host_split_its_cores(monkeypatch):
     import os
 
-    from zkernel import native
+    from zkernel.platform import native
 
     monkeypatch.delenv("ZKERNEL_NATIVE_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))

@@ -23,10 +23,10 @@ from tests.models import TrickyNet, batches, reference_losses
 from tests.nvme_scenarios import RUN_GLOB, nvme_config, steps, write_failures
 from tests.scenarios import train, train_many
 from tests.test_partitioners import ACCUM, LR, MICRO, SEED, STEPS, WD, assert_matches, config, reference
-from zkernel.aio import ChecksumError, live_aligned_buffers
-from zkernel.config import ConfigError
-from zkernel.estimator import installed_tiers
-from zkernel.timeline import SpanKind
+from zkernel.platform.aio import ChecksumError, live_aligned_buffers
+from zkernel.spec.config import ConfigError
+from zkernel.sizing.estimator import installed_tiers
+from zkernel.telemetry.timeline import SpanKind
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_IO = {"aio_threads": 2}
@@ -241,7 +241,7 @@ class _Terminal(io.StringIO):
 
 
 def test_preallocation_progress_bar_on_rank_0_terminals_only(tmp_path, monkeypatch, zkernel_debug_logs):
-    """Laying out the swap files shows a zkernel.progress bar per role on a terminal, nothing where
+    """Laying out the swap files shows a zkernel.telemetry.progress bar per role on a terminal, nothing where
     stderr is a file or the zkernel logger is set above WARNING; an INFO event gives the bytes."""
     monkeypatch.delenv("ZKERNEL_PROGRESS", raising=False)
     cfg = nvme_config(tmp_path, params="nvme")
@@ -386,8 +386,8 @@ def test_read_only_and_small_disks(tmp_path):
 
 
 def test_capacity_shortfall_names_the_numbers(tmp_path, monkeypatch):
-    from zkernel import bootstrap
-    from zkernel.tiers import Capacity, Resource
+    from zkernel.kernel import bootstrap
+    from zkernel.spec.tiers import Capacity, Resource
 
     monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: Capacity({Resource.DISK: 1000})))
     with pytest.raises(ConfigError, match=r"disk at offload.nvme_path: needs \d+\.\d\d KiB \(\d+\.\d\d KiB per rank\), 1000 B usable"):

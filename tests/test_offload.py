@@ -204,7 +204,7 @@ def test_device_tier_waits_for_the_last_reduction_where_its_gradient_is_read():
     backward, but leaves the last one's reduction to be waited for by whoever first reads the
     gradient (the global norm or the group's step), not by the end of backward; a reduction whose
     inputs must stay alive, or one added into an earlier gradient, is still waited for at once."""
-    from zkernel.groups import ParamGroup, ReducedGradient
+    from zkernel.spec.groups import ParamGroup, ReducedGradient
     from zkernel_plugins.offload_tiers.device import DeviceOptimizerTier
 
     class Reduction:  # the interface of a collective's handle the tier uses

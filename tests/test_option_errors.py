@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zkernel
-from zkernel.config import ConfigError, build_options, choice, integer, number
+from zkernel.spec.config import ConfigError
+from zkernel.spec.options import build_options, choice, integer, number
 
 
 def tiny():

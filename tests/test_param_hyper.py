@@ -12,8 +12,8 @@ import zkernel
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches, reference_losses
 from tests.scenarios import _train_steps
-from zkernel import hookimpl
-from zkernel.config import ConfigError
+from zkernel.spec import hookimpl
+from zkernel.spec.config import ConfigError
 
 STEPS, ACCUM, MICRO, SEED = 6, 2, 3, 99
 LR, WD, CLIP = 2e-2, 0.5, 0.5  # a weight decay large enough to move every decayed weight visibly
@@ -132,7 +132,7 @@ def _train(config: dict) -> tuple[list[float], int]:
 
 
 def test_each_group_knows_its_parameters_hyperparameters_by_the_users_names():
-    from zkernel.groups import ParamHyper
+    from zkernel.spec.groups import ParamHyper
 
     torch.manual_seed(0)
     engine = zkernel.initialize(TrickyNet(), {"partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0},
@@ -218,7 +218,7 @@ def test_group_betas_with_one_cycles_momentum_are_an_error_naming_both_keys():
 
 def _shard(hypers: dict, sizes: list[int]):
     """A group of len(sizes) parameters laid out back to back in one shard, with ``hypers`` by position."""
-    from zkernel.groups import Fragment, ParamGroup, ShardLayout
+    from zkernel.spec.groups import Fragment, ParamGroup, ShardLayout
 
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     frags = tuple(Fragment(param=i, start=0, numel=n, offset=o) for i, (n, o) in enumerate(zip(sizes, offsets)))
@@ -229,7 +229,7 @@ def _shard(hypers: dict, sizes: list[int]):
 
 
 def test_runs_split_where_betas_or_eps_differ_and_step_with_their_own():
-    from zkernel.groups import ParamHyper, StepOptions
+    from zkernel.spec.groups import ParamHyper, StepOptions
     from zkernel_plugins.optimizers._adam_state import kernel_arguments, rollback_possible, step_runs
 
     options = StepOptions(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -1,5 +1,5 @@
 """Writes to whole parameters reach their fp32 masters, as they reach a plain model's
-parameters ([Note: writes to gathered parameters] in `zkernel.param_writes`): a model that clamps its
+parameters ([Note: writes to gathered parameters] in `zkernel.params.param_writes`): a model that clamps its
 own weight's ``.data`` inside forward (Gemma3n's AltUp, FLAVA's ``logit_scale``), an in-place clamp of
 a parameter under ``no_grad`` inside forward, a write inside ``engine.gathered_parameters()`` and, for
 a parameter kept whole, a clamp between steps (OpenCLIP's ``logit_scale``), wherever the fp32 master
@@ -103,7 +103,7 @@ def _train(model_cls, name: str, precision: str = "fp32") -> dict:
     engine = zkernel.initialize(model, _config(name, precision))
     rank = torch.distributed.get_rank()
     losses = []
-    whole = [n for n, p in engine.module.named_parameters() if not zkernel.released.is_released(p)]
+    whole = [n for n, p in engine.module.named_parameters() if not zkernel.params.released.is_released(p)]
     for step in range(STEPS):
         x, y = _data(step)
         part = slice(rank * MICRO, (rank + 1) * MICRO)

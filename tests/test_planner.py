@@ -15,12 +15,14 @@ from tests.models import TrickyNet
 from tests.planner_scenarios import auto_placement
 from tests.scenarios import small_gpt
 from tests.test_partitioners import ACCUM, MICRO, SEED, STEPS, assert_matches, reference
-from zkernel.config import ConfigError, load_config
-from zkernel.estimator import installed_tiers, totals
-from zkernel.model_shape import TransformerShape, estimate_activations
-from zkernel.hookspecs import hookimpl
-from zkernel.machine import format_bytes
-from zkernel.planning import Plan, PlacementError, Planner, plan
+from zkernel.spec.config import ConfigError
+from zkernel.kernel.config_source import load_config
+from zkernel.sizing.estimator import installed_tiers, totals
+from zkernel.sizing.model_shape import TransformerShape, estimate_activations
+from zkernel.spec.hookspecs import hookimpl
+from zkernel.platform.machine import format_bytes
+from zkernel.spec.planner import Plan, PlacementError, Planner
+from zkernel.sizing.planning import plan
 
 GPT_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "sequence": 32}  # = small_gpt()
 AUTO = {"partitioner": "auto", "offload": {"optimizer": "auto", "params": "auto"}}
@@ -187,7 +189,7 @@ def test_host_memory_short_keeps_the_optimizer_off_the_disk_while_the_gpu_has_ro
 
 
 def deep_gpt():
-    from zkernel.demo.gpt import GPT, GPTConfig
+    from zkernel.cli.demo.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(vocab_size=65, seq_len=32, d_model=64, n_layers=8, n_heads=4))
 
@@ -330,7 +332,7 @@ def test_config_sizes_and_auto_combinations():
 
 
 def test_estimate_plan_cli_shows_the_decision_and_the_measurements(capsys, restore_zkernel_logger):
-    from zkernel.cli import main
+    from zkernel.cli.commands import main
 
     shape = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "50304", "--sequence", "1024"]
     machine = ["--precision", "bf16", "--world-size", "1", "--gpus", "1", "--ram", "128GiB", "--micro-batch", "16"]

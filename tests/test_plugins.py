@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import zkernel
-from zkernel.tiers import OptimizerTier
-from zkernel.hookspecs import hookimpl
-from zkernel.plugin_manager import collect_components, get_plugin_manager, list_components
-from zkernel.registry import Family
+from zkernel.spec.tiers import OptimizerTier
+from zkernel.spec.hookspecs import hookimpl
+from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, list_components
+from zkernel.spec.registry import Family
 
 
 class SignSGD:
@@ -121,7 +121,7 @@ def test_plugin_in_code_supplies_optimizer_and_tier():
 ENTRY_POINT_PLUGIN = textwrap.dedent(
     """
     import torch
-    from zkernel import hookimpl
+    from zkernel.spec import hookimpl
 
     class HalfStep:
         def __init__(self, context):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import zkernel
-from zkernel.profiling import profiler_range
+from zkernel.telemetry.profiling import profiler_range
 
 
 def test_ranges_appear_in_a_profile_and_cost_nothing_otherwise():

@@ -8,7 +8,7 @@ from torch import nn
 
 import zkernel
 from tests.scenarios import Wide
-from zkernel.progress import ENV, NoProgress, progress
+from zkernel.telemetry.progress import ENV, NoProgress, progress
 
 
 def test_quiet_unless_a_terminal_or_forced(monkeypatch, capsys):

@@ -10,7 +10,7 @@ from torch import nn
 import zkernel
 from tests import order_scenarios as scenarios
 from tests.harness import run_ranks
-from zkernel.reduction_order import ReductionOrder, unreachable_params
+from zkernel.kernel.reduction_order import ReductionOrder, unreachable_params
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_leaf_modules_are_units_with_their_subtree_and_a_name_that_matches_nothi
     assert "blocks.0.left" not in units and "embed" in units and "head" in units
     by_pattern = {name for name, _, _ in module_units(model, "modules", ("blocks.*.right",))}
     assert "blocks.1.right" in by_pattern and "blocks.1.left" in by_pattern
-    from zkernel.estimator import _units  # the estimator counts the same units
+    from zkernel.sizing.estimator import _units  # the estimator counts the same units
 
     assert [[p.name for p in unit] for unit in _units(model, "modules", ("Fork",))] == list(units.values())
     with pytest.raises(zkernel.ConfigError, match=r"partitioner_options.leaf_modules 'Expert' matches no module.*Fork"):
@@ -131,7 +131,7 @@ class _Experts(torch.nn.Module):
 
 
 def test_a_layer_holding_experts_is_one_unit_unless_asked_otherwise():
-    from zkernel.estimator import _units
+    from zkernel.sizing.estimator import _units
     from zkernel_plugins.partitioners._flat import module_units
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Experts(), torch.nn.ModuleDict({"experts": torch.nn.Linear(4, 4)}))

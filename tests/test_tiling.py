@@ -9,7 +9,7 @@ from torch import nn
 import zkernel
 from tests.models import TrickyNet
 from tests.transform_scenarios import GatheredBytes
-from zkernel.param_map import ParamMap, Piece
+from zkernel.params.param_map import ParamMap, Piece
 from zkernel_plugins.tiling._tiled_linear import TiledLinear
 
 REL = 1e-6

@@ -15,9 +15,9 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from zkernel import intervals
-from zkernel.gpu_clock import MAX_RATE, ClockFit
-from zkernel.timeline import SpanKind, StepSummary, Timeline, summarize
+from zkernel.telemetry import intervals
+from zkernel.telemetry.gpu_clock import MAX_RATE, ClockFit
+from zkernel.telemetry.timeline import SpanKind, StepSummary, Timeline, summarize
 
 K = SpanKind
 CPU = torch.device("cpu")
@@ -397,7 +397,7 @@ def test_a_full_disk_drops_the_trace_with_a_warning_and_training_goes_on(tmp_pat
         """
         import json, resource, signal, sys, time
         from structlog.testing import capture_logs
-        from zkernel.timeline import SpanKind, Timeline
+        from zkernel.telemetry.timeline import SpanKind, Timeline
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         tl = Timeline("cpu", enabled=True, trace_path=sys.argv[1])

@@ -21,7 +21,7 @@ from tests.unused_scenarios import (
     train_switching,
     two_rank_runs,
 )
-from zkernel.groups import Fragment, ParamGroup, ShardLayout
+from zkernel.spec.groups import Fragment, ParamGroup, ShardLayout
 from zkernel_plugins.optimizers._adam_state import Run, step_runs
 
 

@@ -12,7 +12,7 @@ from torch import nn
 import zkernel
 from tests.models import TiledLossNet, TrickyNet
 from tests.scenarios import _train_steps
-from zkernel.hookspecs import hookimpl
+from zkernel.spec.hookspecs import hookimpl
 
 DIM, HIDDEN = 12, 40
 

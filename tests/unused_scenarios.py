@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zkernel
+import zkernel.spec
 from tests.models import VOCAB, batches
-from zkernel.groups import OptimizerDeclaration, StateSpec
+from zkernel.spec.groups import OptimizerDeclaration, StateSpec
 
 STEPS, ACCUM, LR, WEIGHT_DECAY = 6, 2, 2e-2, 0.1
 FREEZE_AT = 4  # the step before which the head's bias is frozen (after `initialize`)
@@ -57,11 +58,11 @@ class MomentumSGD:
     def __init__(self, context) -> None:
         self.momentum = 0.9
 
-    @zkernel.hookimpl
+    @zkernel.spec.hookimpl
     def zkernel_declare_optimizer(self, numel):
         return OptimizerDeclaration(state=(StateSpec("momentum", torch.float32, (numel,)),))
 
-    @zkernel.hookimpl
+    @zkernel.spec.hookimpl
     def zkernel_step_optimizer(self, group, options):
         grad = group.grad.to(group.master.dtype) * options.grad_scale
         grad = group.optim_state["momentum"].mul_(self.momentum).add_(grad)
@@ -72,7 +73,7 @@ class MomentumSGD:
 
 
 class MomentumPlugin:
-    @zkernel.hookimpl
+    @zkernel.spec.hookimpl
     def zkernel_register_optimizers(self, registry):
         registry.add("momentum_sgd", MomentumSGD, description="SGD with momentum (test)")
 

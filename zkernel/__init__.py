@@ -1,13 +1,15 @@
 """zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
 
-Public API (see README): `initialize`, `Config`, `hookimpl`, `consolidate`,
-`from_deepspeed_config`, `estimate`, `tiled_cross_entropy`, `CheckpointError`,
-`RankDivergenceError`, `LossScaleError`.
-Nothing is loaded at import time; `initialize` builds the plugin managers.
+Public API (see README): `initialize`, `Config`, `consolidate`,
+`from_deepspeed_config`, `estimate`, `tiled_cross_entropy`, `Engine`, and the
+errors `ConfigError`, `CheckpointError`, `RankDivergenceError`, `LossScaleError`.
+Plugins import `zkernel.spec` (the contract). Nothing is loaded at import time;
+`initialize` builds the plugin managers.
 """
 
-from zkernel.config import Config, ConfigError
-from zkernel.hookspecs import hookimpl, hookspec
+from zkernel import _moved
+from zkernel.errors import ConfigError
+from zkernel.spec.config import Config
 
 __version__ = "0.1.0"
 
@@ -21,45 +23,46 @@ __all__ = [
     "consolidate",
     "estimate",
     "from_deepspeed_config",
-    "hookimpl",
-    "hookspec",
     "initialize",
     "tiled_cross_entropy",
 ]
 
+_moved.install()
+
+# Public name -> (module, attribute), imported on first use: `import zkernel` stays light.
+_LAZY = {
+    "initialize": ("zkernel.kernel.bootstrap", "initialize"),
+    "consolidate": ("zkernel.kernel.bootstrap", "consolidate"),
+    "from_deepspeed_config": ("zkernel.compat.deepspeed.config", "from_deepspeed_config"),
+    "estimate": ("zkernel.sizing.estimator", "estimate"),
+    "RankDivergenceError": ("zkernel.kernel.divergence", "RankDivergenceError"),
+    "LossScaleError": ("zkernel.kernel.loss_scale", "LossScaleError"),
+    "CheckpointError": ("zkernel.checkpoint.format", "CheckpointError"),
+    "tiled_cross_entropy": ("zkernel.ops.tiled_loss", "tiled_cross_entropy"),
+    "Engine": ("zkernel.kernel.engine", "Engine"),
+}
+# Names the facade exported before `zkernel.spec` held them (deprecated, one release).
+_SPEC_NAMES = ("hookimpl", "hookspec")
+
 
 def __getattr__(name):
-    # Keep `import zkernel` light: torch-heavy modules load on first use.
-    if name in ("initialize", "consolidate"):
-        from zkernel import bootstrap
+    import importlib
 
-        return getattr(bootstrap, name)
-    if name == "from_deepspeed_config":
-        from zkernel.deepspeed_config import from_deepspeed_config
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in _SPEC_NAMES:
+        import warnings
 
-        return from_deepspeed_config
-    if name == "estimate":
-        from zkernel.estimator import estimate
+        warnings.warn(
+            f"zkernel.{name} moved to zkernel.spec.{name}; the old name stops working in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from zkernel import spec
 
-        return estimate
-    if name == "RankDivergenceError":
-        from zkernel.divergence import RankDivergenceError
-
-        return RankDivergenceError
-    if name == "LossScaleError":
-        from zkernel.loss_scale import LossScaleError
-
-        return LossScaleError
-    if name == "CheckpointError":
-        from zkernel.checkpoint.format import CheckpointError
-
-        return CheckpointError
-    if name == "tiled_cross_entropy":
-        from zkernel.tiled_loss import tiled_cross_entropy
-
-        return tiled_cross_entropy
-    if name == "Engine":
-        from zkernel.engine import Engine
-
-        return Engine
+        return getattr(spec, name)
+    module = _moved.moved_attribute(name)
+    if module is not None:
+        return module
     raise AttributeError(f"module 'zkernel' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 import sys
 
-from zkernel.cli import main
+from zkernel.cli.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Type stub of the compiled extension built from native/ (see native/bindings.cpp).
 
 Buffers cross as integer addresses plus lengths; use the checked wrappers in
-`zkernel.native` and `zkernel.aio` rather than calling these directly.
+`zkernel.platform.native` and `zkernel.platform.aio` rather than calling these directly.
 """
 
 import enum

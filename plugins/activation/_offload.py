@@ -9,7 +9,7 @@ installs hooks there, so for each region:
 * pack (when the region starts, on the forward's stream): copy each input
   into a fresh host tensor (page-locked where CUDA is available) on the
   engine's activation device-to-host stream ([Note: activation streams] in
-  `zkernel.streams`), after the work that produced it; the device tensor is
+  `zkernel.platform.streams`), after the work that produced it; the device tensor is
   marked as used by that stream, so the caching allocator hands its memory
   out again only after the copy, and the offloader keeps no reference to it:
   once the forward drops it, its memory is free.
@@ -50,9 +50,9 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.config import ConfigError
-from zkernel.profiling import profiler_range
-from zkernel.streams import record_event
+from zkernel.spec.config import ConfigError
+from zkernel.telemetry.profiling import profiler_range
+from zkernel.platform.streams import record_event
 
 
 

@@ -18,7 +18,7 @@ memory on the device stays about one checkpointed module deep, at the price
 of one copy out and one copy in per module, overlapped with compute.
 
 Under zero3 the scheduler recognises the recomputation (see [Note:
-recompute] in `zkernel.scheduler`): each unit of the module is gathered once
+recompute] in `zkernel.kernel.scheduler`): each unit of the module is gathered once
 for its recomputation and its backward together. Under every other
 partitioner parameters are whole and nothing changes for them.
 `Engine.close` gives every module its own ``forward`` back.
@@ -37,10 +37,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from zkernel import hookimpl
-from zkernel.config import ConfigError
-from zkernel.log import get_logger
-from zkernel.module_select import select_modules
+from zkernel.spec import hookimpl
+from zkernel.spec.config import ConfigError
+from zkernel.telemetry.log import get_logger
+from zkernel.params.module_select import select_modules
 
 from ._offload import SavedInputOffloader
 

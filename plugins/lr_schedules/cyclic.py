@@ -10,7 +10,7 @@ beta1 moves the other way between ``cycle_max_mom`` and ``cycle_min_mom``; beta2
 is then 0.99, whatever ``[optimizer] betas`` says, as DeepSpeed sets it, for
 every parameter: a ``[[optimizer.param_groups]]`` entry that sets its own
 ``betas`` is then a `ConfigError` ([Note: per-parameter hyperparameters] in
-`zkernel.param_hyper`).
+`zkernel.kernel.param_hyper`).
 ``lr_range_test`` grows the rate from ``lr_range_test_min_lr`` by
 ``lr_range_test_step_rate`` times the number of ``lr_range_test_step_size``
 intervals passed (whole intervals with ``lr_range_test_staircase``). Positions
@@ -23,9 +23,10 @@ import math
 
 import attrs
 
-from zkernel import hookimpl
-from zkernel.config import ConfigError, boolean, integer, number
-from zkernel.lr_schedule import LRSchedule
+from zkernel.spec import hookimpl
+from zkernel.spec.config import ConfigError
+from zkernel.spec.options import boolean, integer, number
+from zkernel.spec.lr_schedule import LRSchedule
 
 from ._iteration import position
 

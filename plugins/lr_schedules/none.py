@@ -6,8 +6,8 @@ loop sets between steps; nothing else changes it.
 
 from __future__ import annotations
 
-from zkernel import hookimpl
-from zkernel.lr_schedule import LRSchedule
+from zkernel.spec import hookimpl
+from zkernel.spec.lr_schedule import LRSchedule
 
 
 class NoSchedule(LRSchedule):

@@ -16,10 +16,10 @@ import math
 
 import attrs
 
-from zkernel import hookimpl
-from zkernel.config import choice, integer, number
-from zkernel.log import get_logger
-from zkernel.lr_schedule import LRSchedule
+from zkernel.spec import hookimpl
+from zkernel.spec.options import choice, integer, number
+from zkernel.telemetry.log import get_logger
+from zkernel.spec.lr_schedule import LRSchedule
 
 from ._iteration import position, warmup_fraction, warmup_steps
 

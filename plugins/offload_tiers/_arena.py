@@ -1,6 +1,6 @@
 """A bounded pool of page-locked, aligned host memory handed out in blocks (the NVMe tiers' staging).
 
-One buffer from `zkernel.aio.aligned_empty` (page-locked when CUDA is
+One buffer from `zkernel.platform.aio.aligned_empty` (page-locked when CUDA is
 available: pinning is slow, so it is done once) is cut into blocks, first fit
 over a sorted free list with neighbours merged on free. Every block starts
 and ends on the O_DIRECT alignment, so a block feeds the disk directly and,
@@ -16,8 +16,8 @@ import bisect
 import attrs
 import torch
 
-from zkernel.aio import ALIGNMENT, aligned_empty
-from zkernel.log import get_logger
+from zkernel.platform.aio import ALIGNMENT, aligned_empty
+from zkernel.telemetry.log import get_logger
 
 log = get_logger()
 

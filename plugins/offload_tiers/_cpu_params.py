@@ -7,11 +7,11 @@ from typing import Any
 import attrs
 import torch
 
-from zkernel import hookimpl
-from zkernel.host_memory import host_empty
-from zkernel.streams import record_event
-from zkernel.tiers import ParamsTier, Resource
-from zkernel.timeline import SpanKind
+from zkernel.spec import hookimpl
+from zkernel.platform.host_memory import host_empty
+from zkernel.platform.streams import record_event
+from zkernel.spec.tiers import ParamsTier, Resource
+from zkernel.telemetry.timeline import SpanKind
 
 from .device import shares_storage
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from zkernel.timeline import SpanKind
+from zkernel.telemetry.timeline import SpanKind
 
 from ._staging import StagingPool
 

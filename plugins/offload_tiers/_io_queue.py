@@ -22,9 +22,9 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from zkernel.aio import AioHandle
-from zkernel.log import get_logger
-from zkernel.timeline import SpanKind, Timeline
+from zkernel.platform.aio import AioHandle
+from zkernel.telemetry.log import get_logger
+from zkernel.telemetry.timeline import SpanKind, Timeline
 
 log = get_logger()
 

@@ -93,12 +93,12 @@ from concurrent.futures import Future
 import attrs
 import torch
 
-from zkernel import hookimpl
-from zkernel.aio import aligned_empty
-from zkernel.config import ConfigError
-from zkernel.log import get_logger
-from zkernel.tiers import Resource, ShardState, StoredBytes
-from zkernel.timeline import SpanKind
+from zkernel.spec import hookimpl
+from zkernel.platform.aio import aligned_empty
+from zkernel.spec.config import ConfigError
+from zkernel.telemetry.log import get_logger
+from zkernel.spec.tiers import Resource, ShardState, StoredBytes
+from zkernel.telemetry.timeline import SpanKind
 
 from ._arena import Block, PinnedArena, aligned
 from ._io_queue import IoQueue, SwapFileTraffic

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from zkernel.aio import ALIGNMENT, DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
-from zkernel.config import ConfigError, OptionValidator, choice, integer, number
+from zkernel.platform.aio import ALIGNMENT, DEFAULT_BLOCK_SIZE, DEFAULT_THREADS
+from zkernel.spec.config import ConfigError
+from zkernel.spec.options import OptionValidator, choice, integer, number
 
 
 def _block_size(value) -> bool:

@@ -53,12 +53,12 @@ from concurrent.futures import Future
 import attrs
 import torch
 
-from zkernel import hookimpl
-from zkernel.aio import aligned_empty
-from zkernel.log import get_logger
-from zkernel.streams import record_event
-from zkernel.tiers import ParamsTier, Resource, StoredBytes
-from zkernel.timeline import SpanKind
+from zkernel.spec import hookimpl
+from zkernel.platform.aio import aligned_empty
+from zkernel.telemetry.log import get_logger
+from zkernel.platform.streams import record_event
+from zkernel.spec.tiers import ParamsTier, Resource, StoredBytes
+from zkernel.telemetry.timeline import SpanKind
 
 from ._arena import Block, PinnedArena, aligned
 from ._io_queue import IoQueue, SwapFileTraffic

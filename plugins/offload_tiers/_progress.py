@@ -3,7 +3,7 @@
 Pre-allocating a large model's swap files and writing its initial values can
 take minutes. `Preallocation` counts the bytes laid out against the total the
 tier planned (`OptimizerTier.demand` / `ParamsTier.demand`) on a
-`zkernel.progress` bar (rank 0, stderr a terminal, ``ZKERNEL_PROGRESS``
+`zkernel.telemetry.progress` bar (rank 0, stderr a terminal, ``ZKERNEL_PROGRESS``
 overrides), which also stays off when the ``zkernel`` logger is set above
 WARNING (a program that silenced the library's warnings wants no bars from it).
 It always logs one ``zkernel.nvme.preallocated`` event (INFO) with the files,
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 
-from zkernel.log import ROOT, get_logger
-from zkernel.progress import progress
+from zkernel.telemetry.log import ROOT, get_logger
+from zkernel.telemetry.progress import progress
 
 log = get_logger()
 

@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from zkernel.host_memory import host_empty
+from zkernel.platform.host_memory import host_empty
 
 POOLED = object()  # `update_target` asked for a staging buffer: lent from the pool per step
 

@@ -30,8 +30,8 @@ import time
 import weakref
 from pathlib import Path
 
-from zkernel.config import ConfigError
-from zkernel.log import get_logger
+from zkernel.spec.config import ConfigError
+from zkernel.telemetry.log import get_logger
 
 log = get_logger()
 

@@ -13,7 +13,7 @@ memory instead of reading it); an extent whose write failed is marked
 `INVALID` and is never read (its newest bytes stay in memory, see the tiers'
 [Note: write failures]).
 
-The file is pre-allocated at `initialize` (`zkernel.aio.preallocate`), so a
+The file is pre-allocated at `initialize` (`zkernel.platform.aio.preallocate`), so a
 disk too small fails there, and every later write overwrites reserved blocks.
 """
 
@@ -29,9 +29,9 @@ from typing import Callable
 import attrs
 import torch
 
-from zkernel.aio import ALIGNMENT, preallocate
-from zkernel.config import ConfigError
-from zkernel.timeline import SpanKind
+from zkernel.platform.aio import ALIGNMENT, preallocate
+from zkernel.spec.config import ConfigError
+from zkernel.telemetry.timeline import SpanKind
 
 from ._arena import aligned
 from ._io_queue import IoQueue

@@ -77,13 +77,13 @@ from typing import Any
 import attrs
 import torch
 
-from zkernel import hookimpl
-from zkernel.host_memory import host_empty, host_zeros
-from zkernel.log import get_logger
-from zkernel.step_pipeline import SPECULATE_POLICIES
-from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, Resource, ShardState
-from zkernel.timeline import SpanKind
+from zkernel.spec import hookimpl
+from zkernel.platform.host_memory import host_empty, host_zeros
+from zkernel.telemetry.log import get_logger
+from zkernel.spec.tiers import SPECULATE_POLICIES
+from zkernel.platform.streams import record_event
+from zkernel.spec.tiers import OptimizerTier, Resource, ShardState
+from zkernel.telemetry.timeline import SpanKind
 
 from ._cpu_params import CpuParamsOptions, CpuParamsTier
 from ._host_grad import accumulate, sq_norm

@@ -28,10 +28,10 @@ from collections import deque
 
 import torch
 
-from zkernel import hookimpl
-from zkernel.streams import record_event
-from zkernel.tiers import OptimizerTier, ParamsTier, Resource, ShardState
-from zkernel.timeline import SpanKind
+from zkernel.spec import hookimpl
+from zkernel.platform.streams import record_event
+from zkernel.spec.tiers import OptimizerTier, ParamsTier, Resource, ShardState
+from zkernel.telemetry.timeline import SpanKind
 
 from ._state import write_optimizer_state
 

@@ -11,7 +11,7 @@ has its own options (``_nvme_options``).
 
 from __future__ import annotations
 
-from zkernel import hookimpl
+from zkernel.spec import hookimpl
 
 from ._nvme_optimizer import NvmeTier
 from ._nvme_options import NvmeParamsOptions, NvmeTierOptions

@@ -10,7 +10,7 @@ checkpoint stores each parameter's own) and a step is one kernel call per
 *run*: the longest stretches of the shard whose parameters are all stepped now,
 all at the same count and all with the same hyperparameters (rate, weight
 decay, betas and eps: ``group.param_hyper``, [Note: per-parameter
-hyperparameters] in `zkernel.param_hyper`). While nothing was ever skipped and
+hyperparameters] in `zkernel.kernel.param_hyper`). While nothing was ever skipped and
 no parameter has hyperparameters of its own that is one run over the whole
 shard, the call it always was; alignment gaps inside a run are zeros and stay
 zeros. The counts live where the tier keeps the state (on the GPU for
@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator
 import attrs
 import torch
 
-from zkernel import adam_math, native
-from zkernel.adam_math import check_rollback_possible
-from zkernel.groups import OptimizerDeclaration, ParamGroup, ParamHyper, StateSpec, StepOptions
+from zkernel.platform import adam_math, native
+from zkernel.platform.adam_math import check_rollback_possible
+from zkernel.spec.groups import OptimizerDeclaration, ParamGroup, ParamHyper, StateSpec, StepOptions
 
 
 def adam_declaration(numel: int, param_count: int, can_rollback: bool) -> OptimizerDeclaration:
@@ -171,8 +171,8 @@ def step_group(
 
 
 def kernel_arguments(run: Run, options: StepOptions, decoupled: bool) -> dict:
-    """The keyword arguments every Adam kernel here takes (`zkernel.native.adam_step`, its rollback,
-    the Triton kernel, `zkernel.adam_math.adam_rollback`) for one run."""
+    """The keyword arguments every Adam kernel here takes (`zkernel.platform.native.adam_step`, its rollback,
+    the Triton kernel, `zkernel.platform.adam_math.adam_rollback`) for one run."""
     return dict(
         step=run.step,
         lr=run.lr(options),
@@ -201,7 +201,7 @@ def _stepped(group: ParamGroup, skip: frozenset[int]) -> frozenset[int] | None:
 
 def rollback_possible(group: ParamGroup, options: StepOptions, decoupled: bool) -> bool:
     """Whether a step of ``group`` with ``options`` can be undone, at the step's rate, decay and betas
-    and at every parameter's own (see `zkernel.adam_math.check_rollback_possible`)."""
+    and at every parameter's own (see `zkernel.platform.adam_math.check_rollback_possible`)."""
     for hyper in {ParamHyper(), *group.param_hyper.values()}:
         try:
             check_rollback_possible(

@@ -94,7 +94,7 @@ def adam_step(
     """One Adam (``adamw=False``: L2) or AdamW update of ``master``, ``exp_avg`` and ``exp_avg_sq`` in
     place for step number ``step`` (1-based) from ``grad * grad_scale`` (``grad`` fp32 or lower, read
     only); the rounded result to ``copy_out`` when given. All flat, contiguous and on one CUDA
-    device. The arguments are `zkernel.native.adam_step`'s, the host kernel's."""
+    device. The arguments are `zkernel.platform.native.adam_step`'s, the host kernel's."""
     global _kernel
     numel = master.numel()
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("copy_out", copy_out)):

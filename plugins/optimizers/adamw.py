@@ -23,8 +23,8 @@ import attrs
 import torch
 from torch.optim import adamw as torch_adamw
 
-from zkernel import hookimpl
-from zkernel.config import boolean, choice
+from zkernel.spec import hookimpl
+from zkernel.spec.options import boolean, choice
 
 from . import _triton_adam
 from ._adam_state import (

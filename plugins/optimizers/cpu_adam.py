@@ -2,7 +2,7 @@
 
 Each group's master shard is one flat fp32 CPU tensor, so a step is one call
 (one per run of parameters at one step count and hyperparameters, see [Note: per-parameter steps]
-in ``_adam_state``) into `zkernel.native.adam_step`, which in a single pass over memory widens a
+in ``_adam_state``) into `zkernel.platform.native.adam_step`, which in a single pass over memory widens a
 bf16 gradient (or reads an fp32 one), multiplies it by the step's gradient
 coefficient (unscale times clip), applies Adam or AdamW, writes the moments and
 the fp32 master, and rounds the new master into ``group.copy_out`` (bf16/fp16)
@@ -24,9 +24,10 @@ from __future__ import annotations
 import attrs
 import torch
 
-from zkernel import hookimpl, native
-from zkernel.config import boolean, integer
-from zkernel.log import get_logger
+from zkernel.spec import hookimpl
+from zkernel.platform import native
+from zkernel.spec.options import boolean, integer
+from zkernel.telemetry.log import get_logger
 
 from ._adam_state import (
     StepCounts,

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkernel.groups import Fragment, ShardLayout
-from zkernel.unit_modules import unit_module_ids
+from zkernel.spec.groups import Fragment, ShardLayout
+from zkernel.params.unit_modules import unit_module_ids
 
 ALIGN = 16  # elements: 16 bytes in 1-byte dtypes, 32 in bf16, 64 in fp32 (see [Note: aligned parameters])
 # A gradient at least this large is copied by the copy engines where a stream of its own moves it.
@@ -131,7 +131,7 @@ def _take_grads(params: Sequence[nn.Parameter], layout: FlatLayout, out: torch.T
     (views, gradients), and the views of the parameters without a gradient in this backward."""
     views, grads, missing = [], [], []
     # ZeRO-3 has released the parameters by now: ``.grad`` is readable, but through the
-    # released-parameter trap's Python handler (`zkernel.released`) unless subclasses are off.
+    # released-parameter trap's Python handler (`zkernel.params.released`) unless subclasses are off.
     with torch._C.DisableTorchFunctionSubclass():
         for p, view in zip(params, layout.views(out)):
             grad = p.grad
@@ -235,8 +235,8 @@ def module_units(
     parameters of its subtree that no nested unit holds (FSDP2's usual
     per-block wrapping: fewer, larger collectives). Under either, a module
     compiled in place is a unit with its whole subtree (see [Note: compiled
-    units] in `zkernel.compiled`), and so is each module ``leaf_modules``
-    selects (see [Note: leaf modules] in `zkernel.unit_modules`), and, with
+    units] in `zkernel.platform.compiled`), and so is each module ``leaf_modules``
+    selects (see [Note: leaf modules] in `zkernel.params.unit_modules`), and, with
     ``leaf_experts``, each mixture-of-experts layer (see [Note: expert
     layers] there). A tied parameter belongs to the first unit that reaches it.
     """

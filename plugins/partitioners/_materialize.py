@@ -34,7 +34,7 @@ meta tensors (one unit's parameters, or one module's buffers):
    buffer left unset (a NaN or the integer sentinel left behind, also where
    its module has no way to initialise it) is recorded (``unset``), for a
    load to write before anything uses it ([Note: values left unset] in
-   `zkernel.unset`): a model built with accelerate's ``init_empty_weights()``
+   `zkernel.params.unset`): a model built with accelerate's ``init_empty_weights()``
    and given its weights by `Engine.load_state_dict` needs no initialiser.
    A non-persistent buffer left unset, or one whose module has no
    ``reset_parameters()`` when there is no ``init_fn``, is an error naming
@@ -82,8 +82,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from zkernel.log import get_logger
-from zkernel.progress import progress
+from zkernel.telemetry.log import get_logger
+from zkernel.telemetry.progress import progress
 
 log = get_logger()
 

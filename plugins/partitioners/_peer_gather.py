@@ -56,10 +56,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from zkernel.distributed import every_rank
-from zkernel.log import get_logger
-from zkernel.streams import current_stream, record_event, use_stream
-from zkernel.timeline import SpanKind
+from zkernel.platform.distributed import every_rank
+from zkernel.telemetry.log import get_logger
+from zkernel.platform.streams import current_stream, record_event, use_stream
+from zkernel.telemetry.timeline import SpanKind
 
 from ._stream_barrier import open_barrier
 

@@ -52,9 +52,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from zkernel.log import get_logger
-from zkernel.streams import current_stream, record_event, use_stream
-from zkernel.timeline import SpanKind
+from zkernel.telemetry.log import get_logger
+from zkernel.platform.streams import current_stream, record_event, use_stream
+from zkernel.telemetry.timeline import SpanKind
 
 from . import _peer_gather
 from ._flat import FlatLayout, copy_grads_by_copy_engine

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from zkernel.groups import ParamGroup, ReducedGradient
+from zkernel.spec.groups import ParamGroup, ReducedGradient
 
 from ._flat import all_reduce_mean, gather_grads, reduce_scatter_mean
 

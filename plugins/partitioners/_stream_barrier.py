@@ -30,8 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from zkernel.distributed import every_rank
-from zkernel.log import get_logger
+from zkernel.platform.distributed import every_rank
+from zkernel.telemetry.log import get_logger
 
 log = get_logger()
 

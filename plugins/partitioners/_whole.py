@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkernel.config import integer
-from zkernel.groups import ParamGroup
-from zkernel.param_writes import watch
+from zkernel.spec.options import integer
+from zkernel.spec.groups import ParamGroup
+from zkernel.params.param_writes import watch
 
 from ._flat import FlatLayout, all_gather_flat, flatten_into, split_buckets, split_trainable, unique_named_params
 
@@ -79,7 +79,7 @@ def build_whole_groups(module: nn.Module, context, shards: int, bucket_numel: in
                 dist.broadcast(master_full, src=0)
         for p, view in zip(params, flat.views(full)):
             p.data = view
-            watch(p)  # [Note: writes to gathered parameters] in `zkernel.param_writes`
+            watch(p)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         own = flat.own if shards > 1 else slice(0, flat.padded)
         param_shard = full[own]
         if master_full is None:

@@ -13,7 +13,7 @@ is no collective at all. Off the boundary, gradients only accumulate locally
 
 from __future__ import annotations
 
-from zkernel import hookimpl
+from zkernel.spec import hookimpl
 
 from ._reduce import reduce_at_boundary
 from ._whole import BucketOptions, build_whole_groups, describe, memory_of, restore

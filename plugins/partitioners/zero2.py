@@ -14,7 +14,7 @@ communicated.
 
 from __future__ import annotations
 
-from zkernel import hookimpl
+from zkernel.spec import hookimpl
 
 from ._reduce import reduce_every_micro_batch
 from ._whole import BucketOptions, build_whole_groups, describe, memory_of, publish, restore

@@ -63,14 +63,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkernel import hookimpl
-from zkernel.config import ConfigError, boolean, choice, integer, str_tuple
-from zkernel.groups import ParamGroup, Phase
-from zkernel.param_writes import watch
-from zkernel.profiling import profiler_range
-from zkernel.released import mark_gathered, mark_released
-from zkernel.streams import current_stream, record_event
-from zkernel.unit_modules import UNIT_POLICIES
+from zkernel.spec import hookimpl
+from zkernel.spec.config import ConfigError, str_tuple
+from zkernel.spec.options import boolean, choice, integer
+from zkernel.spec.groups import ParamGroup, Phase
+from zkernel.params.param_writes import watch
+from zkernel.telemetry.profiling import profiler_range
+from zkernel.params.released import mark_gathered, mark_released
+from zkernel.platform.streams import current_stream, record_event
+from zkernel.params.unit_modules import UNIT_POLICIES
 
 from ._flat import FlatLayout, all_gather_flat, flatten_into, module_units
 from ._peer_gather import PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere, pool_threshold
@@ -93,10 +94,10 @@ class Zero3Options:
     units: str = attrs.field(default="modules", validator=choice(*UNIT_POLICIES))
     # Modules (class names or fnmatch patterns of module names) that are each one unit with their
     # whole subtree, whatever ``units`` says: a mixture-of-experts layer whose experts only some
-    # ranks run ([Note: leaf modules] in `zkernel.unit_modules`; DeepSpeed's set_z3_leaf_modules).
+    # ranks run ([Note: leaf modules] in `zkernel.params.unit_modules`; DeepSpeed's set_z3_leaf_modules).
     leaf_modules: tuple[str, ...] = attrs.field(default=(), converter=str_tuple("partitioner_options.leaf_modules"))
     # Each module holding a ModuleList/ModuleDict of experts (named "*experts") is a leaf module too
-    # ([Note: expert layers] in `zkernel.unit_modules`).
+    # ([Note: expert layers] in `zkernel.params.unit_modules`).
     leaf_experts: bool = attrs.field(default=True, validator=boolean())
     # Gather shards with peer copies on the copy engines ([Note: peer gathers]): "auto" for every
     # shard where the gathered shards average at least 4 MiB, else for shards of at least 32 MiB,
@@ -293,11 +294,11 @@ class Zero3:
         for p, view in zip(group.params, views):
             mark_gathered(p)
             p.data = view
-            watch(p)  # [Note: writes to gathered parameters] in `zkernel.param_writes`
+            watch(p)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         group.gathered = True
 
     def _point_at_placeholder(self, group: ParamGroup) -> None:
-        """Between uses: empty ``.data``, and reads outside the engine raise (see `zkernel.released`)."""
+        """Between uses: empty ``.data``, and reads outside the engine raise (see `zkernel.params.released`)."""
         for p, name in zip(group.params, group.param_names):
             p.data = self._placeholder(group.layout.full)
             mark_released(p, name)

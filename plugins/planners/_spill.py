@@ -6,7 +6,7 @@ every step (at 1-3 GB/s, against tens to hundreds of GB/s for host memory
 and the GPU), so the nvme tier keeps the optimizer of the first
 ``gpu_share`` of the trainable elements (in module order, the next
 forward's) on the GPU and of the next ``host_share`` in host memory
-([Note: optimizer spill] in `zkernel.estimator`). For a candidate whose
+([Note: optimizer spill] in `zkernel.sizing.estimator`). For a candidate whose
 other needs fit the device, the planner, when the tier is its choice and the
 config gives no fraction: gives ``gpu_share`` the
 largest fraction (in thousandths) whose groups fit the device with
@@ -36,8 +36,8 @@ import math
 
 import attrs
 
-from zkernel.estimator import DEVICE, TIER_PLACEMENT, Role, Spill, spill_numel
-from zkernel.machine import format_bytes
+from zkernel.sizing.estimator import DEVICE, TIER_PLACEMENT, Role, Spill, spill_numel
+from zkernel.platform.machine import format_bytes
 
 from ._types import Candidate, Outcome
 
@@ -58,7 +58,7 @@ class SpillSizing:
         groups. A spill that is not ``at_adopt`` (the cpu tier's gpu_share) still places zero3's
         module-bound groups at adopt, so it counts under zero3; under the other partitioners it
         moves groups after the first step and does not lower what that step needs."""
-        from zkernel.registry import Family
+        from zkernel.spec.registry import Family
 
         tier = candidate.optimizer
         component = self.request.components.get(Family.OFFLOAD_TIER, tier) if self.request.components else None

@@ -48,9 +48,9 @@ import math
 import attrs
 from torch import nn
 
-from zkernel import hookimpl
-from zkernel.config import boolean, number
-from zkernel.estimator import (
+from zkernel.spec import hookimpl
+from zkernel.spec.options import boolean, number
+from zkernel.sizing.estimator import (
     PARTITIONERS,
     TIER_PLACEMENT,
     Buffer,
@@ -59,9 +59,9 @@ from zkernel.estimator import (
     tally,
     totals,
 )
-from zkernel.machine import Probe, format_bytes, probe_copy, probe_cpu_adam, probe_disk
-from zkernel.planning import Plan, PlacementError, Planner, PlanRequest
-from zkernel.tiers import HOST_MARGIN
+from zkernel.platform.machine import Probe, format_bytes, probe_copy, probe_cpu_adam, probe_disk
+from zkernel.spec.planner import Plan, PlacementError, Planner, PlanRequest
+from zkernel.spec.tiers import HOST_MARGIN
 
 from ._activations import Activations, activations_of
 from ._spill import SpillSizing
@@ -157,7 +157,7 @@ class _Planning(SpillSizing):
         return usable
 
     def _fixed(self, key: str) -> str | None:
-        from zkernel.config import config_value
+        from zkernel.spec.config import config_value
 
         return None if key in self.request.auto else config_value(self.config, key)
 
@@ -233,7 +233,7 @@ class _Planning(SpillSizing):
 
     def _partitioner_options(self, partitioner: str) -> dict:
         """The configured partitioner options the candidate's partitioner takes (they differ by partitioner)."""
-        from zkernel.registry import Family
+        from zkernel.spec.registry import Family
 
         given = dict(self.config.partitioner_options)
         component = self.request.components.get(Family.PARTITIONER, partitioner)
@@ -244,8 +244,8 @@ class _Planning(SpillSizing):
 
     def _built_options(self, variant):
         """The candidate partitioner's validated options object (what `estimate` would build)."""
-        from zkernel.config import build_options
-        from zkernel.registry import Family
+        from zkernel.spec.options import build_options
+        from zkernel.spec.registry import Family
 
         component = self.request.components.get(Family.PARTITIONER, variant.partitioner)
         return build_options("partitioner_options", component.options_cls, variant.partitioner_options)

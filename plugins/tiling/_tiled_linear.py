@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zkernel.param_map import ComposedParam, Piece, install_state_dict_hooks
+from zkernel.params.param_map import ComposedParam, Piece, install_state_dict_hooks
 
 
 def split_bounds(size: int, parts: int) -> tuple[tuple[int, int], ...]:
@@ -57,7 +57,7 @@ class TiledLinear(nn.Module):
 
     ``weight`` and ``bias`` read as the whole layer's tensors (assembled from
     the tiles, differentiable, not writable), ``state_dict`` holds them under
-    those names, and ``zkernel_composed_parameters`` tells `zkernel.param_map`
+    those names, and ``zkernel_composed_parameters`` tells `zkernel.params.param_map`
     which tile holds which slice.
     """
 

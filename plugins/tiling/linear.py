@@ -16,7 +16,7 @@ reduced as soon as that tile's backward ran. Under partitioners that keep
 parameters whole, tiling changes nothing but the order of the arithmetic.
 
 Names stay the user's: the tiled module answers ``weight``/``bias``, keeps
-them in ``state_dict`` and declares its pieces to `zkernel.param_map`.
+them in ``state_dict`` and declares its pieces to `zkernel.params.param_map`.
 `Engine.close` puts the original ``nn.Linear`` objects back, holding the
 trained values. A layer whose weight or bias is tied to another module's,
 or a module reachable under two names, cannot be split without breaking the
@@ -32,9 +32,9 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel import hookimpl
-from zkernel.config import ConfigError
-from zkernel.log import get_logger
+from zkernel.spec import hookimpl
+from zkernel.spec.config import ConfigError
+from zkernel.telemetry.log import get_logger
 
 from ._tiled_linear import TiledLinear
 

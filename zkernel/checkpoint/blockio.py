@@ -5,7 +5,7 @@ page-aligned staging buffers (page-locked when CUDA is available, so device
 copies into and out of them run at full speed) or straight from or into the
 caller's memory: while one piece is filled or drained, the others are being
 written or read. With the
-native extension built, pieces go through `zkernel.aio.AioHandle`: O_DIRECT, split
+native extension built, pieces go through `zkernel.platform.aio.AioHandle`: O_DIRECT, split
 over many I/O threads, which is what gets a single file near the disk's bandwidth
 (buffered writes plus fsync reached a third of it on the development VM). Without
 it, plain ``pwrite``/``preadv`` run synchronously.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from zkernel import native
+from zkernel.platform import native
 
 PIECE_BYTES = 32 << 20
 DEPTH = 4  # staging buffers per stream
@@ -40,7 +40,7 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     """``nbytes`` of host memory: page-aligned (and page-locked with CUDA) when the native
     extension is built, else a plain tensor (the pread/pwrite fallback needs no alignment)."""
     if native.available():
-        from zkernel.aio import aligned_empty
+        from zkernel.platform.aio import aligned_empty
 
         return aligned_empty(nbytes, torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8)
@@ -52,7 +52,7 @@ class BlockIO:
     def __init__(self) -> None:
         self._aio = None
         if native.available():
-            from zkernel.aio import AioHandle
+            from zkernel.platform.aio import AioHandle
 
             self._aio = AioHandle()
         self._next = 0

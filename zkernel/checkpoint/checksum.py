@@ -25,7 +25,7 @@ _CRC32C_CHECK = 0xE3069283
 def _native_crc32c() -> Callable[[memoryview], int] | None:
     """CRC-32C from the native extension (hardware instructions), when it offers one that passes the check."""
     try:
-        from zkernel import native
+        from zkernel.platform import native
 
         crc32c = getattr(native, "crc32c", None)
         if crc32c is not None and int(crc32c(memoryview(b"123456789"))) == _CRC32C_CHECK:
@@ -51,6 +51,6 @@ def checksum_function(algorithm: str) -> Callable[[memoryview], int]:
             return crc32c
         raise CheckpointError(
             "this checkpoint's checksums are CRC-32C, which needs zkernel's native extension "
-            "(zkernel.native.crc32c); build it with `pip install -e .`"
+            "(zkernel.platform.native.crc32c); build it with `pip install -e .`"
         )
     raise CheckpointError(f"checksum algorithm {algorithm!r} is not supported by this zkernel (it knows crc32, crc32c)")

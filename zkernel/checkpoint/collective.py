@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zkernel.distributed import DistInfo
+from zkernel.platform.distributed import DistInfo
 
 
 def exchange_json(value: Any, info: DistInfo) -> list[Any]:

@@ -29,7 +29,7 @@ from zkernel.checkpoint.model import BUFFER, EXTRA, PARAM
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
 from zkernel.checkpoint.range_reader import RangeReader
 from zkernel.checkpoint.stream_writer import Entry, write_file
-from zkernel.param_map import ParamMap
+from zkernel.params.param_map import ParamMap
 
 
 def _output_dtype(index: CheckpointIndex, kind: str, name: str) -> torch.dtype:
@@ -48,7 +48,7 @@ def _keys(index: CheckpointIndex) -> list[tuple[str, str, str]]:
 
 
 def _composition(index: CheckpointIndex) -> ParamMap:
-    """The user's parameters a transform held as pieces ([Note: composed parameters] in `zkernel.param_map`)."""
+    """The user's parameters a transform held as pieces ([Note: composed parameters] in `zkernel.params.param_map`)."""
     return ParamMap.from_json(index.manifest.get("composed", []))
 
 
@@ -62,7 +62,7 @@ def _read(index: CheckpointIndex, reader: RangeReader, kind: str, name: str) -> 
 
 
 def _bar(total: int, enabled: bool | None, desc: str):
-    from zkernel.progress import progress
+    from zkernel.telemetry.progress import progress
 
     return progress(total, desc, enabled=enabled)
 
@@ -81,7 +81,7 @@ def consolidate(
 ) -> dict[str, torch.Tensor]:
     """The full state dict of checkpoint ``tag`` (default: the latest) in ``directory``, as CPU tensors.
 
-    ``progress``: show a bar (None: on a terminal, see `zkernel.progress`).
+    ``progress``: show a bar (None: on a terminal, see `zkernel.telemetry.progress`).
     """
     index = open_checkpoint(directory, tag)
     keys = _keys(index)

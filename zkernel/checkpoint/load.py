@@ -38,15 +38,15 @@ from zkernel.checkpoint.shards import (
     check_between_steps,
     describe_error,
     describe_groups,
-    kept_optimizer_state,
     state_specs,
     whole_params,
 )
-from zkernel.groups import ParamGroup, ShardLayout
-from zkernel.log import get_logger
-from zkernel.param_map import ParamMap
-from zkernel.progress import progress
-from zkernel.tiers import ShardState
+from zkernel.params.shard_values import kept_optimizer_state
+from zkernel.spec.groups import ParamGroup, ShardLayout
+from zkernel.telemetry.log import get_logger
+from zkernel.params.param_map import ParamMap
+from zkernel.telemetry.progress import progress
+from zkernel.spec.tiers import ShardState
 
 log = get_logger()
 

@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch import nn
 
-from zkernel.param_map import held_names
+from zkernel.params.param_map import held_names
 
 
 PARAM, BUFFER, EXTRA = "param", "buffer", "extra"
@@ -37,7 +37,7 @@ def view_of(module: nn.Module) -> ModelView:
     buffer_names = {id(b): n for n, b in module.named_buffers()}
     keys, buffers, extra = [], {}, {}
     # keep_vars: the parameter objects themselves, read without any torch operation on them; a
-    # transform's pieces under their held names ([Note: composed parameters] in `zkernel.param_map`)
+    # transform's pieces under their held names ([Note: composed parameters] in `zkernel.params.param_map`)
     with held_names():
         entries = module.state_dict(keep_vars=True)
     for key, value in entries.items():

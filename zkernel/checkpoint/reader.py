@@ -31,7 +31,7 @@ from zkernel.checkpoint.format import (
     read_manifest,
 )
 from zkernel.checkpoint.range_reader import ByteRequest, RangeReader, VerifiedFile
-from zkernel.log import get_logger
+from zkernel.telemetry.log import get_logger
 
 log = get_logger()
 

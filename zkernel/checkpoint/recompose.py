@@ -2,7 +2,7 @@
 
 [Note: loading across compositions] A checkpoint stores each parameter under
 the name the engine held it by, and its manifest keeps the composition
-([Note: composed parameters] in `zkernel.param_map`): which held parameters
+([Note: composed parameters] in `zkernel.params.param_map`): which held parameters
 make up each parameter the user wrote, and the region of it each fills. A
 model tiled into 2 tiles saves ``fc.tiles.0.weight`` and ``fc.tiles.1.weight``;
 resumed untiled it asks for ``fc.weight``, tiled into 4 for
@@ -32,7 +32,7 @@ import torch
 
 from zkernel.checkpoint.format import CheckpointError
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch
-from zkernel.param_map import ParamMap, Piece
+from zkernel.params.param_map import ParamMap, Piece
 
 
 class _Region:

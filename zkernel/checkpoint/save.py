@@ -63,11 +63,11 @@ from zkernel.checkpoint.format import (
 from zkernel.checkpoint.model import PARAM, ModelView, view_of
 from zkernel.checkpoint.shards import StateSpecs, check_between_steps, describe_error, describe_groups, state_specs, whole_params
 from zkernel.checkpoint.stream_writer import Entry, write_file
-from zkernel.groups import ParamGroup, ShardLayout
-from zkernel.log import get_logger
-from zkernel.param_map import ParamMap
-from zkernel.progress import progress
-from zkernel.tiers import ShardState
+from zkernel.spec.groups import ParamGroup, ShardLayout
+from zkernel.telemetry.log import get_logger
+from zkernel.params.param_map import ParamMap
+from zkernel.telemetry.progress import progress
+from zkernel.spec.tiers import ShardState
 
 log = get_logger()
 

@@ -13,7 +13,7 @@ import torch
 
 from zkernel.checkpoint.format import CheckpointError
 from zkernel.checkpoint.model import ModelView
-from zkernel.groups import ParamGroup, ShardLayout
+from zkernel.spec.groups import ParamGroup, ShardLayout
 
 
 def check_between_steps(engine, what: str, boundary: bool = True) -> None:
@@ -73,34 +73,6 @@ class StateSpecs:
     per_element: dict[str, torch.dtype]
     scalars: dict[str, torch.dtype]
     per_param: frozenset[str] = frozenset()
-
-
-def kept_optimizer_state(state) -> dict[str, torch.Tensor]:
-    """Host copies of the optimizer state in ``state`` (what `OptimizerTier.read_state` gave), to hand
-    back with a new master: the tiers take master and state together, and `read_state` may return the
-    tier's own staging buffers, which `write_state` must not be given."""
-    return {name: t.detach().to("cpu", copy=True) for name, t in state.state.items()}
-
-
-def read_shard_values(engine, group: ParamGroup) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-    """A host copy of ``group``'s own values, flat: its fp32 master (a trainable group, with host copies of
-    its optimizer state to hand back) or its parameter shard (a frozen one, state None)."""
-    if group.requires_grad:
-        state = engine.optimizer_tier.read_state(group)
-        return state.master.detach().to("cpu", copy=True).reshape(-1), kept_optimizer_state(state)
-    return engine.params_tier.read_shard(group).detach().to("cpu", copy=True).reshape(-1), None
-
-
-def write_shard_values(engine, group: ParamGroup, values: torch.Tensor, kept: dict[str, torch.Tensor] | None) -> None:
-    """Give ``group`` the values `read_shard_values` returned, changed: its master and the rounded
-    parameter shard, or a frozen group's shard."""
-    from zkernel.tiers import ShardState
-
-    if group.requires_grad:
-        engine.optimizer_tier.write_state(group, ShardState(master=values, state=kept))
-        engine.refresh_param_shard(group)
-    else:
-        engine.params_tier.write_shard(group, values)
 
 
 def state_specs(engine, group: ParamGroup, numel: int) -> StateSpecs:

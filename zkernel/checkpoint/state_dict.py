@@ -26,7 +26,7 @@ as it is: moments, step counts) or a frozen group's values, the parameter
 shard takes the new master, and the partitioner refreshes its whole copies
 (`zkernel_restore_state`, collective, for the groups touched, the same on
 every rank). A tiled layer is given as the user wrote it and cut here
-(`zkernel.param_map`).
+(`zkernel.params.param_map`).
 
 With ``broadcast_from_rank0`` (FSDP's option of that name) only rank 0 reads
 a dict: it checks it and tells the others its keys and dtypes with its
@@ -53,12 +53,11 @@ from zkernel.checkpoint.shards import (
     check_between_steps,
     describe_error,
     describe_groups,
-    read_shard_values,
     whole_params,
-    write_shard_values,
 )
-from zkernel.log import get_logger
-from zkernel.param_map import ParamMap
+from zkernel.params.shard_values import read_shard_values, write_shard_values
+from zkernel.telemetry.log import get_logger
+from zkernel.params.param_map import ParamMap
 
 log = get_logger()
 
@@ -109,7 +108,7 @@ def full_state_dict(engine, rank0_only: bool = False) -> dict[str, Any]:
     for name, buf in view.buffers.items():
         finish(name, buf)
     held = {key: (view.extra[key] if kind == EXTRA else values[source]) for key, kind, source in view.keys}
-    # A transform's pieces as the user's parameters ([Note: composed parameters] in `zkernel.param_map`).
+    # A transform's pieces as the user's parameters ([Note: composed parameters] in `zkernel.params.param_map`).
     return ParamMap.of(engine.module).assemble(held)
 
 

@@ -1,0 +1,1 @@
+"""Compatibility with other ZeRO implementations' inputs."""

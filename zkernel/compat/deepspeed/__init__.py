@@ -1,0 +1,1 @@
+"""DeepSpeed: its JSON config (`config`) and its lr schedulers (`scheduler`) read into zkernel's."""

@@ -1,0 +1,655 @@
+"""The engine users drive: forward, backward, step, over the selected components.
+
+Gradient accumulation: `Engine.step` is called after every micro-batch and
+applies the optimizer only at an accumulation boundary. `Engine.backward`
+divides the loss by the accumulation steps (and multiplies it by the fp16 loss
+scale); partitioners average over ranks when they reduce. So the applied
+gradient is the mean over every sample of the global batch, as with DDP and
+DeepSpeed, when the loss is a per-sample mean.
+
+The optimizer phase is `zkernel.kernel.step_pipeline.StepPipeline` (see its notes):
+gradients are handed to the optimizer tier as they are reduced during
+backward, the global norm is known when a boundary backward ends, and groups
+step one by one (on the host worker thread where the tier keeps them on the
+host), the step's coefficient folding the loss unscale and the clip factor.
+An fp16 overflow anywhere shows up as a non-finite global norm on every rank,
+so all ranks skip together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections import defaultdict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointError
+
+from zkernel.kernel import lifecycle
+from zkernel.params import param_writes
+from zkernel.spec.config import Config
+from zkernel.platform.distributed import DistInfo
+from zkernel.spec.groups import ParamGroup, Phase, StepOptions
+from zkernel.telemetry.log import get_logger
+from zkernel.kernel.loss_scale import DynamicLossScaler
+from zkernel.platform.machine import available_host_bytes
+from zkernel.params.param_writes import WriteFolder
+from zkernel.telemetry.profiling import profiler_range
+from zkernel.params.released import is_released
+from zkernel.kernel.reduction_order import ReductionOrder
+from zkernel.kernel.scheduler import Scheduler, streams_device
+from zkernel.platform.sizes import format_bytes
+from zkernel.kernel.step_pipeline import StepPipeline
+from zkernel.platform.streams import Streams
+from zkernel.spec.tiers import OptimizerTier, ParamsTier, StoredBytes
+from zkernel.telemetry.timeline import SpanKind, Timeline
+from zkernel.params.unset import UnsetValues
+
+log = get_logger()
+
+_MEMORY_CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
+
+
+@attrs.frozen(kw_only=True)
+class EngineParts:
+    """What `zkernel.initialize` built for an engine."""
+
+    runtime_pm: Any
+    groups: list[ParamGroup]
+    compute_dtype: torch.dtype
+    optimizer_tier: OptimizerTier
+    params_tier: ParamsTier
+    worker: ThreadPoolExecutor
+    streams: Streams
+    timeline: Timeline
+    can_rollback: bool
+    skips_params: bool  # the optimizer leaves skipped parameters as they are itself
+    speculate: str
+    # (parameter name, dtype at initialize), to give the parameters back at close.
+    original_dtypes: tuple[tuple[str, torch.dtype], ...]
+    # Bytes of every parameter, whole, in its dtype at `initialize` (where `close` can put them).
+    whole_bytes: int = 0
+    # (name, shape, dtype) of every parameter and buffer at initialize (state dicts, checkpoints).
+    original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    # The planner's decision when the config had "auto" values (`zkernel.spec.planner.Plan`), else None.
+    placement_plan: Any = None
+    # The selected `zkernel.spec.lr_schedule.LRSchedule` (None: no schedule, as ``lr_schedule.name = "none"``).
+    lr_schedule: Any = None
+    # Names of the values the partitioner's meta-device construction left unset ([Note: values left unset]).
+    left_unset: frozenset[str] = frozenset()
+
+
+class Engine:
+    """Wraps a model: call it like the model, then `backward` and `step`; `close` when done."""
+
+    def __init__(self, module: nn.Module, config: Config, dist_info: DistInfo, parts: EngineParts) -> None:
+        self._module = module
+        self.config = config
+        self.dist = dist_info
+        self.plugin_manager = parts.runtime_pm
+        self.hook = parts.runtime_pm.hook
+        self.groups = parts.groups
+        self.trainable_groups = [g for g in self.groups if g.requires_grad]
+        self.compute_dtype = parts.compute_dtype
+        self.optimizer_tier = parts.optimizer_tier
+        self.params_tier = parts.params_tier
+        self._original_dtypes = parts.original_dtypes
+        self._whole_bytes = parts.whole_bytes
+        # name -> (shape, dtype) of each parameter and buffer as the plain model had it.
+        self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
+        self._worker = parts.worker
+        self.timeline = parts.timeline
+        # What the planner chose and why (`zkernel.spec.planner.Plan`) when the config said "auto"; else None.
+        self.placement_plan = parts.placement_plan
+        self.loss_scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
+        opt = config.optimizer
+        self._base_hyper = StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        self.lr_schedule = parts.lr_schedule
+        hook = self.hook
+        engine_ref = weakref.ref(self)  # the model's hooks must not keep the engine alive
+        self.pipeline = StepPipeline(
+            hook,
+            parts.optimizer_tier,
+            parts.params_tier,
+            self.groups,
+            distributed=dist_info.distributed,
+            worker=parts.worker,
+            timeline=parts.timeline,
+            can_rollback=parts.can_rollback,
+            skips_params=parts.skips_params,
+            hyper=self._base_hyper,
+            publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
+            speculate=parts.speculate,
+            max_norm=config.gradient_clipping,
+            updated=lambda group: _prefetch_updated(scheduler_ref, group),
+        )
+        self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.params.unset`
+        self.writes = WriteFolder(self)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
+        self.scheduler = Scheduler(
+            hook,
+            self.groups,
+            config.prefetch_bytes,
+            params_tier=parts.params_tier,
+            streams=parts.streams,
+            on_reduced=self.pipeline.land,
+            wait_update=self.pipeline.wait_update,
+            update_pending=self.pipeline.update_pending,
+            root=module,
+            window=lambda: _window(engine_ref),
+            order=ReductionOrder.of_model(module, self.groups, streams_device(parts.streams)) if dist_info.distributed else None,
+            unset=self.unset,
+            fold=self.writes.fold,
+        )
+        scheduler_ref = weakref.ref(self.scheduler)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._apply_lr_schedule()
+        self.last_grad_norm: float | None = None
+        self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
+        self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
+        self._closed = False
+        # The finalizer must not reach the engine or the model (it would keep them alive):
+        # hook handles hold their hooks weakly, and tiers keep no reference to groups.
+        self._finalizer = weakref.finalize(
+            self,
+            _abandon,
+            id(self),
+            [weakref.ref(m) for m in module.modules()],
+            list(self.scheduler.handles),
+            parts.optimizer_tier,
+            parts.params_tier,
+            parts.worker,
+            self.scheduler.paths,
+        )
+        lifecycle.register_cleanup(id(self), self._finalizer)
+
+    # -- public API -----------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model."""
+        return self._module
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def training(self) -> bool:
+        """Whether the model is in training mode."""
+        return self._module.training
+
+    def train(self, mode: bool = True) -> Engine:
+        """Put the model in training mode (``mode`` False: evaluation), as DeepSpeed's engine does; returns the engine."""
+        self._module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """Put the model in evaluation mode; returns the engine."""
+        return self.train(False)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step (may be changed between steps; with an
+        ``[lr_schedule]`` other than ``none``, the schedule sets it again after each step)."""
+        return self.pipeline.hyper.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.pipeline.hyper = attrs.evolve(self.pipeline.hyper, lr=float(value))
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        """Whether the micro-batch being computed now ends an accumulation window."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward on the engine's device and dtype, profiled and in the timeline.
+
+        The pass itself begins and ends at the model's own hooks ([Note: forward
+        entry] in `zkernel.kernel.scheduler`), so calling ``engine.module`` directly (as
+        Hugging Face's ``generate`` does) works too. With ZeRO-3 the
+        released-parameter guard stays active from the forward to the end of
+        `backward`, so user code between the two (a regulariser on a weight, say)
+        may read parameters too, as long as every rank does the same reads.
+        """
+        self._check_open()
+        args, kwargs = tree_map(self._prepare_input, (args, kwargs))
+        try:
+            with profiler_range("zkernel::forward"), self._compute_span("forward"):
+                return self._module(*args, **kwargs)
+        except BaseException:  # also where the model's hooks did not run (KeyboardInterrupt)
+            self.scheduler.abandon_forward()
+            raise
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Make every parameter whole inside the block (collective: call it on every rank).
+
+        Between steps ZeRO-3 parameters are released (their ``.data`` is an
+        empty tensor). Inside this block they hold their current values in
+        storage of their own, so tensors taken from them stay valid after the
+        block; writes to them are kept, each rank's elements of its own shard
+        ([Note: writes to gathered parameters] in `zkernel.params.param_writes`), so
+        make the same write on every rank.
+        """
+        self._check_open()
+        self.unset.require("engine.gathered_parameters()")
+        self.pipeline.wait_all()
+        groups = [g for g in self.scheduler.bound if not g.gathered]
+        with self.scheduler.plugin_call():
+            for group in groups:
+                self.scheduler.fetch_now(group, Phase.USER)
+        try:
+            yield self._module
+        finally:
+            with self.scheduler.plugin_call():
+                self.scheduler.fold_writes()
+                for group in groups:
+                    self.hook.zkernel_release_params(group=group, phase=Phase.USER)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+        if self._backward_done:
+            # [Note: one backward per step] step() counts micro-batches; a second backward before it
+            # would silently fold another micro-batch into this one (the window then spans more
+            # batches than configured), and at a boundary it would add gradients to a window whose
+            # optimizer step may already have started.
+            raise RuntimeError(
+                "engine.backward was called twice without engine.step() between them: step() counts "
+                f"micro-batches (gradient_accumulation_steps = {self.config.gradient_accumulation_steps}), so "
+                "call it after every backward; for several losses of one micro-batch, backward their sum"
+            )
+        boundary = self.is_accumulation_boundary
+        scale = 1.0 / self.config.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        unscale = self._unscale()
+        known = None if self._needs_norm() else unscale
+        self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
+        self.scheduler.begin_backward(boundary, loss)
+        try:
+            with profiler_range("zkernel::backward"), self._compute_span("backward"):
+                (loss.float() * scale).backward()
+                self.scheduler.finish_backward()
+            norm = self.pipeline.end_backward(boundary, self._needs_norm(), self.scheduler.readiness.window_used)
+        except CheckpointError as error:
+            raise type(error)(self.scheduler.explain_recompute_error(error)) from error
+        finally:
+            self._exit_guard()
+        self._backward_done = True
+        if boundary:
+            self._coefficient = (self._coefficient_from(norm),)
+
+    def step(self) -> None:
+        """Count a micro-batch; at an accumulation boundary apply the optimizer and zero gradients."""
+        self._check_open()
+        boundary = self.is_accumulation_boundary
+        self.micro_steps += 1
+        self._backward_done = False
+        if not boundary:
+            return
+        self.scheduler.release_kept()  # a forward whose backward never came: its values change now
+        if self._coefficient is None:  # no backward ended this window: step what got gradients
+            self.pipeline.begin_backward(True, known=None, speculative=None)
+            norm = self.pipeline.end_backward(True, self._needs_norm(), self.scheduler.readiness.window_used)
+            self._coefficient = (self._coefficient_from(norm),)
+        (coefficient,), self._coefficient = self._coefficient, None
+        with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
+            if coefficient is None:
+                self.skipped_steps += 1
+                if self.loss_scaler is not None:
+                    log.info("zkernel.step.skipped", reason="fp16 overflow", loss_scale=self.loss_scaler.scale)
+            self.pipeline.step(coefficient)
+            self.scheduler.prefetch_next_forward()
+        self.scheduler.readiness.window_used.clear()
+        self.timeline.end_step(self.global_steps)
+        self.global_steps += 1
+        self._apply_lr_schedule()
+        if self.loss_scaler is not None:  # last: it may raise, with the skipped step recorded
+            self.loss_scaler.update(coefficient is None)
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds, by category (params, grads, master_weights, optimizer_state) and place
+        (a device, or ``"nvme"`` for swap files).
+
+        Each storage is counted once, under the first category that names it.
+        """
+        seen: set[tuple[str, int]] = set()
+        report: dict[str, dict[str, int]] = {c: defaultdict(int) for c in _MEMORY_CATEGORIES}
+        contributions = [
+            c for group in self.groups for c in self.hook.zkernel_memory_tensors(group=group) if c
+        ]
+        # Parameters no group holds (frozen ones, which partitioners that keep parameters whole leave
+        # in place) take device memory all the same.
+        grouped = {id(p) for group in self.groups for p in group.params}
+        contributions.append({"params": [p for p in self._module.parameters() if id(p) not in grouped]})
+        for category in _MEMORY_CATEGORIES:
+            for contribution in contributions:
+                for t in contribution.get(category, ()):
+                    if isinstance(t, StoredBytes):  # a swap file's region
+                        key, place, nbytes = (t.place, t.key), t.place, t.nbytes
+                    else:
+                        storage = t.untyped_storage()
+                        key, place, nbytes = (str(t.device), storage.data_ptr()), str(t.device), storage.nbytes()
+                    if key in seen or nbytes == 0:
+                        continue
+                    seen.add(key)
+                    report[category][place] += nbytes
+        return {c: dict(v) for c, v in report.items()}
+
+    def _restore_home(self) -> torch.device:
+        """Where `close` puts the whole parameters ([Note: where a closed model goes])."""
+        released = any(is_released(p) for p in self._module.parameters())  # held as shards (zero3)
+        missing = self._whole_bytes if released else 0
+        device = self.dist.device
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            if missing <= 0.9 * free:
+                return device
+        host = available_host_bytes()
+        if host is None or missing <= 0.9 * host:
+            return device if device.type == "cpu" else torch.device("cpu")
+        log.warning(
+            "zkernel.engine.params_released",
+            needed=format_bytes(missing),
+            host_available=format_bytes(host),
+            advice="the whole model fits neither the compute device nor host memory: its parameters are left "
+            "as meta tensors; save a checkpoint (engine.save_checkpoint) before close to keep the trained values",
+        )
+        return torch.device("meta")
+
+    def close(self) -> None:
+        """Give the model back and free everything the engine holds (collective: call on every rank).
+
+        Pending updates finish; every parameter gets its whole, current value
+        (the fp32 master for trainable ones) in storage of its own, in the dtype
+        it had at `zkernel.initialize`; hooks come off the model; tiers free
+        their memory and swap files; the host worker stops. The module can then
+        be trained on its own or wrapped by a new engine. Closing twice is a no-op.
+        A pending update that failed is raised after all that is done.
+
+        [Note: where a closed model goes] Whole parameters go to the compute
+        device if they fit in its free memory, else to host memory if they fit
+        there, else nowhere: a model that only trains spread over GPUs, host
+        memory and disk has no single place to be whole on every rank. Then the
+        parameters are released (meta tensors) with a WARNING; save a checkpoint
+        (`save_checkpoint`) before `close` to keep the trained values.
+        """
+        if self._closed:
+            return
+        self._exit_guard()
+        if self.unset.names:  # [Note: values left unset]: given back as the initialiser left them (NaN)
+            log.warning(
+                "zkernel.close.values_unset",
+                values=self.unset.names[:8],
+                count=len(self.unset.names),
+                advice="neither the initialiser nor a load wrote these values; the model gets them back as NaN",
+            )
+        failed: Exception | None = None
+        try:
+            self.pipeline.wait_all()
+        except Exception as exc:  # noqa: BLE001 - a failed update: give the model back, then raise it
+            failed = exc
+        home = self._restore_home()
+        with self.scheduler.plugin_call():
+            if failed is None:
+                self.scheduler.fold_writes()
+            for group in self.groups:
+                master = self.optimizer_tier.read_master(group) if group.requires_grad else None
+                self.params_tier.to_device(group, consume=True, block=True)
+                self.hook.zkernel_restore_params(group=group, master=master, home=home)
+                self.params_tier.drop_device(group)
+        param_writes.unwatch([p for group in self.groups for p in group.params])
+        with torch.no_grad():
+            for name, dtype in self._original_dtypes:
+                param = self._module.get_parameter(name)
+                if param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+        self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
+        self._closed = True
+        self.timeline.close()
+        self.scheduler.paths.close()
+        self._finalizer.detach()
+        lifecycle.unregister_cleanup(id(self))
+        _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
+        lifecycle.release(self._module)
+        log.debug("zkernel.engine.closed", rank=self.dist.rank)
+        if failed is not None:
+            raise failed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def save_checkpoint(
+        self,
+        directory,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        exclude_frozen_parameters: bool = False,
+    ):
+        """Write a checkpoint to ``directory/tag`` (default tag ``step<global steps>``); collective.
+
+        Call on every rank after `step` ended an accumulation window. Each rank
+        writes its own shards (masters, optimizer state, frozen values) from
+        wherever its tiers keep them; rank 0 commits with ``manifest.json`` and
+        points ``directory/latest`` at it. ``client_state``: a dict of the
+        script's own (epoch, data position; tensors, containers, primitive
+        values), rank 0's saved beside the model and handed back by
+        `load_checkpoint`. ``exclude_frozen_parameters``: write no values of
+        parameters that do not require grad (a frozen base under adapters); a
+        load keeps the loading engine's own. A save that fails or is killed
+        leaves the previous checkpoint loadable. Returns the checkpoint's path.
+        See `zkernel.checkpoint`.
+        """
+        from zkernel.checkpoint.save import save
+
+        self.unset.require("engine.save_checkpoint()")
+        self._fold_writes()
+        return save(self, directory, tag, client_state, exclude_frozen_parameters)
+
+    def load_checkpoint(
+        self,
+        directory,
+        tag: str | None = None,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+    ):
+        """Restore parameters, optimizer state, counters, loss scale and RNG states; collective.
+
+        ``tag`` defaults to the one ``directory/latest`` names. The checkpoint
+        may come from another world size, partitioner or offload setting.
+        ``load_optimizer_states=False`` keeps this engine's optimizer state
+        (another optimizer, or a fresh one); ``load_module_only=True`` loads the
+        model's weights and buffers only, as a fine-tuning start. Returns
+        ``(path, client_state)`` as DeepSpeed does (a `LoadedCheckpoint`, whose
+        ``tag`` is the tag loaded): the checkpoint's directory and the
+        ``client_state`` saved with it ({} where none was).
+        """
+        from zkernel.checkpoint.load import load
+
+        return load(
+            self, directory, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
+        )
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The full model state dict, as the plain model's ``state_dict()`` would give it; collective.
+
+        CPU tensors with the plain model's keys (tied parameters under each name),
+        shapes and dtypes (trainable parameters from their fp32 masters), buffers
+        included, on every rank; with ``rank0_only`` on rank 0 alone (the others
+        get ``{}``), as FSDP's ``full_state_dict`` with ``cpu_offload``. Under
+        zero3 ``engine.module.state_dict()`` cannot gather released parameters
+        and raises; use this instead.
+        """
+        from zkernel.checkpoint.state_dict import full_state_dict
+
+        self.unset.require("engine.state_dict()")
+        self._fold_writes()
+        return full_state_dict(self, rank0_only)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, *, broadcast_from_rank0: bool = False):
+        """Write a plain model's state dict (as `state_dict` gives it) into the engine; collective.
+
+        Every rank passes the same keys, or with ``broadcast_from_rank0`` rank 0
+        alone passes the dict (the others' argument is not read: pass ``{}``)
+        and its tensors are broadcast. The parameters' fp32 masters, frozen
+        values and buffers take the given tensors; the optimizer state, counters
+        and loss scale stay. ``strict=False`` takes a part of the model (one file
+        of a sharded checkpoint, say); a call may follow another. Returns the
+        missing and unexpected keys, as ``nn.Module.load_state_dict``; a key
+        whose shape differs, or with ``strict`` a missing or unexpected key,
+        raises on every rank and changes nothing.
+        """
+        from zkernel.checkpoint.state_dict import load_full_state_dict
+
+        return load_full_state_dict(self, state_dict, strict, broadcast_from_rank0)
+
+    def training_state(self) -> dict[str, Any]:
+        """Counters and scales a checkpoint keeps so training continues as if uninterrupted (JSON values)."""
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "last_grad_norm": self.last_grad_norm,
+            "lr": self.lr,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Take back what `training_state` gave (a loss scale is restored only when both runs use fp16)."""
+        self.micro_steps = int(state["micro_steps"])
+        self.global_steps = int(state["global_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.last_grad_norm = state["last_grad_norm"]
+        self.lr = float(state["lr"])
+        self._apply_lr_schedule()  # a schedule's rate follows from the counters, whatever the saving run's was
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def _apply_lr_schedule(self) -> None:
+        """The next step's hyperparameters from the schedule ([Note: a schedule is a function of the applied steps])."""
+        if self.lr_schedule is None:
+            return
+        hyper = self.lr_schedule.hyper(self.global_steps - self.skipped_steps, self._base_hyper)
+        if hyper is None:
+            return
+        if not (math.isfinite(hyper.lr) and hyper.lr >= 0):
+            raise ValueError(
+                f"lr_schedule {self.config.lr_schedule.name!r} gave the learning rate {hyper.lr!r} for step "
+                f"{self.global_steps}; valid: a finite number >= 0"
+            )
+        self.pipeline.hyper = hyper
+
+    def refresh_param_shard(self, group: ParamGroup) -> None:
+        """After a load replaced ``group``'s master: its parameter shard takes the rounded values."""
+        if group.param_shard is None and self.params_tier.on_compute_device:
+            return  # gathers cast the master
+        values = self.optimizer_tier.read_master(group)
+        self.params_tier.write_shard(group, values.to(group.param_shard.dtype if group.param_shard is not None else self.compute_dtype))
+
+    # -- internals --------------------------------------------------------------
+
+    def _fold_writes(self) -> None:
+        """Writes made to whole parameters since the last forward reach the masters before they are read."""
+        self.pipeline.wait_all()
+        with self.scheduler.plugin_call():
+            self.scheduler.fold_writes()
+
+    def _compute_span(self, label: str):
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return self.timeline.span(SpanKind.COMPUTE, stream=stream, label=label)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this zkernel engine is closed; initialize a new one to train again")
+
+    def _exit_guard(self) -> None:
+        self.scheduler.guarding = False
+
+    def _prepare_input(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.is_floating_point() and value.dtype != self.compute_dtype:
+            return value.to(device=self.device, dtype=self.compute_dtype)
+        return value.to(self.device)
+
+    def _needs_norm(self) -> bool:
+        return self.config.gradient_clipping > 0 or self.loss_scaler is not None
+
+    def _unscale(self) -> float:
+        return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _coefficient_from(self, norm: float | None) -> float | None:
+        """The step's gradient coefficient (unscale x clip) from the global norm; None to skip (overflow)."""
+        unscale = self._unscale()
+        if norm is None:
+            return unscale
+        norm *= unscale
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            if self.loss_scaler is None:
+                log.warning("zkernel.step.nonfinite", step=self.global_steps, norm=norm, action="skipped")
+            return None
+        max_norm = self.config.gradient_clipping
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        return unscale * clip
+
+
+def log_context(rank: int, step: int):
+    import structlog
+
+    return structlog.contextvars.bound_contextvars(rank=rank, step=step)
+
+
+def _window(engine_ref) -> tuple[bool, int]:
+    """(whether the micro-step being computed ends an accumulation window, its number) of the engine."""
+    engine = engine_ref()
+    return (engine.is_accumulation_boundary, engine.micro_steps) if engine is not None else (True, 0)
+
+
+def _publish(hook, params_tier, scheduler_ref, group: ParamGroup) -> None:
+    scheduler = scheduler_ref()
+    with scheduler.plugin_call() if scheduler is not None else contextlib.nullcontext():
+        params_tier.to_device(group, consume=True, block=True)
+        hook.zkernel_publish_params(group=group)
+        params_tier.drop_device(group)
+
+
+def _prefetch_updated(scheduler_ref, group: ParamGroup) -> None:
+    scheduler = scheduler_ref()
+    if scheduler is not None:
+        scheduler.prefetch_updated(group)
+
+
+def _free(handles, optimizer_tier, params_tier, worker) -> None:
+    for handle in handles:
+        handle.remove()
+    worker.shutdown(wait=True)
+    optimizer_tier.close()
+    if params_tier is not optimizer_tier:
+        params_tier.close()
+
+
+def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker, paths) -> None:
+    """Finalizer of an engine dropped without close (or alive at exit): local clean-up only."""
+    lifecycle.unregister_cleanup(key)
+    paths.close()
+    lifecycle.abandon(module_refs)
+    _free(handles, optimizer_tier, params_tier, worker)

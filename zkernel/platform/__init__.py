@@ -1,0 +1,8 @@
+"""What zkernel runs on: torch.distributed, CUDA streams, the native extension, files.
+
+`distributed` (process-group wrappers), `streams`, `native` (the pybind11
+kernels: CPU Adam, CRC32C, the async file I/O engine), `aio`, `host_memory`
+(pinned, aligned host buffers), `machine` (capacities and measured rates),
+`sizes` (byte sizes read and written), `compiled` (torch.compile helpers),
+`adam_math` (the reference of the native Adam kernels).
+"""

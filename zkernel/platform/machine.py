@@ -1,0 +1,210 @@
+"""What this machine has and how fast it moves bytes: the numbers a planner decides from.
+
+`local_capacity` reads, on the calling rank, the free memory of its compute
+device, the host memory available and the free disk at a path; the kernel
+combines every rank's into the job's minima (`zkernel.kernel.planning`). The probes
+measure, cheaply and for real, what the placements differ in:
+
+* `probe_copy`: host<->device copy throughput from page-locked memory (CUDA
+  only; None without a GPU);
+* `probe_disk`: sequential write and read throughput of a file at a path,
+  through the repository's asynchronous I/O engine (`zkernel.platform.aio`, O_DIRECT
+  where the file system has it), on a few tens of MiB, file removed after;
+* `probe_cpu_adam`: elements per second of the native CPU Adam step on a
+  buffer of a few million elements.
+
+Each probe takes well under a second and reports the best of a few repeats
+(the first warms caches, threads and allocators). A probe that cannot run
+returns None with the reason in `Probe.reason`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+
+from zkernel.platform import sizes
+from zkernel.errors import ConfigError
+from zkernel.telemetry.log import get_logger
+from zkernel.platform.sizes import parse_size
+
+log = get_logger()
+
+
+@attrs.frozen(kw_only=True)
+class LocalCapacity:
+    """One rank's view of its machine (None: unknown or not applicable)."""
+
+    # Free memory of the compute device (torch.cuda.mem_get_info), None when it is the CPU.
+    device_bytes: int | None
+    # MemAvailable of /proc/meminfo (the machine's, shared by its ranks).
+    host_bytes: int | None
+    # Free bytes of the file system holding the path asked about, None without a path.
+    disk_bytes: int | None
+
+
+# Overrides the host memory zkernel plans with (a size: "480GiB"), for machines whose
+# MemAvailable understates what the process may use (memory that a VM balloons in on demand).
+HOST_MEMORY_ENV = "ZKERNEL_HOST_MEMORY"
+
+
+def available_host_bytes() -> int | None:
+    """``ZKERNEL_HOST_MEMORY`` if set; else MemAvailable from /proc/meminfo, else free pages x page
+    size from sysconf, else None."""
+    override = os.environ.get(HOST_MEMORY_ENV)
+    if override:
+        try:
+            return parse_size(override)
+        except ValueError as error:
+            raise ConfigError(f"{HOST_MEMORY_ENV}: {error}") from None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def free_disk_bytes(path: str | os.PathLike | None) -> int | None:
+    """Free bytes where ``path`` is (or would be created: its nearest existing parent)."""
+    if path is None:
+        return None
+    at = Path(path)
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    try:
+        return shutil.disk_usage(at).free
+    except OSError:
+        return None
+
+
+def local_capacity(device: torch.device, nvme_path: str | os.PathLike | None) -> LocalCapacity:
+    """What the calling rank has: see `LocalCapacity`."""
+    device_bytes = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    return LocalCapacity(device_bytes=device_bytes, host_bytes=available_host_bytes(), disk_bytes=free_disk_bytes(nvme_path))
+
+
+def format_bytes(nbytes: int | None) -> str:
+    """``"1.50 GiB"``, ``"512.00 KiB"``, ``"12 B"``; ``"unknown"`` for None."""
+    return "unknown" if nbytes is None else sizes.format_bytes(nbytes)
+
+
+@attrs.frozen
+class Probe:
+    """A measured rate (units per second; None when not measured) and why not, or what was measured."""
+
+    rate: float | None
+    reason: str = ""
+
+    def text(self, unit: str) -> str:
+        if self.rate is None:
+            return f"not measured ({self.reason})"
+        return f"{self.rate / 1e9:.2f} G{unit}/s"
+
+
+def _best_of(repeats: int, run: Callable[[], None], sync: Callable[[], None] = lambda: None) -> float:
+    """The shortest of ``repeats`` timed runs after one untimed warm-up, in seconds."""
+    run()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def probe_copy(device: torch.device, nbytes: int = 64 << 20) -> tuple[Probe, Probe]:
+    """(host->device, device->host) bytes per second of one ``nbytes`` copy from/to page-locked memory."""
+    if device.type != "cuda":
+        return Probe(None, "no CUDA device"), Probe(None, "no CUDA device")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    h2d = _best_of(3, lambda: dev.copy_(host, non_blocking=True), sync)
+    d2h = _best_of(3, lambda: host.copy_(dev, non_blocking=True), sync)
+    return Probe(nbytes / h2d, f"{nbytes >> 20} MiB pinned"), Probe(nbytes / d2h, f"{nbytes >> 20} MiB pinned")
+
+
+def probe_disk(path: str | os.PathLike | None, nbytes: int = 32 << 20) -> tuple[Probe, Probe]:
+    """(write, read) bytes per second of an ``nbytes`` file in directory ``path`` through `zkernel.platform.aio`.
+
+    The file is written (and fsynced, so the write reaches the disk rather
+    than the page cache where O_DIRECT is unavailable), read back, and removed.
+    """
+    if path is None:
+        return Probe(None, "no offload.nvme_path"), Probe(None, "no offload.nvme_path")
+    from zkernel.platform import aio, native
+
+    if not native.available():
+        return Probe(None, "native extension not built"), Probe(None, "native extension not built")
+    directory = Path(path)
+    file = directory / f".zkernel-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    created = []  # directories made for the probe, removed after it
+    at = directory
+    while not at.exists() and at != at.parent:
+        created.append(at)
+        at = at.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        buffer = aio.aligned_empty(nbytes, pin=False)
+        buffer.fill_(0x5A)
+        with aio.AioHandle() as handle:
+
+            def write() -> None:
+                handle.write(buffer, file)
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+            write_s = _best_of(1, write)
+            read_s = _best_of(2, lambda: handle.read(buffer, file))
+            how = "O_DIRECT" if handle.direct else "buffered"
+    except OSError as exc:
+        return Probe(None, f"probe file failed: {exc}"), Probe(None, f"probe file failed: {exc}")
+    finally:
+        file.unlink(missing_ok=True)
+        for made in created:
+            try:
+                made.rmdir()
+            except OSError:
+                break
+    return Probe(nbytes / write_s, f"{nbytes >> 20} MiB {how}"), Probe(nbytes / read_s, f"{nbytes >> 20} MiB {how}")
+
+
+def probe_cpu_adam(numel: int = 4 << 20) -> Probe:
+    """Elements per second of `zkernel.platform.native.adam_step` (fp32 gradient, bf16 copy-out) on ``numel`` elements."""
+    from zkernel.platform import native
+
+    if not native.available():
+        return Probe(None, "native extension not built")
+    param, grad, m, v = (torch.full((numel,), 0.5) for _ in range(4))
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    count = [0]
+
+    def step() -> None:
+        count[0] += 1
+        native.adam_step(
+            param, grad, m, v, step=count[0], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, copy_out=out
+        )
+
+    seconds = _best_of(2, step)
+    return Probe(numel / seconds, f"{numel >> 20} Mi elements, {native.threads()} threads")
