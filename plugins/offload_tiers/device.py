@@ -14,8 +14,7 @@ copy and a step's update is already home.
 
 [Note: the last landing] The last reduction of a backward (the first group of
 the forward, whose gradients come last) was completed at the end of backward,
-where the compute stream then stood idle until it finished: 0.4-0.6 ms a step
-on two H200s (GPT-1.3B, peer reductions of the 206 MB embedding). Where
+where the compute stream then stood idle until it finished. Where
 nothing has to stay alive for it (no ``keepalive``) and nothing is added to
 it, the wait moves to where the gradient is first read: the global norm, or
 the group's step, which the step pipeline takes after others

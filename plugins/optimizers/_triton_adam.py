@@ -7,9 +7,8 @@ kernels: the gradient times the step's coefficient into a temporary (8 bytes
 per element), the fused AdamW, and the compute-dtype copy the next gather
 reads (6 bytes). Here the three are one pass: the kernel scales the gradient
 in registers, updates, and writes the rounded copy beside the master, 30
-bytes per element once. On an H200, for one 0.65 G-element shard
-(`bench/device_adam.py`): 4.80 ms at 97% of a copy's bandwidth, against
-7.40 ms for torch's three kernels and 5.30 ms for its fused kernel alone.
+bytes per element once, close to a copy's bandwidth (`bench/device_adam.py`;
+BENCHMARKS.md, "Figures formerly in docstrings").
 
 The arithmetic is torch's fused AdamW's, in fp32, with the bias corrections
 computed on the host in double precision as torch does; torch's kernel does

@@ -21,9 +21,8 @@ later parameter of its group off the 16-byte boundary that cuBLAS's fastest
 matmul kernels and torch's vectorised elementwise kernels need (FSDP1 pads
 its flat parameters for the same reason). The gaps hold zeros in
 the parameters, gradients and optimizer state, so they never change a norm or
-an update. On an H200 a bf16 weight 2 bytes off the boundary ran its matmuls
-4.1-5.2x slower, 4 or 8 bytes off 1.8-2.3x, 16 bytes off as fast as its own
-allocation (`bench/flat_alignment.py`).
+an update. A bf16 weight a few bytes off the boundary runs its matmuls several
+times slower (`bench/flat_alignment.py`; BENCHMARKS.md, "Figures formerly in docstrings").
 """
 
 from __future__ import annotations

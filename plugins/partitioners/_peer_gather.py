@@ -2,10 +2,9 @@
 
 [Note: peer gathers] An NCCL all-gather is a kernel: while it runs it holds
 streaming multiprocessors, and the matrix multiplies it overlaps with get
-fewer of them. Measured on two H200s (NVLink): a chain of 8192^3 bf16
-matmuls ran 23% longer beside back-to-back NCCL all-gathers of 256 MiB,
-8.6% longer beside the same gathers done as peer copies, which the copy
-engines carry without any multiprocessor (`bench/gather_contention.py`). In ZeRO-3 every parameter is
+fewer of them, so they run markedly longer; beside the same gathers done as
+peer copies, which the copy engines carry without any multiprocessor, they lose
+far less (`bench/gather_contention.py`; BENCHMARKS.md, "Figures formerly in docstrings"). In ZeRO-3 every parameter is
 gathered twice a step, under the forward's and the backward's matmuls.
 
 So where every rank's GPU can map every other's memory (one host, CUDA peer
@@ -29,14 +28,10 @@ the step is bound by the host and the extra time is lost. So with
 ``peer_gathers = "auto"`` the choice is made for the model: every gathered
 group goes through the pool when the gathered shards average at least
 `AUTO_MEAN_SHARD_BYTES` (the GPU work per unit of host work), else only the
-groups whose shard is at least `AUTO_MIN_SHARD_BYTES`. Two H200s, micro-batch
-16, one unit per module, every run against its call's FSDP2: GPT-1.3B (shards
-of 4-17 MB and the embedding's 103, mean 13.5) ran at 1.027-1.053x FSDP2 in
-eight runs with every group in the pool, 0.986-1.001x in nine with NCCL, whose
-kernels held multiprocessors for 53-66 ms of its 270 ms step; GPT-350m (1-4 MB
-and 51, mean 3.6), bound by the host, took 0.14-0.17 s a step with every group
-in the pool against 0.12-0.15 s with NCCL. One unit per block (50 MB shards) is
-in the pool either way.
+groups whose shard is at least `AUTO_MIN_SHARD_BYTES`: a model of
+transformer blocks a few GB large gains from the pool, one of a few hundred MB,
+bound by the host, loses (the thresholds' measurements: BENCHMARKS.md, "Figures formerly in docstrings"). One unit per
+block (tens of MB per shard) is in the pool either way.
 
 Every rank issues the same gathers in the same order (the path check holds
 them to it), so barriers pair up as collectives do. A peer reads a shard only

@@ -2,12 +2,9 @@
 
 [Note: peer reductions] An NCCL reduce-scatter is a kernel that holds
 multiprocessors while it runs, and in a ZeRO-3 backward every one runs beside
-the next unit's matrix multiplies. Profiled on two H200s (GPT-1.3B, one unit
-per block): each of the 24 reduce-scatters (~0.5 ms, fp32) ran beside a
-weight-gradient matmul, which then took 0.96 ms instead of 0.50 (~10 ms a
-step); FSDP2's ran beside another matmul of the same backward at ~2.5 ms a step.
+the next unit's matrix multiplies, which then run up to about twice as long.
 Starting ours at the same point as FSDP2's (a short kernel before the next
-matmul) moved the cost instead of removing it (-1.4 ms).
+matmul) moved the cost instead of removing it (profiles: BENCHMARKS.md, "Figures formerly in docstrings").
 
 So where gathers go through peer memory (`_peer_gather`), reductions do too,
 all on a stream of their own, and none of it on a multiprocessor but one
@@ -25,12 +22,8 @@ short kernel:
 3. one short kernel sums the ranks' slices in fp32, in rank order, and scales
    by 1/world into the fp32 gradient shard.
 
-GPT-1.3B on two H200s, one unit per block: 1.035-1.050x FSDP2's tokens/s in
-eight runs (mean 1.044) with the copy into the slot as a kernel on the compute
-stream, against 1.028-1.040x with NCCL's reductions in the same runs. That
-copy was 2.0 ms of the compute stream's step (a multi-tensor copy kernel); on
-the copy engines it left the stream, and the step ran at 1.051 and 1.054x
-FSDP2 against 1.043 and 1.047x in the same call.
+The copy into the slot runs on the copy engines, not as a kernel on the
+compute stream, where it was a visible part of the step (BENCHMARKS.md, "Figures formerly in docstrings").
 
 The sum is the one NCCL computes from fp32 inputs: the compute-dtype values
 are exact in fp32 and, on two ranks, a + b is rounded once either way; on

@@ -4,11 +4,8 @@
 (cuBLAS's persistent kernels on Hopper) launch one block per multiprocessor. A
 kernel of another stream that is resident when one launches, however small,
 leaves a block without a multiprocessor until another finishes, and the matmul
-takes up to twice as long. Profiled on two H200s (GPT-1.3B, zero3 with peer
-gathers and reductions): the symmetric-memory barrier kernel, one block that
-spins until the peer arrives, spun 0.6 ms whenever the ranks were out of step
-by that much, and the weight-gradient matmul it straddled took 0.90-0.99 ms
-instead of 0.55 (20 of 96 a step, ~7 ms).
+takes up to twice as long; a barrier kernel that spins until the peer arrives
+does exactly that whenever the ranks are out of step (BENCHMARKS.md, "Figures formerly in docstrings").
 
 Here a barrier is two stream memory operations per peer, which the GPU's front
 end executes without a kernel: write this barrier's number into the peer's

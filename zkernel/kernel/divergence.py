@@ -26,10 +26,8 @@ itself):
   collective, each statement's all-gather made that stream wait for the
   process group's stream, and so for the reduce-scatter queued there just
   before: in backward the compute stream stalled for the previous unit's
-  reduction at every prefetch. GPT-1.3B on two H200s (units = blocks) ran at
-  0.966-0.968x FSDP2's tokens/s, its compute stream idle 23.5-26.4 ms a step
-  (FSDP2's: about 10); with the statements on a stream of their own, 1.007x.
-  There the statement waits for nothing the model computes, and the process
+  reduction at every prefetch, and the compute stream sat idle more than twice
+  as long per step as FSDP2's. There the statement waits for nothing the model computes, and the process
   group still sees it before the collective it announces (one communicator
   runs its collectives in the order they are issued). A native thread (``zkernel._native.RingWatch``) reads
   the mirror every ``poll_s``: a statement that every rank has written (equal
@@ -39,8 +37,8 @@ itself):
   it would hang until NCCL's own watchdog kills the job after
   ``collective_timeout``, with a message that names no module). The watcher
   needs neither the interpreter lock nor the CUDA driver: a rank hung in a
-  collective may be holding the lock inside a blocking call (measured on two
-  H200s: a Python watchdog that copied the ring itself never ran again), so if
+  collective may be holding the lock inside a blocking call (a Python watchdog
+  that copied the ring itself never ran again once a rank hung), so if
   no Python thread has reported within ``grace_s`` the native thread writes the
   same message to stderr and ends the process itself. Cost per gather or
   reduction: two 32-byte copies and one 32-byte all-gather on the check's
@@ -53,9 +51,8 @@ column of the ring from the host as it issues a collective, and the same
 native watcher reads every rank's statements from it. The file is unlinked
 as soon as every rank has mapped it, so a job that dies leaves nothing
 behind. The device ring cost each gather and reduction an NCCL call and
-three CUDA operations from Python: on GPT-1.3B over two H200s (74 statements
-a step) about a fifth of the host's time in a forward, which the GPU then
-waited for. Where any rank cannot map the file (ranks on several hosts, no
+three CUDA operations from Python, a large share of the host's time in a
+forward of small units, which the GPU then waited for. Where any rank cannot map the file (ranks on several hosts, no
 ``/dev/shm``: a file elsewhere could sit on a network file system, mapped on
 several hosts whose writes never reach each other), every rank uses the
 device ring.

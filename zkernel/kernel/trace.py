@@ -24,8 +24,8 @@ block's right after it; a module that owns parameters of its own besides its
 children's (``units = "modules"``) is reached in backward before its children.
 Walking the start order backwards from such a unit prefetched nothing after
 the root (it is first) and skipped a parent's children, so their gathers were
-issued only by their own backward hooks and waited for at once (on two H200s,
-GPT-1.3B with block units: the last block's 0.2 ms at every backward's start).
+issued only by their own backward hooks and waited for at once (the last
+block's gather exposed at every backward's start).
 So each pass also records the order its groups finished in, and the backward
 prefetcher walks that order reversed (as FSDP2 orders its backward prefetch by
 the post-forward order). A pass whose finishes leave the recorded order is

@@ -45,12 +45,10 @@ the fetcher gathers the parameter's group and the operation runs again on the
 whole values; a read of metadata (``weight.shape``) fetches too, so the model
 sees the whole parameter's. It replaced a `TorchFunctionMode` over the whole
 forward and backward, which called into Python for every operation of the
-model and of the plugins' hooks: `bench/host_overhead.py` (one unit per
-module, one CPU thread) measured 0.53-0.59 ms of host time per unit and step
-with it, 0.35-0.43 without (with the views of a gathered buffer kept, too);
-GPT-1.3B on two H200s, whose forward the host could barely keep ahead of, went
-from 1.016-1.019x FSDP2's tokens/s to 1.025-1.039x (with the statements of
-[Note: statements in shared memory]). The trap costs nothing on a gathered
+model and of the plugins' hooks: about a third more host time per unit and
+step, which a forward the host can barely keep ahead of pays in GPU idle time
+(`bench/host_overhead.py`; figures in BENCHMARKS.md, "Figures formerly in
+docstrings"). The trap costs nothing on a gathered
 parameter, which is an ordinary ``nn.Parameter``.
 """
 

@@ -24,9 +24,8 @@ already, and then the call simply runs on the whole values.
 [Note: compiled units] Every zero3 unit's hooks break the graph around the
 unit. Under ``units = "modules"`` the units inside a compiled block are its
 Linears and norms, so the block would compile into a graph per layer, with
-eager Python between them: GPT-1.3B on two H200s, every block compiled, ran at
-0.998x FSDP2 (compiled the same way) with one unit per module and 1.043x with
-one unit per block. So a module compiled in place (``block.compile()``, before
+eager Python between them, which loses most of what compiling gained
+(measured: BENCHMARKS.md, "Figures formerly in docstrings"). So a module compiled in place (``block.compile()``, before
 ``initialize``) is one unit holding its whole subtree under either policy, as
 FSDP2's users wrap each block they compile: its forward stays one graph, its
 parameters are gathered in one piece. The root is left to the policy: a whole
