@@ -46,11 +46,12 @@ from zkernel.params.released import is_released
 from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.kernel.scheduler import Scheduler, streams_device
 from zkernel.platform.sizes import format_bytes
-from zkernel.kernel.step_pipeline import StepPipeline
+from zkernel.kernel.step_pipeline import StepPipeline, StepPolicy
 from zkernel.platform.streams import Streams
 from zkernel.spec.tiers import OptimizerTier, ParamsTier, StoredBytes
 from zkernel.telemetry.timeline import SpanKind, Timeline
 from zkernel.params.unset import UnsetValues
+from zkernel.kernel.wiring import EngineServices, MicroSteps
 
 log = get_logger()
 
@@ -112,42 +113,36 @@ class Engine:
         opt = config.optimizer
         self._base_hyper = StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         self.lr_schedule = parts.lr_schedule
-        hook = self.hook
-        engine_ref = weakref.ref(self)  # the model's hooks must not keep the engine alive
+        # The wiring between the engine, the step pipeline and the scheduler: see `zkernel.kernel.wiring`.
+        self._micro_steps = MicroSteps(config.gradient_accumulation_steps)
         self.pipeline = StepPipeline(
-            hook,
+            self.hook,
             parts.optimizer_tier,
             parts.params_tier,
             self.groups,
-            distributed=dist_info.distributed,
+            policy=StepPolicy(
+                distributed=dist_info.distributed,
+                can_rollback=parts.can_rollback,
+                skips_params=parts.skips_params,
+                speculate=parts.speculate,
+                max_norm=config.gradient_clipping,
+            ),
+            hyper=self._base_hyper,
             worker=parts.worker,
             timeline=parts.timeline,
-            can_rollback=parts.can_rollback,
-            skips_params=parts.skips_params,
-            hyper=self._base_hyper,
-            publish=lambda group: _publish(hook, parts.params_tier, scheduler_ref, group),
-            speculate=parts.speculate,
-            max_norm=config.gradient_clipping,
-            updated=lambda group: _prefetch_updated(scheduler_ref, group),
         )
         self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.params.unset`
         self.writes = WriteFolder(self)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         self.scheduler = Scheduler(
-            hook,
+            self.hook,
             self.groups,
             config.prefetch_bytes,
             params_tier=parts.params_tier,
             streams=parts.streams,
-            on_reduced=self.pipeline.land,
-            wait_update=self.pipeline.wait_update,
-            update_pending=self.pipeline.update_pending,
-            root=module,
-            window=lambda: _window(engine_ref),
+            steps=self.pipeline,
+            engine=EngineServices(root=module, micro_steps=self._micro_steps, unset=self.unset, writes=self.writes),
             order=ReductionOrder.of_model(module, self.groups, streams_device(parts.streams)) if dist_info.distributed else None,
-            unset=self.unset,
-            fold=self.writes.fold,
         )
-        scheduler_ref = weakref.ref(self.scheduler)
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -157,7 +152,8 @@ class Engine:
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
-        # hook handles hold their hooks weakly, and tiers keep no reference to groups.
+        # hook handles hold their hooks weakly, and tiers keep no reference to groups
+        # ([Note: weak links] in `zkernel.kernel.wiring`).
         self._finalizer = weakref.finalize(
             self,
             _abandon,
@@ -205,6 +201,15 @@ class Engine:
     @lr.setter
     def lr(self, value: float) -> None:
         self.pipeline.hyper = attrs.evolve(self.pipeline.hyper, lr=float(value))
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches counted by `step` so far (shared with the scheduler: `zkernel.kernel.wiring.MicroSteps`)."""
+        return self._micro_steps.count
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self._micro_steps.count = value
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -314,7 +319,7 @@ class Engine:
                 self.skipped_steps += 1
                 if self.loss_scaler is not None:
                     log.info("zkernel.step.skipped", reason="fp16 overflow", loss_scale=self.loss_scaler.scale)
-            self.pipeline.step(coefficient)
+            self.pipeline.step(coefficient, self.scheduler)
             self.scheduler.prefetch_next_forward()
         self.scheduler.readiness.window_used.clear()
         self.timeline.end_step(self.global_steps)
@@ -616,26 +621,6 @@ def log_context(rank: int, step: int):
     import structlog
 
     return structlog.contextvars.bound_contextvars(rank=rank, step=step)
-
-
-def _window(engine_ref) -> tuple[bool, int]:
-    """(whether the micro-step being computed ends an accumulation window, its number) of the engine."""
-    engine = engine_ref()
-    return (engine.is_accumulation_boundary, engine.micro_steps) if engine is not None else (True, 0)
-
-
-def _publish(hook, params_tier, scheduler_ref, group: ParamGroup) -> None:
-    scheduler = scheduler_ref()
-    with scheduler.plugin_call() if scheduler is not None else contextlib.nullcontext():
-        params_tier.to_device(group, consume=True, block=True)
-        hook.zkernel_publish_params(group=group)
-        params_tier.drop_device(group)
-
-
-def _prefetch_updated(scheduler_ref, group: ParamGroup) -> None:
-    scheduler = scheduler_ref()
-    if scheduler is not None:
-        scheduler.prefetch_updated(group)
 
 
 def _free(handles, optimizer_tier, params_tier, worker) -> None:

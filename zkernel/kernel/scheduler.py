@@ -33,8 +33,8 @@ groups whose update is still running.
 [Note: root kept for backward] The root module's post-hook is the last event
 of a forward, and the multi-grad hook on its output the first of the backward:
 releasing its groups there only to gather them again at once put a gather (the
-embedding, for a GPT with block units: 206 MB) and its wait on the compute
-stream between every forward and backward. So while autograd records, they
+embedding, for a GPT with block units) and its wait on the compute stream
+between every forward and backward. So while autograd records, they
 stay whole until their backward releases them. The same holds for whichever
 module's groups the backward reaches first (the forward's last to finish, see
 [Note: backward order] in `zkernel.kernel.trace`): where the root owns no parameters
@@ -47,9 +47,9 @@ released by `release_kept` before the step changes their values.
 [Note: prefetch across the step] A forward's first groups have nothing to
 hide their gathers behind: the root's gather is waited for at once, and the
 first blocks' gathers, started in the root's pre-hook, run beside an
-embedding lookup. On two H200s (GPT-1.3B, block units) the compute stream
-stood idle 3-5 ms at the start of every step and 1.4-1.8 ms before each of
-the first blocks. Their values are final as soon as the optimizer has
+embedding lookup, so the compute stream stood idle at the start of every
+step and before each of the first blocks (measured: BENCHMARKS.md, "Figures
+formerly in docstrings"). Their values are final as soon as the optimizer has
 queued their update, and the optimizer steps groups in forward order, so
 after each module-bound group's device update the scheduler starts its
 gather when the training trace starts with it (within ``prefetch_bytes``),
@@ -120,7 +120,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -130,14 +130,14 @@ from zkernel.platform.compiled import eager_hook
 from zkernel.kernel.divergence import PathCheck
 from zkernel.kernel.entries import GenerateGuarded, entry_modules
 from zkernel.kernel.grad_readiness import GradReadiness
-from zkernel.spec.groups import ParamGroup, Phase, ReducedGradient
+from zkernel.spec.groups import ParamGroup, Phase
 from zkernel.telemetry.log import get_logger
 from zkernel.kernel.lookahead import Lookahead, Stage
 from zkernel.telemetry.profiling import profiler_range
 from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.params.released import is_released, set_fetcher
 from zkernel.kernel.trace import ModuleTrace
-from zkernel.params.unset import UnsetValues
+from zkernel.kernel.wiring import EngineServices, StepGate
 
 log = get_logger()
 
@@ -148,7 +148,25 @@ def _in_backward() -> bool:
 
 
 class Scheduler:
-    """Installs module and gradient hooks over ``groups`` and fires lifecycle hooks."""
+    """Installs module and gradient hooks over ``groups`` and fires lifecycle hooks.
+
+    Built by `Engine.__init__` after the step pipeline, which it gets as its
+    ``steps`` (`zkernel.kernel.wiring.StepGate`); what it asks of the engine comes
+    as one `zkernel.kernel.wiring.EngineServices`. The model's hooks refer to it
+    weakly ([Note: weak links] in `zkernel.kernel.wiring`).
+
+    Threads: the module hooks (forward pre/post hooks, the entry modules' bracket,
+    the released-parameter trap) run on the thread that runs the model's forward,
+    the user's training thread; the gradient hooks (on a module's outputs, and
+    post-accumulate-grad on its parameters) and what they call (fetch and prefetch
+    for backward, release, reduce, the handoff to the step pipeline) run on
+    autograd's thread for the device (the training thread in a CPU backward). The
+    engine's calls (`begin_backward`, `finish_backward`, `release_kept`, `publish`,
+    `prefetch_updated`, `prefetch_next_forward`) come from the training thread;
+    never from the host worker. CUDA: a fetch is waited for on the current
+    (compute) stream; a prefetched gather runs under the side streams'
+    `prefetch_context` where the parameters' tier is off the compute device, and
+    work crosses streams through events."""
 
     def __init__(
         self,
@@ -158,27 +176,22 @@ class Scheduler:
         *,
         params_tier,
         streams,
-        on_reduced: Callable[[ParamGroup, ReducedGradient, bool, frozenset[int]], None],
-        wait_update: Callable[[ParamGroup], None],
-        update_pending: Callable[[ParamGroup], bool],
-        root: nn.Module | None = None,
-        window: Callable[[], tuple[bool, int]] = lambda: (True, 0),
+        steps: StepGate,
+        engine: EngineServices,
         order: ReductionOrder | None = None,
-        unset: UnsetValues | None = None,
-        fold: Callable[[ParamGroup], None] = lambda group: None,
     ) -> None:
         self.hook = hook
-        self._fold = fold  # keeps writes to a whole group's parameters ([Note: writes to gathered parameters])
-        self.root = root
-        self._unset = unset  # a forward refuses parameters no one has written ([Note: values left unset])
-        self._window = window  # () -> (whether the engine's micro-step ends a window, its number)
+        self._fold = engine.writes.fold  # keeps writes to a whole group's parameters ([Note: writes to gathered parameters])
+        self.root = engine.root
+        self._unset = engine.unset  # a forward refuses parameters no one has written ([Note: values left unset])
+        self._window = engine.micro_steps.window  # () -> (whether the engine's micro-step ends a window, its number)
         self._forward_depth = 0  # forwards of the root running now, nested ones included
         self._kept: list[ParamGroup] = []  # groups left whole for the backward (see [Note: root kept for backward])
         self.params_tier = params_tier
         self.streams = streams
-        self._on_reduced = on_reduced
-        self._wait_update = wait_update
-        self._update_pending = update_pending
+        self._on_reduced = steps.land
+        self._wait_update = steps.wait_update
+        self._update_pending = steps.update_pending
         self._leading: set[int] | None = None  # groups the next forward starts with (see [Note: prefetch across the step])
         self.groups = list(groups)
         self.prefetch_bytes = prefetch_bytes
@@ -226,10 +239,10 @@ class Scheduler:
             self.handles.append(entry.register_forward_pre_hook(eager_hook(self._enter_root), prepend=True))
             self.handles.append(entry.register_forward_hook(eager_hook(self._leave_root), always_call=True))
             if callable(getattr(type(entry), "generate", None)):
-                self.handles.append(GenerateGuarded(entry, weakref.ref(self)))
+                self.handles.append(GenerateGuarded(entry, weakref.ref(self)))  # [Note: weak links]
 
     def _make_fetcher(self):
-        scheduler_ref = weakref.ref(self)  # held for the model's parameters: see _make_grad_ready_hook
+        scheduler_ref = weakref.ref(self)  # held by the model's parameters ([Note: weak links] in `zkernel.kernel.wiring`)
 
         def fetch(param: nn.Parameter) -> bool:
             scheduler = scheduler_ref()
@@ -454,6 +467,14 @@ class Scheduler:
             self._leading = leading
         return self._leading
 
+    def publish(self, group: ParamGroup) -> None:
+        """The step pipeline updated ``group`` (not module-bound): make its parameters visible,
+        the partitioner's all-gather (`zkernel.kernel.wiring.Publisher`, in `Engine.step`)."""
+        with self.plugin_call():
+            self.params_tier.to_device(group, consume=True, block=True)
+            self.hook.zkernel_publish_params(group=group)
+            self.params_tier.drop_device(group)
+
     def _prefetch_now(self, group: ParamGroup) -> None:
         if group.gathered or group.index in self._prefetched or group.index in self.external:
             return
@@ -483,9 +504,8 @@ class Scheduler:
                 self._prefetch_after(group, Phase.BACKWARD, position)
 
     def _make_grad_ready_hook(self, group: ParamGroup, position: int):
-        # The hook lives in the parameter's C++ autograd state, which Python's cycle
-        # collector cannot see through: a strong reference back to the scheduler
-        # would keep the engine alive after the user drops it and the model.
+        # The hook lives in the parameter's C++ autograd state: it holds the scheduler
+        # weakly ([Note: weak links] in `zkernel.kernel.wiring`).
         scheduler_ref = weakref.ref(self)
         index, total = group.index, len(group.params)
 

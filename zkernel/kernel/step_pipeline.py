@@ -28,10 +28,10 @@ step all, release all). Per trainable group:
 loss-scale inverse times the clip factor. Without clipping and without fp16 it
 is known before backward, so a host group steps as soon as its last gradient
 lands, during backward. A group that steps on the compute device steps after
-backward: on a stream of its own during backward (tried, GPT-1.3B on two
-H200s, two runs) the whole step ran ~1% slower, its Adam kernels taking
-multiprocessors from backward's matmuls for about as long as they ran. With
-clipping or fp16 it is known only after backward;
+backward: stepped on a stream of its own during backward, the whole step ran
+slower (measured: BENCHMARKS.md, "Figures formerly in docstrings"), its Adam
+kernels taking multiprocessors from backward's matmuls for about as long as
+they ran. With clipping or fp16 it is known only after backward;
 the pipeline may then *speculate* (the SuperOffload technique): step with the
 coefficient that assumes no clipping, and, when the norm says otherwise, roll
 the step back (`zkernel_rollback_optimizer`) and redo it with the right
@@ -47,7 +47,7 @@ skips them ([Note: parameters without a gradient] in `zkernel.kernel.unused_para
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -62,6 +62,7 @@ from zkernel.platform.streams import current_stream
 from zkernel.spec.tiers import SPECULATE_POLICIES, OptimizerTier, ParamsTier
 from zkernel.telemetry.timeline import SpanKind, Timeline
 from zkernel.kernel.unused_params import UnusedParams, keep_elements
+from zkernel.kernel.wiring import Publisher
 
 log = get_logger()
 
@@ -69,8 +70,44 @@ _NOT_STEPPED = object()  # an early job that left its group for the step proper
 LAST_LANDED_COVER = 2
 
 
+@attrs.frozen(kw_only=True)
+class StepPolicy:
+    """How an engine's step pipeline steps, fixed for the engine's life (`Engine` builds it).
+
+    ``distributed``: several ranks (the norm and the unused parameters are agreed on);
+    ``can_rollback``: the optimizer declared it can roll a step back (speculation allowed);
+    ``skips_params``: the optimizer leaves skipped parameters as they are itself;
+    ``speculate``: one of `SPECULATE_POLICIES` ([Note: early and speculative steps]);
+    ``max_norm``: the gradient clipping threshold (0: off)."""
+
+    distributed: bool
+    can_rollback: bool
+    skips_params: bool = True
+    speculate: str = "auto"
+    max_norm: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.speculate not in SPECULATE_POLICIES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_POLICIES)}, got {self.speculate!r}")
+
+
 class StepPipeline:
-    """Lands gradients, computes the global norm, and steps and publishes groups in order."""
+    """Lands gradients, computes the global norm, and steps and publishes groups in order.
+
+    Built by `Engine.__init__` before the scheduler, which gets it as its
+    `zkernel.kernel.wiring.StepGate`; it holds no reference to the scheduler or the
+    engine ([Note: weak links] in `zkernel.kernel.wiring`).
+
+    Threads: `begin_backward`, `end_backward`, `step` and `wait_all` run on the
+    user's training thread; `land` runs where the scheduler's gradient hooks run,
+    on autograd's thread for the device (the training thread in a CPU backward),
+    and `wait_update` / `update_pending` on both, from the scheduler's fetches.
+    Host steps (`_host_step`, `_early_step`, `_after_early`, `_host_skip`) run on
+    the engine's host worker thread (``zkernel-host``, one thread), so the
+    pipeline's own state they touch is set before they are submitted; the tiers'
+    own accumulation and I/O threads are theirs. CUDA: a group on the compute
+    device steps on the current (compute) stream; a host step's upload comes back
+    as a CUDA event the current stream waits on (`wait_update`, publishing)."""
 
     def __init__(
         self,
@@ -79,40 +116,30 @@ class StepPipeline:
         params_tier: ParamsTier,
         groups: Sequence[ParamGroup],
         *,
-        distributed: bool,
+        policy: StepPolicy,
+        hyper: StepOptions,
         worker: ThreadPoolExecutor,
         timeline: Timeline,
-        can_rollback: bool,
-        hyper: StepOptions,
-        skips_params: bool = True,
-        publish: Callable[[ParamGroup], None],
-        speculate: str = "auto",
-        max_norm: float = 0.0,
-        updated: Callable[[ParamGroup], None] | None = None,
     ) -> None:
-        if speculate not in SPECULATE_POLICIES:
-            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_POLICIES)}, got {speculate!r}")
         self.hook = hook
         self.tier = tier
         self.params_tier = params_tier
         self.trainable = [g for g in groups if g.requires_grad]
-        self.distributed = distributed
+        self.distributed = policy.distributed
         self.worker = worker
         self.timeline = timeline
-        self.can_rollback = can_rollback
-        self.skips_params = skips_params
-        self.speculate = speculate
-        self.max_norm = max_norm
+        self.can_rollback = policy.can_rollback
+        self.skips_params = policy.skips_params
+        self.speculate = policy.speculate
+        self.max_norm = policy.max_norm
         # Hyperparameters of the next step (the engine replaces it when ``engine.lr`` changes).
         self.hyper = hyper
-        self._publish_params = publish
-        self._updated = updated  # told of each module-bound group whose device update is queued
         self._landing_order: list[ParamGroup] = []
         self._landed: set[int] = set()
         self._unused: set[int] = set()  # groups no rank gave a gradient in this window: not stepped
         # Groups some of whose parameters no rank gave a gradient in this window -> their positions.
         self._skip: dict[int, frozenset[int]] = {}
-        self._unused_params = UnusedParams(self.trainable, distributed)
+        self._unused_params = UnusedParams(self.trainable, policy.distributed)
         # Forward need order, refined after every boundary backward.
         self._order: list[ParamGroup] = list(reversed(self.trainable))
         # Host steps started during backward: group index -> (job, coefficient it used).
@@ -232,12 +259,13 @@ class StepPipeline:
 
     # -- step (main thread) ------------------------------------------------------
 
-    def step(self, coefficient: float | None) -> None:
+    def step(self, coefficient: float | None, publisher: Publisher) -> None:
         """Apply (``coefficient`` set) or skip (None: fp16 overflow) the optimizer for every group.
 
-        The ``publish`` callable given at construction makes an updated group's parameters
-        visible (the partitioner's all-gather); it is called here for groups that are not
-        module-bound once their update is in, and never for a skipped step.
+        ``publisher`` (the engine's scheduler) makes an updated group's parameters visible
+        (the partitioner's all-gather): `Publisher.publish` is called here for groups that are
+        not module-bound once their update is in, and never for a skipped step;
+        `Publisher.prefetch_updated` for module-bound groups whose device update is queued.
         """
         self._last_clean = coefficient is not None and (self._early_exact or coefficient == self._speculative)
         for group in self._order:
@@ -262,14 +290,14 @@ class StepPipeline:
         for group in self._device_order([g for g in (*eager, *lazy) if not self.tier.steps_on_host(g)]):
             event = self._device_step(group, coefficient)
             if coefficient is not None and group.module is None:
-                self._publish(group, event)
-            elif group.module is not None and self._updated is not None and self._rebalanced:
-                self._updated(group)  # not in a first step: after it the tier may move buffers
+                self._publish(publisher, group, event)
+            elif group.module is not None and self._rebalanced:
+                publisher.prefetch_updated(group)  # not in a first step: after it the tier may move buffers
         for group in eager:
             if self.tier.steps_on_host(group):
                 event = self._updates.pop(group.index).result()
                 if coefficient is not None:
-                    self._publish(group, event)
+                    self._publish(publisher, group, event)
         self._early.clear()
         self._early_coefficient = None
         if not self._rebalanced and coefficient is not None:
@@ -399,10 +427,11 @@ class StepPipeline:
         if restore is not None:
             restore()
 
-    def _publish(self, group: ParamGroup, event: Any) -> None:
+    @staticmethod
+    def _publish(publisher: Publisher, group: ParamGroup, event: Any) -> None:
         if event is not None:
             current_stream().wait_event(event)
-        self._publish_params(group)
+        publisher.publish(group)
 
     # -- updates ------------------------------------------------------------------
 

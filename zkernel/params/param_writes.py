@@ -145,7 +145,7 @@ class WriteFolder:
     """Folds noted writes of a whole group into its master and parameter shard (one per engine)."""
 
     def __init__(self, engine) -> None:
-        self._engine_ref = weakref.ref(engine)  # the model's hooks must not keep the engine alive
+        self._engine_ref = weakref.ref(engine)  # the model's hooks must not keep the engine alive ([Note: weak links])
         self.compared = 0  # groups whose shard was compared with their whole parameters
 
     def fold(self, group: ParamGroup) -> None:
