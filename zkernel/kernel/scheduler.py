@@ -157,7 +157,8 @@ class Scheduler:
 
     Threads: the module hooks (forward pre/post hooks, the entry modules' bracket,
     the released-parameter trap) run on the thread that runs the model's forward,
-    the user's training thread; the gradient hooks (on a module's outputs, and
+    the user's training thread (a recomputation in backward, and a read the trap
+    catches there, on autograd's); the gradient hooks (on a module's outputs, and
     post-accumulate-grad on its parameters) and what they call (fetch and prefetch
     for backward, release, reduce, the handoff to the step pipeline) run on
     autograd's thread for the device (the training thread in a CPU backward). The

@@ -103,11 +103,11 @@ class StepPipeline:
     on autograd's thread for the device (the training thread in a CPU backward),
     and `wait_update` / `update_pending` on both, from the scheduler's fetches.
     Host steps (`_host_step`, `_early_step`, `_after_early`, `_host_skip`) run on
-    the engine's host worker thread (``zkernel-host``, one thread), so the
-    pipeline's own state they touch is set before they are submitted; the tiers'
-    own accumulation and I/O threads are theirs. CUDA: a group on the compute
-    device steps on the current (compute) stream; a host step's upload comes back
-    as a CUDA event the current stream waits on (`wait_update`, publishing)."""
+    the engine's host worker thread (``zkernel-host``, one thread), one job at a
+    time in submission order; the tiers' accumulation and I/O threads run none of
+    the pipeline's code. CUDA: a group on the compute device steps on the current
+    (compute) stream; a host step's upload comes back as a CUDA event the current
+    stream waits on (`wait_update`, publishing)."""
 
     def __init__(
         self,
