@@ -15,26 +15,29 @@ for, by these names:
 [Note: weak links] The scheduler is reachable from the model (its module
 hooks, its gradient hooks in the parameters' autograd state, the
 released-parameter trap, the ``generate`` guard), and a user may keep the
-model after dropping the engine (or after an ``initialize`` or a step failed).
+model after dropping the engine, closed or not (after a failed step, say).
 Whatever the model reaches must not reach the engine: an engine kept alive by
 its model never runs its finalizer, which takes the hooks off again. So:
 
 * nothing the scheduler holds refers to the engine. What it reads of the
   engine's state, the micro-step count, lives in `MicroSteps`, which both hold;
   `EngineServices` carries no engine.
-* the step pipeline holds no scheduler; the engine passes it to
-  `StepPipeline.step`.
+* the step pipeline holds no scheduler (the engine passes it to
+  `StepPipeline.step`), so the two form no cycle: once the hooks are off, both
+  go with the engine, by reference counting.
 * the hooks installed on the model refer to the scheduler weakly: a gradient
   hook lives in a parameter's C++ autograd state, which Python's cycle
-  collector cannot see through, so a strong reference there would keep the
-  scheduler, its groups and their buffers alive as long as the parameter
+  collector cannot see through, so a strong reference there would make a cycle
+  (parameter, hook, scheduler, its groups, parameter) that is never collected,
+  even after the user drops the engine and the model
   (`Scheduler._make_grad_ready_hook`, `Scheduler._make_fetcher`, and
   `zkernel.kernel.entries.GenerateGuarded`).
 * `zkernel.params.param_writes.WriteFolder`, which the scheduler calls to keep
   writes to whole parameters, reaches the engine's tiers and pipeline through
   a weak reference to the engine, for the same reason.
-* the engine's finalizer (`zkernel.kernel.lifecycle`) holds the hook handles,
-  tiers, worker and path check, never the engine or the model.
+* the engine's finalizer (``weakref.finalize`` in `Engine.__init__`, registered
+  with `zkernel.kernel.lifecycle`) holds the hook handles, tiers, worker and
+  path check, and weak references to the modules; never the engine.
 
 These are the only weak references among the three; each site refers here.
 """
