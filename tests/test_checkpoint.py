@@ -21,7 +21,7 @@ from zkernel.spec import hookimpl
 from zkernel.spec.groups import OptimizerDeclaration, StateSpec
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches, reference_losses
-from zkernel.checkpoint.format import INCOMPLETE, LATEST, MANIFEST
+from zkernel.checkpoint.format import INCOMPLETE, LATEST, LATEST_CHECKSUM, MANIFEST
 
 STEPS, SAVE_AT, ACCUM, MICRO, SEED = 6, 3, 2, 3, 77
 LR, WD, CLIP = 2e-2, 0.1, 0.5
@@ -388,7 +388,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     with pytest.raises(zkernel.CheckpointError, match="a save of it did not complete"):
         engine.load_checkpoint(directory, tag="doomed")
     engine.save_checkpoint(directory, tag="after")  # removes the leftover
-    assert sorted(p.name for p in directory.iterdir()) == ["after", "good", LATEST]
+    assert sorted(p.name for p in directory.iterdir()) == ["after", "good", LATEST, LATEST_CHECKSUM]
     engine.close()
 
 
@@ -426,7 +426,8 @@ def test_full_disk_fails_cleanly(tmp_path):
 
 
 def _check_intact(directory: Path) -> None:
-    assert sorted(p.name for p in directory.iterdir()) == ["good", LATEST], "no temporary files are left"
+    left = sorted(p.name for p in directory.iterdir())
+    assert left == ["good", LATEST, LATEST_CHECKSUM], "no temporary files are left"
     assert zkernel.consolidate(directory)  # verifies every checksum
     engine = zkernel.initialize(TrickyNet(), {"partitioner": "zero1"})
     assert engine.load_checkpoint(directory).tag == "good"

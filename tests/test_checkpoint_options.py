@@ -115,7 +115,7 @@ def test_a_client_state_that_cannot_be_saved_is_refused_before_anything_is_writt
         engine.save_checkpoint(tmp_path, tag="bad", client_state=[1, 2])
     with pytest.raises(zkernel.CheckpointError, match=r"client_state given to save_checkpoint cannot be serialised"):
         engine.save_checkpoint(tmp_path, tag="bad", client_state={"fn": lambda x: x})
-    assert sorted(os.listdir(tmp_path)) == ["good", "latest"]  # no directory of the failed saves left
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest", "latest.checksum"]  # no directory of the failed saves left
     assert (tmp_path / "latest").read_text().strip() == "good"
     engine.close()
 

@@ -8,7 +8,9 @@ takes back what it stores (`OptimizerTier.read_state`/`write_state`,
 `ParamsTier.read_shard`/`write_shard`). On disk::
 
     DIR/latest                        text: the tag of the newest committed checkpoint
-    DIR/<tag>/manifest.json           JSON, written last (the commit point): format version,
+    DIR/latest.checksum               JSON: the tags ``latest`` may hold, sealed with its checksum
+    DIR/<tag>/manifest.json           JSON, written last (the commit point): its own checksum on its
+                                      first line (`sealed`: a flipped byte anywhere is an error), format version,
                                       world size, config, every parameter's shape, dtype and
                                       fragments (rank, start, numel), optimizer scalars per
                                       parameter, buffers, the state-dict keys, step counters,
@@ -27,7 +29,8 @@ takes back what it stores (`OptimizerTier.read_state`/`write_state`,
 Tensors come from safetensors, the rest from JSON; a module's extra state is
 unpickled with ``weights_only=True`` (tensors, containers, primitive values), as is the
 client state.
-Modules: `format` (names, manifest, atomic files), `checksum`, `blockio` and
+Modules: `format` (names, file records, atomic files), `sealed` (the manifest and ``latest``, each
+checked against its own checksum), `checksum`, `blockio` and
 `safetensors_io` (streaming writes, verified ranged reads), `save`, `load`,
 `reader` (the index over fragments), `state_dict`, `consolidate`, `extra_state`, `client_state`.
 """

@@ -1,9 +1,10 @@
-"""The on-disk format: names, the manifest and its validation, atomic file replacement.
+"""The on-disk format: names, file records, atomic file replacement (the manifest is read in `sealed`).
 
 Layout of a checkpoint directory (see the package docstring for what each file holds)::
 
     DIR/latest                         the tag of the newest committed checkpoint
-    DIR/<tag>/manifest.json            written last: the commit point
+    DIR/latest.checksum                the sealed list of tags ``latest`` may hold (`zkernel.checkpoint.sealed`)
+    DIR/<tag>/manifest.json            written last: the commit point; its first line its own checksum
     DIR/<tag>/rank00000.safetensors    one file per saving rank
     DIR/<tag>.incomplete/              a save in progress (a leftover one: a save that died)
     DIR/<tag>.replaced/                the previous <tag> while a save of the same tag commits
@@ -11,7 +12,6 @@ Layout of a checkpoint directory (see the package docstring for what each file h
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -21,15 +21,18 @@ import attrs
 import torch
 
 FORMAT = "zkernel-checkpoint"
-FORMAT_VERSION = 1
+# 2: the manifest carries its own checksum ([Note: sealed JSON] in `zkernel.checkpoint.sealed`).
+FORMAT_VERSION = 2
+UNSEALED_VERSIONS = (1,)  # older versions still read, without that checksum
 MANIFEST = "manifest.json"
 LATEST = "latest"
+LATEST_CHECKSUM = "latest.checksum"
 INCOMPLETE = ".incomplete"
 REPLACED = ".replaced"
 # File offsets of tensor data are multiples of this, so reads and writes can bypass the page cache.
 ALIGNMENT = 4096
 
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}")
+TAG_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}")
 
 
 class CheckpointError(RuntimeError):
@@ -47,10 +50,16 @@ def entry_name(kind: str, param: str, start: int) -> str:
 
 
 def check_tag(tag: str) -> str:
-    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == LATEST or tag.endswith((INCOMPLETE, REPLACED)):
+    if (
+        not isinstance(tag, str)
+        or not TAG_PATTERN.fullmatch(tag)
+        or tag in (LATEST, LATEST_CHECKSUM)
+        or tag.endswith((INCOMPLETE, REPLACED))
+    ):
         raise CheckpointError(
             f"checkpoint tag {tag!r} is not valid: use letters, digits and _ . + - (not starting with . "
-            f"or -, at most 200 characters), not {LATEST!r} and not ending in {INCOMPLETE!r} or {REPLACED!r}"
+            f"or -, at most 200 characters), not {LATEST!r} or {LATEST_CHECKSUM!r}, and not ending in "
+            f"{INCOMPLETE!r} or {REPLACED!r}"
         )
     return tag
 
@@ -153,47 +162,3 @@ class FileRecord:
         if record.block_bytes <= 0 or data < 0 or len(record.blocks) != -(-data // record.block_bytes):
             raise CheckpointError(f"{where}: damaged file record (sizes and block count disagree)")
         return record
-
-
-# -- the manifest --------------------------------------------------------------------------
-
-
-def read_manifest(tag_dir: Path) -> dict[str, Any]:
-    """Read and check ``tag_dir/manifest.json``; every problem is a `CheckpointError` naming it."""
-    path = tag_dir / MANIFEST
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{tag_dir} has no {MANIFEST}: the save that wrote it did not complete, or it is not a "
-            "zkernel checkpoint"
-        ) from None
-    try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint manifest {path} is truncated or damaged (not valid JSON: {exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a zkernel checkpoint manifest (no \"format\": {FORMAT!r})")
-    version = manifest.get("version")
-    if version != FORMAT_VERSION:
-        newer = isinstance(version, int) and version > FORMAT_VERSION
-        raise CheckpointError(
-            f"checkpoint manifest {path} has format version {version!r}; this zkernel reads version "
-            f"{FORMAT_VERSION}" + (" (the checkpoint was written by a newer zkernel: upgrade)" if newer else "")
-        )
-    for key, kind in _MANIFEST_KEYS.items():
-        if not isinstance(manifest.get(key), kind):
-            raise CheckpointError(f"checkpoint manifest {path} is damaged: {key!r} missing or not a {kind.__name__}")
-    return manifest
-
-
-_MANIFEST_KEYS = {
-    "world_size": int,
-    "files": dict,
-    "params": dict,
-    "buffers": dict,
-    "state_dict": list,
-    "optimizer_state": dict,
-    "engine": dict,
-    "ranks": list,
-}

@@ -28,9 +28,9 @@ from zkernel.checkpoint.format import (
     entry_name,
     parse_dtype,
     rank_file,
-    read_manifest,
 )
 from zkernel.checkpoint.range_reader import ByteRequest, RangeReader, VerifiedFile
+from zkernel.checkpoint.sealed import read_latest, read_manifest
 from zkernel.telemetry.log import get_logger
 
 log = get_logger()
@@ -38,14 +38,9 @@ log = get_logger()
 
 def resolve(root: Path, tag: str | None) -> Path:
     """The directory of checkpoint ``tag`` in ``root`` (``latest`` when None), or a `CheckpointError`."""
-    if tag is None:
-        try:
-            tag = (root / LATEST).read_text().strip()
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"{root} has no {LATEST!r} file, so there is no checkpoint to load by default; "
-                f"committed checkpoints there: {committed_tags(root) or 'none'}"
-            ) from None
+    named_by_latest = tag is None
+    if named_by_latest:
+        tag = read_latest(root, committed_tags(root))
     check_tag(tag)
     tag_dir = root / tag
     if (tag_dir / MANIFEST).exists():
@@ -59,6 +54,7 @@ def resolve(root: Path, tag: str | None) -> Path:
     unfinished = (root / f"{tag}{INCOMPLETE}").exists()
     raise CheckpointError(
         f"there is no checkpoint {tag!r} in {root}"
+        + (f" (named by {root / LATEST})" if named_by_latest else "")
         + (" (a save of it did not complete)" if unfinished else "")
         + f"; committed checkpoints there: {committed_tags(root) or 'none'}"
     )

@@ -10,10 +10,12 @@ rank instead of leaving some waiting in a collective:
    name, preallocated so a full disk fails before any data moves, fsync,
    rename) and reports its file's checksums, its fragments, the optimizer's
    scalar state and its RNG states, or its error;
-3. rank 0 writes ``manifest.json`` (temporary name, fsync, rename), renames the
-   directory to ``DIR/<tag>/`` (an existing ``<tag>`` is first renamed to
-   ``<tag>.replaced``, which a load falls back to, and removed after), fsyncs
-   ``DIR`` and replaces ``DIR/latest`` atomically, then tells everyone.
+3. rank 0 writes ``manifest.json`` (sealed with its own checksum: [Note: sealed
+   JSON] in `zkernel.checkpoint.sealed`; temporary name, fsync, rename),
+   renames the directory to ``DIR/<tag>/`` (an existing ``<tag>`` is first
+   renamed to ``<tag>.replaced``, which a load falls back to, and removed
+   after), fsyncs ``DIR`` and replaces ``DIR/latest`` atomically, with
+   ``DIR/latest.checksum`` in step, then tells everyone.
 
 A process killed at any moment leaves ``latest`` and the previous checkpoint
 as they were (at worst a ``.incomplete`` directory, removed by the next save).
@@ -49,7 +51,6 @@ from zkernel.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     INCOMPLETE,
-    LATEST,
     MANIFEST,
     REPLACED,
     CheckpointError,
@@ -60,6 +61,7 @@ from zkernel.checkpoint.format import (
     rank_file,
     write_atomic,
 )
+from zkernel.checkpoint.sealed import latest_names, seal, write_latest
 from zkernel.checkpoint.model import PARAM, ModelView, view_of
 from zkernel.checkpoint.shards import StateSpecs, check_between_steps, describe_error, describe_groups, state_specs, whole_params
 from zkernel.checkpoint.stream_writer import Entry, write_file
@@ -116,7 +118,7 @@ def save(
 
     def commit() -> None:
         manifest = _manifest(engine, view, tag, reports, exclude_frozen_parameters)
-        write_atomic(staging / MANIFEST, _json_bytes(manifest))
+        write_atomic(staging / MANIFEST, seal(manifest))
         _commit(root, tag, staging)
 
     _agree(_attempt(info.rank == 0, commit), info, "committing", staging, cleanup=True)
@@ -175,9 +177,9 @@ def _commit(root: Path, tag: str, staging: Path) -> None:
     try:
         os.rename(staging, final)
         fsync_dir(root)
-        write_atomic(root / LATEST, f"{tag}\n".encode())
+        write_latest(root, tag)
     except BaseException:
-        if _latest(root) != tag:  # not committed: put everything back as it was
+        if not latest_names(root, tag):  # not committed: put everything back as it was
             if final.exists() and not staging.exists():
                 os.rename(final, staging)
             if replaced.exists() and not final.exists():
@@ -185,13 +187,6 @@ def _commit(root: Path, tag: str, staging: Path) -> None:
         raise
     if replaced.exists():
         shutil.rmtree(replaced)
-
-
-def _latest(root: Path) -> str | None:
-    try:
-        return (root / LATEST).read_text().strip()
-    except OSError:
-        return None
 
 
 # -- what one rank writes ------------------------------------------------------------------------
@@ -438,9 +433,3 @@ def _version() -> str:
     from zkernel import __version__
 
     return __version__
-
-
-def _json_bytes(manifest: dict) -> bytes:
-    import json
-
-    return json.dumps(manifest, indent=1, default=str).encode()
