@@ -1,9 +1,14 @@
-"""Every byte of a checkpoint is checked: the manifest and ``latest`` carry checksums ([Note: sealed JSON])."""
+"""Every byte of a checkpoint is checked: the manifest and ``latest`` carry checksums ([Note: sealed JSON]),
+and the leftovers of a save killed while committing are settled by the next save ([Note: leftover replaced
+checkpoints])."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +19,11 @@ import zkernel
 from tests.harness import run_ranks
 from tests.models import TrickyNet, batches
 from tests.checkpoint_scenarios import run_steps
-from zkernel.checkpoint.format import LATEST, LATEST_CHECKSUM, MANIFEST
+from zkernel.checkpoint.format import INCOMPLETE, LATEST, LATEST_CHECKSUM, MANIFEST, REPLACED
 from zkernel.checkpoint.reader import committed_tags, resolve
 from zkernel.checkpoint.sealed import read_manifest
 
+REPO = Path(__file__).resolve().parents[1]
 DIGITS = b"0123456789"
 BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 CONFIG = {"partitioner": "zero2", "optimizer": {"lr": 2e-2}, "partitioner_options": {"bucket_size": 300}}
@@ -184,4 +190,69 @@ def test_checkpoints_written_before_the_checksums_still_load_with_a_warning(tmp_
     with pytest.raises(zkernel.CheckpointError, match="checksum, is missing or garbled") as info:
         engine.load_checkpoint(tmp_path)
     assert str(manifest) in str(info.value)
+    engine.close()
+
+
+# -- a save killed while committing over an existing tag -------------------------------------------------
+
+_KILL_BETWEEN_RENAMES = """
+import os, signal, sys, torch, zkernel
+from tests.models import TrickyNet, batches
+from tests.checkpoint_scenarios import run_steps
+import zkernel.checkpoint.save as save
+
+directory, renames = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+engine = zkernel.initialize(TrickyNet(), {"partitioner": "zero2", "optimizer": {"lr": 1e-2}})
+data = batches(3, 2, 1, 1, 4)
+run_steps(engine, data[:1], 1)
+engine.save_checkpoint(directory, tag="a")
+run_steps(engine, data[1:], 1)
+real, done = os.rename, []
+
+def rename(src, dst):  # the commit's renames of whole checkpoint directories, not a rank file's
+    real(src, dst)
+    if os.path.dirname(os.fspath(dst)) == directory:
+        done.append(dst)
+        if len(done) == renames:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+save.os.rename = rename
+engine.save_checkpoint(directory, tag="a")
+"""
+
+
+@pytest.mark.parametrize("renames", [1, 2], ids=["between-the-renames", "after-both-renames"])
+def test_a_replaced_checkpoint_left_by_a_killed_save_is_settled_by_the_next_save(tmp_path, renames):
+    directory = tmp_path / "ckpt"
+    child = subprocess.run(
+        [sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(directory), str(renames)],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300,
+    )  # fmt: skip
+    assert child.returncode == -9, child.stderr.decode()
+    replaced = directory / f"a{REPLACED}"
+    assert replaced.is_dir()
+    assert (directory / "a").is_dir() == (renames == 2)
+    assert committed_tags(directory) == ["a"]  # the .replaced copy counts while "a" is gone
+    first = zkernel.consolidate(directory, tag="a")
+
+    engine = _saved(tmp_path / "other", tags=())
+    assert engine.load_checkpoint(directory).tag == "a"
+    engine.save_checkpoint(directory, tag="b")
+    assert sorted(p.name for p in directory.iterdir()) == ["a", "b", LATEST, LATEST_CHECKSUM]
+    after = zkernel.consolidate(directory, tag="a")
+    assert after.keys() == first.keys() and all(torch.equal(after[k], first[k]) for k in first)
+    engine.close()
+
+
+def test_a_replaced_checkpoint_is_kept_while_the_one_replacing_it_is_not_complete(tmp_path, restore_zkernel_logger):
+    engine = _saved(tmp_path, tags=("a",))
+    shutil.copytree(tmp_path / "a", tmp_path / f"a{REPLACED}")
+    rank_file = tmp_path / "a" / "rank00000.safetensors"
+    os.truncate(rank_file, rank_file.stat().st_size - 1)  # "a" is damaged: its .replaced is the good copy
+    with capture_logs() as logs:
+        engine.save_checkpoint(tmp_path, tag="b")
+    assert (tmp_path / f"a{REPLACED}").is_dir()
+    assert any(e["event"] == "zkernel.checkpoint.leftover_kept" for e in logs)
+    assert not (tmp_path / f"a{INCOMPLETE}").exists()
     engine.close()

@@ -61,8 +61,16 @@ def resolve(root: Path, tag: str | None) -> Path:
 
 
 def committed_tags(root: Path) -> list[str]:
+    """Tags with a manifest in ``root``; a ``<tag>.replaced`` whose ``<tag>`` is gone counts as ``<tag>``
+    (a save of the same tag died while committing: `resolve` falls back to it, the next save renames it back)."""
     try:
-        return sorted(p.name for p in root.iterdir() if (p / MANIFEST).exists() and not p.name.endswith(REPLACED))
+        return sorted(
+            {
+                p.name.removesuffix(REPLACED)
+                for p in root.iterdir()
+                if not p.name.endswith(INCOMPLETE) and (p / MANIFEST).exists()
+            }
+        )
     except OSError:
         return []
 

@@ -18,10 +18,24 @@ rank instead of leaving some waiting in a collective:
    ``DIR/latest.checksum`` in step, then tells everyone.
 
 A process killed at any moment leaves ``latest`` and the previous checkpoint
-as they were (at worst a ``.incomplete`` directory, removed by the next save).
+as they were (at worst a ``.incomplete`` directory, removed by the next save,
+or a ``<tag>.replaced``, which the next save settles: [Note: leftover
+replaced checkpoints]).
+
 A failed save removes its directory, so no temporary file is left, and raises
 `CheckpointError` on every rank with each failing rank's error (which names
 the file).
+
+[Note: leftover replaced checkpoints] A kill between the two renames of a
+commit over an existing tag leaves ``<tag>.replaced`` (the committed
+checkpoint) and no ``<tag>``; a kill after the second leaves both. The next
+save, before it writes anything, renames a ``<tag>.replaced`` back to
+``<tag>`` where ``<tag>`` is gone (it is that tag's committed checkpoint, and
+loads and `committed_tags` see it as such meanwhile), and removes it where
+``<tag>`` is there and complete (its manifest verifies and every file it
+lists has the size it records). Otherwise (``<tag>`` there but not complete,
+or neither copy complete) it is left as it is, with a warning event naming it:
+no save deletes the only good copy of a checkpoint.
 
 [Note: frozen parameters left out] ``exclude_frozen_parameters=True`` (as
 DeepSpeed's flag) writes no values of the parameters that do not require
@@ -61,7 +75,7 @@ from zkernel.checkpoint.format import (
     rank_file,
     write_atomic,
 )
-from zkernel.checkpoint.sealed import latest_names, seal, write_latest
+from zkernel.checkpoint.sealed import latest_names, read_manifest, seal, write_latest
 from zkernel.checkpoint.model import PARAM, ModelView, view_of
 from zkernel.checkpoint.shards import StateSpecs, check_between_steps, describe_error, describe_groups, state_specs, whole_params
 from zkernel.checkpoint.stream_writer import Entry, write_file
@@ -161,10 +175,42 @@ def _prepare(root: Path, staging: Path) -> None:
         if leftover.name.endswith(INCOMPLETE) and leftover.is_dir():
             log.warning("zkernel.checkpoint.leftover_removed", path=str(leftover), reason="a save that did not finish")
             shutil.rmtree(leftover)
-        elif leftover.name.endswith(REPLACED) and (root / leftover.name[: -len(REPLACED)] / MANIFEST).exists():
-            shutil.rmtree(leftover)
+        elif leftover.name.endswith(REPLACED) and leftover.is_dir():
+            _settle_replaced(root, leftover)
     staging.mkdir()
     fsync_dir(root)
+
+
+def _settle_replaced(root: Path, replaced: Path) -> None:
+    """Rename ``<tag>.replaced`` back or remove it ([Note: leftover replaced checkpoints])."""
+    final = root / replaced.name.removesuffix(REPLACED)
+    if final.exists():
+        if _complete(final):
+            log.warning("zkernel.checkpoint.leftover_removed", path=str(replaced), reason=f"{final.name} replaced it")
+            shutil.rmtree(replaced)
+            return
+    elif _complete(replaced):
+        os.rename(replaced, final)
+        log.warning(
+            "zkernel.checkpoint.replaced_restored",
+            path=str(final),
+            reason="a save of the same tag died while committing; this was the committed checkpoint",
+        )
+        return
+    log.warning(
+        "zkernel.checkpoint.leftover_kept",
+        path=str(replaced),
+        reason=f"{final} is not a complete checkpoint to replace it; remove whichever you do not need",
+    )
+
+
+def _complete(tag_dir: Path) -> bool:
+    """Whether ``tag_dir``'s manifest verifies and every file it lists has the size it records."""
+    try:
+        files = read_manifest(tag_dir)["files"]
+        return all((tag_dir / name).stat().st_size == record["bytes"] for name, record in files.items())
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return False
 
 
 def _commit(root: Path, tag: str, staging: Path) -> None:
