@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from zkernel.spec import hookimpl
+from zkernel.spec import ON_COMPUTE_DEVICE, hookimpl
 from zkernel.platform.streams import record_event
 from zkernel.spec.tiers import OptimizerTier, ParamsTier, Resource, ShardState
 from zkernel.telemetry.timeline import SpanKind
@@ -219,4 +219,5 @@ def zkernel_register_offload_tiers(registry) -> None:
         "none",
         device_tier,
         description="state stays on the compute device (GPU when present, else CPU)",
+        capabilities=(ON_COMPUTE_DEVICE,),
     )

@@ -11,13 +11,19 @@ has its own options (``_nvme_options``).
 
 from __future__ import annotations
 
-from zkernel.spec import hookimpl
+from zkernel.spec import ConfigError, hookimpl
 
 from ._nvme_optimizer import NvmeTier
 from ._nvme_options import NvmeParamsOptions, NvmeTierOptions
 from ._nvme_params import NvmeParamsTier
 
 __all__ = ["NvmeParamsOptions", "NvmeParamsTier", "NvmeTier", "NvmeTierOptions", "nvme_tier"]
+
+
+def check_nvme_config(config, slot) -> None:
+    """Either role keeps its swap files under ``offload.nvme_path``: it must be set."""
+    if config.offload.nvme_path is None:
+        raise ConfigError("offload.nvme_path is required when offload.optimizer or offload.params is 'nvme'")
 
 
 def nvme_tier(context, role: str):
@@ -32,4 +38,5 @@ def zkernel_register_offload_tiers(registry) -> None:
         description="optimizer: fp32 masters and state in swap files under offload.nvme_path, streamed through the "
         "CPU step with read-ahead and write-behind; params: shards in swap files, read ahead per stage",
         options_cls={"optimizer": NvmeTierOptions, "params": NvmeParamsOptions},
+        check=check_nvme_config,
     )

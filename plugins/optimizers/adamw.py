@@ -23,7 +23,7 @@ import attrs
 import torch
 from torch.optim import adamw as torch_adamw
 
-from zkernel.spec import hookimpl
+from zkernel.spec import PER_PARAM_HYPER, hookimpl
 from zkernel.spec.options import boolean, choice
 
 from . import _triton_adam
@@ -163,4 +163,5 @@ def zkernel_register_optimizers(registry) -> None:
         TorchAdamW,
         description="AdamW (Triton/fused/foreach) on the device where the master shard lives",
         options_cls=AdamWOptions,
+        capabilities=(PER_PARAM_HYPER,),
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from zkernel.spec import hookimpl
+from zkernel.spec import PER_PARAM_HYPER, hookimpl
 from zkernel.platform import native
 from zkernel.spec.options import boolean, integer
 from zkernel.telemetry.log import get_logger
@@ -113,4 +113,5 @@ def zkernel_register_optimizers(registry) -> None:
         CpuAdam,
         description="native SIMD multi-threaded Adam/AdamW on CPU shards (fused bf16 grads in, bf16 params out)",
         options_cls=CpuAdamOptions,
+        capabilities=(PER_PARAM_HYPER,),
     )

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkernel.spec import hookimpl
+from zkernel.spec import MATERIALIZES_META, PARAMS_ON_TIER, hookimpl
 from zkernel.spec.config import ConfigError, str_tuple
 from zkernel.spec.options import boolean, choice, integer
 from zkernel.spec.groups import ParamGroup, Phase
@@ -458,6 +458,7 @@ def zkernel_register_partitioners(registry) -> None:
         Zero3,
         description="ZeRO-3: parameters, gradients, masters and optimizer state partitioned; gathered per module",
         options_cls=Zero3Options,
+        capabilities=(PARAMS_ON_TIER, MATERIALIZES_META),
     )
 
 

@@ -19,6 +19,7 @@ from zkernel.kernel.engine import Engine, EngineParts
 from zkernel.spec.groups import OptimizerDeclaration, ParamGroup
 from zkernel.telemetry.log import get_logger
 from zkernel.spec.lr_schedule import LRSchedule
+from zkernel.spec.registry import MATERIALIZES_META, PER_PARAM_HYPER, Family
 from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager, resolve_components
 from zkernel.spec.runtime import RuntimeContext
 from zkernel.platform.streams import Streams
@@ -32,17 +33,20 @@ log = get_logger()
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Buffers go to the compute device; floating ones take the compute dtype (as ``module.half()`` would)."""
+def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype, materializers: Sequence[str] = ()) -> None:
+    """Buffers go to the compute device; floating ones take the compute dtype (as ``module.half()`` would).
+
+    ``materializers``: the installed partitioners that materialise a meta-device model (named in the error)."""
     for mod in module.modules():
         for name, buf in mod._buffers.items():
             if buf is None:
                 continue
             if buf.is_meta:
                 path = next(p for p, m in module.named_modules() if m is mod)
+                which = f"the {' or '.join(materializers)} partitioner" if materializers else "a partitioner (none installed)"
                 raise ValueError(
                     f"buffer {f'{path}.{name}' if path else name!r} of {type(mod).__name__} is on the meta "
-                    "device: only the zero3 partitioner materialises a meta-device model (pass init_fn= "
+                    f"device: only {which} materialises a meta-device model (pass init_fn= "
                     "when the module has no reset_parameters()); otherwise build the model on a real device"
                 )
             mod._buffers[name] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
@@ -146,7 +150,7 @@ def initialize(
     ``plugins`` are extra plugin objects or modules with ``@zkernel.spec.hookimpl``
     functions; their components are selectable by name like the builtins.
     ``init_fn(module)`` initialises a module of a model built on the meta device
-    when zero3 materialises it (default: ``module.reset_parameters()``; for a
+    when the partitioner materialises it (default: ``module.reset_parameters()``; for a
     Hugging Face model pass ``model._init_weights``). Every rank of a torchrun
     job must call this with the same model and config. The model belongs to
     the engine until `Engine.close`.
@@ -197,7 +201,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn, registry) -> Engin
     )
     tiers: list = []  # built so far: closed again if initialize fails (swap files, I/O threads)
     try:
-        return _assemble(model, cfg, selection, base, tiers, plan)
+        return _assemble(model, cfg, selection, base, tiers, plan, registry)
     except BaseException:
         for tier in reversed(tiers):
             try:
@@ -208,7 +212,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn, registry) -> Engin
         raise
 
 
-def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, tiers: list, plan) -> Engine:
+def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, tiers: list, plan, registry) -> Engine:
     """Build the selected components on ``base``, partition and place the model, make the engine."""
     dist_info, compute_dtype, worker = base.dist, base.compute_dtype, base.host_worker
     streams, timeline = base.streams, base.timeline
@@ -237,10 +241,11 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
 
     overrides = param_overrides(model, cfg.optimizer)  # by the user's names, before transforms
     if overrides and not _declares(runtime.hook).per_param_hyper:
+        able = registry.with_capability(Family.OPTIMIZER, PER_PARAM_HYPER)
         raise ConfigError(
             f"optimizer.param_groups and no_weight_decay need an optimizer that steps some parameters with "
             f"their own learning rate, weight decay, betas and eps; optimizer {cfg.optimizer.name!r} does not declare it "
-            "(OptimizerDeclaration.per_param_hyper); valid: adamw, cpu_adam, or neither key"
+            f"(OptimizerDeclaration.per_param_hyper); valid: {', '.join([*able, 'or neither key'])}"
         )
     apply_transforms(runtime, model, selection, base)  # tiling, activation checkpointing
     original_dtypes = tuple((n, p.dtype) for n, p in model.named_parameters())
@@ -257,7 +262,7 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     groups = placer.place(produced)
     mark_overrides(model, groups, overrides)
     # After partitioning: zero3 materialises buffers a meta-device model left on meta.
-    _move_buffers(model, dist_info.device, compute_dtype)
+    _move_buffers(model, dist_info.device, compute_dtype, registry.with_capability(Family.PARTITIONER, MATERIALIZES_META))
     _check_groups(model, groups, cfg.partitioner)
     log.info(
         "zkernel.initialized",

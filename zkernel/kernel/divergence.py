@@ -195,8 +195,9 @@ _HEAD = "ranks took different module paths in micro-step "
 _MIDDLE = ": "
 _TAIL = (
     ". Every rank must run the same modules in the same order (a data-dependent branch must take the same path "
-    "on every rank; under zero3, modules only some ranks run, such as experts skipped when no token chose them, "
-    "belong inside a unit every rank runs: name their parent in partitioner_options leaf_modules; Hugging "
+    "on every rank; under a partitioner that gathers per module, modules only some ranks run, such as experts "
+    "skipped when no token chose them, belong inside a unit every rank runs: make their parent one unit through "
+    "partitioner_options; Hugging "
     "Face's generate needs synced_gpus=True where ranks may stop at different lengths)"
 )
 

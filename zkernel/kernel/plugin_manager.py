@@ -16,17 +16,16 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 import pluggy
 
 from zkernel.spec import hookspecs
-from zkernel.spec.config import Config, ConfigError, config_value, section_keys
-from zkernel.spec.options import build_options
+from zkernel.spec.config import Config, ConfigError
 from zkernel.telemetry.log import get_logger
-from zkernel.spec.registry import Component, ComponentRegistry, Family, Slot
+from zkernel.spec.registry import Component, ComponentRegistry, Family, Selected  # Selected: kept importable from here
 
 log = get_logger()
 
@@ -49,9 +48,10 @@ class PluginSource:
 class InstalledPlugins:
     """The installed plugin manager plus the provenance of each plugin."""
 
-    def __init__(self, pm: pluggy.PluginManager) -> None:
+    def __init__(self, pm: pluggy.PluginManager, config: Config | None = None) -> None:
         self.pm = pm
         self.sources: dict[str, PluginSource] = {}
+        self.config = config or Config()  # the one the plugins were loaded for
 
     def register(self, plugin: Any, source: PluginSource) -> None:
         if self.pm.is_blocked(source.name) or self.pm.has_plugin(source.name):
@@ -107,7 +107,7 @@ def get_plugin_manager(
     """
     config = config or Config()
     pm = new_plugin_manager(trace=config.trace_hooks)
-    installed = InstalledPlugins(pm)
+    installed = InstalledPlugins(pm, config)
     env_blocked = [n for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip()]
     for name in (*config.blocked_plugins, *env_blocked):
         pm.set_blocked(name.strip())
@@ -151,7 +151,7 @@ def get_plugin_manager(
 
 def collect_components(installed: InstalledPlugins) -> ComponentRegistry:
     """Ask every installed plugin for its components, each with a registry bound to its name."""
-    registry = ComponentRegistry()
+    registry = ComponentRegistry(not_installed=_how_to_offer(installed.config))
     for family in Family:
         caller = getattr(installed.pm.hook, family.hook)
         for impl in caller.get_hookimpls():
@@ -159,31 +159,22 @@ def collect_components(installed: InstalledPlugins) -> ComponentRegistry:
     return registry
 
 
-@attrs.frozen
-class Selected:
-    """One resolved `Slot`: the component config names there and its validated options."""
+def _how_to_offer(config: Config) -> Callable[[Family, str, str], str]:
+    """The end of the error for a name no plugin offers: which blocked plugins might offer it, and
+    how a plugin offers one."""
 
-    slot: Slot
-    component: Component
-    options: Any
+    def explain(family: Family, key: str, name: str) -> str:
+        blocked = [*config.blocked_plugins, *(n.strip() for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip())]
+        hint = f"; plugins blocked by blocked_plugins or {BLOCKED_ENV} might offer it: {', '.join(blocked)}" if blocked else ""
+        return (
+            f"{hint}. No loaded plugin offers "
+            f"the {family.label} {name!r}: a plugin offers one from its `{family.hook}(registry)` "
+            f"hook with `registry.add({name!r}, factory)`, and is loaded from the entry-point group "
+            f"{ENTRY_POINT_GROUP!r} of an installed package, from `zkernel.initialize(..., plugins=[module])`, "
+            "or from the config key `plugins` (`zkernel plugins` lists every installed component)"
+        )
 
-    def build(self, context: Any) -> Any:
-        """Call the component's factory with ``context`` (whose ``options`` are set to ours)."""
-        return self.component.factory(attrs.evolve(context, options=self.options), *self.slot.factory_args)
-
-
-def _not_installed(registry: ComponentRegistry, family: Family, key: str, name: str, config: Config) -> ConfigError:
-    """What is installed for ``key``, which blocked plugins might offer ``name``, and how a plugin offers one."""
-    installed = ", ".join(registry.names(family)) or "(none)"
-    blocked = [*config.blocked_plugins, *(n.strip() for n in os.environ.get(BLOCKED_ENV, "").split(",") if n.strip())]
-    hint = f"; plugins blocked by blocked_plugins or {BLOCKED_ENV} might offer it: {', '.join(blocked)}" if blocked else ""
-    return ConfigError(
-        f"{key} {name!r} is not installed; installed: {installed}{hint}. No loaded plugin offers "
-        f"the {family.label} {name!r}: a plugin offers one from its `{family.hook}(registry)` "
-        f"hook with `registry.add({name!r}, factory)`, and is loaded from the entry-point group "
-        f"{ENTRY_POINT_GROUP!r} of an installed package, from `zkernel.initialize(..., plugins=[module])`, "
-        "or from the config key `plugins` (`zkernel plugins` lists every installed component)"
-    )
+    return explain
 
 
 def resolve_components(
@@ -194,24 +185,17 @@ def resolve_components(
 ) -> dict[str, Selected]:
     """Resolve every slot of every family (or of ``families``) but those keyed in ``skip``, by config key.
 
-    Raises `ConfigError` naming the key and what is installed for a name no
+    Each slot through `ComponentRegistry.select` ([Note: resolving a component]):
+    raises `ConfigError` naming the key and what is installed for a name no
     plugin offers, and for options the component does not take.
     """
-    selection = {}
     skip = set(skip)
-    for family in Family if families is None else families:
-        for slot in family.slots:
-            if slot.key in skip:
-                continue
-            name = config_value(config, slot.key)
-            component = registry.get(family, name)
-            if component is None:
-                raise _not_installed(registry, family, slot.key, name, config)
-            common = section_keys(slot.section) if slot.section else ()
-            owner = slot.section or slot.options  # where the user wrote the options
-            options = build_options(owner, component.options_for(slot), config_value(config, slot.options), common)
-            selection[slot.key] = Selected(slot, component, options)
-    return selection
+    return {
+        slot.key: registry.select(config, slot.key)
+        for family in (Family if families is None else families)
+        for slot in family.slots
+        if slot.key not in skip
+    }
 
 
 def list_components(installed: InstalledPlugins) -> Iterable[tuple[Component, PluginSource]]:

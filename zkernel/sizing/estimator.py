@@ -47,7 +47,6 @@ import torch
 from torch import nn
 
 from zkernel.spec.config import Config, ConfigError, auto_keys
-from zkernel.spec.options import build_options
 from zkernel.kernel.config_source import load_config
 from zkernel.platform.machine import available_host_bytes
 from zkernel.sizing.model_shape import DTYPE_BYTES as _DTYPE_BYTES
@@ -321,12 +320,9 @@ def _zero3_group(
 def _partitioner_options(config: Config, partitioner: str) -> Any:
     """The builtin partitioner's validated options (its defaults filled in), as `initialize` builds them."""
     from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager
-    from zkernel.spec.registry import Family
 
-    component = collect_components(get_plugin_manager(config=config)).get(Family.PARTITIONER, partitioner)
-    if component is None:
-        raise ConfigError(f"partitioner {partitioner!r} is not installed")
-    return build_options("partitioner_options", component.options_cls, config.partitioner_options)
+    # [Note: resolving a component] in `zkernel.spec.registry`: the one place options are resolved.
+    return collect_components(get_plugin_manager(config=config)).select(config, "partitioner", partitioner).options
 
 
 def _optimizer_tier_options(config: Config) -> Any:
@@ -334,11 +330,10 @@ def _optimizer_tier_options(config: Config) -> Any:
     from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager
     from zkernel.spec.registry import Family
 
-    component = collect_components(get_plugin_manager(config=config)).get(Family.OFFLOAD_TIER, config.offload.optimizer)
-    if component is None:
+    registry = collect_components(get_plugin_manager(config=config))
+    if registry.get(Family.OFFLOAD_TIER, config.offload.optimizer) is None:
         return None
-    slot = Family.OFFLOAD_TIER.slots[0]
-    return build_options(slot.options, component.options_for(slot), config.offload.optimizer_options)
+    return registry.select(config, "offload.optimizer").options
 
 
 def spill_shares(config: Config, device: str, optimizer_options: Any = None) -> dict[str, float]:

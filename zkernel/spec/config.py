@@ -16,11 +16,12 @@ from typing import Any
 import attrs
 
 from zkernel.errors import ConfigError
+from zkernel.spec.registry import AUTO, Family, config_value
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-# The value of `partitioner`, `offload.optimizer` or `offload.params` that asks the planner to choose.
-AUTO = "auto"
-AUTO_KEYS = ("partitioner", "offload.optimizer", "offload.params")
+# The value of a slot declared ``auto`` (`zkernel.spec.registry.Slot`) that asks the planner to choose,
+# and the keys of those slots.
+AUTO_KEYS = tuple(slot.key for family in Family for slot in family.slots if slot.auto)
 LOG_FORMATS = ("console", "json")
 ACTIVATION_OFFLOADS = ("none", "cpu")
 
@@ -364,12 +365,9 @@ class Config:
     timeline_path: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
 
     def __attrs_post_init__(self) -> None:
-        if self.offload.params not in ("none", AUTO) and self.partitioner not in ("zero3", AUTO):
-            raise ConfigError(
-                f"offload.params {self.offload.params!r} needs partitioner 'zero3' "
-                f"(parameters are whole on every rank with {self.partitioner!r}); "
-                "valid: offload.params = 'none' (or 'auto'), or partitioner = 'zero3' (or 'auto')"
-            )
+        # Rules that involve a component are the component's: `offload.params` off the device needs a
+        # partitioner that holds parameters on a tier (a `Need` of that slot), `offload.nvme_path` is the
+        # nvme tier's ``check`` ([Note: capabilities] in `zkernel.spec.registry`).
         if self.initial_loss_scale < self.min_loss_scale:
             raise ConfigError(
                 f"initial_loss_scale {self.initial_loss_scale!r} is below min_loss_scale {self.min_loss_scale!r}; "
@@ -377,10 +375,6 @@ class Config:
             )
         if self.timeline_path is not None and not self.timeline:
             raise ConfigError("timeline_path is set but timeline is false; set timeline = true to record it")
-        if "nvme" in (self.offload.optimizer, self.offload.params) and self.offload.nvme_path is None:
-            raise ConfigError(
-                "offload.nvme_path is required when offload.optimizer or offload.params is 'nvme'"
-            )
 
 
 _SECTIONS = {
@@ -396,14 +390,6 @@ _SECTIONS = {
 def auto_keys(config: Config) -> tuple[str, ...]:
     """The keys of `AUTO_KEYS` whose value is ``"auto"`` (the planner resolves them at `initialize`)."""
     return tuple(key for key in AUTO_KEYS if config_value(config, key) == AUTO)
-
-
-def config_value(config: Config, dotted: str) -> Any:
-    """The value at a dotted path of ``config`` (``"offload.optimizer"``)."""
-    value: Any = config
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def section_keys(section: str) -> tuple[str, ...]:

@@ -337,6 +337,6 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
         raise ConfigError(
             "the selected offload tiers do not fit: "
             + "; ".join(short)
-            + ". Use more ranks, a partitioner that shards more (zero3), offload.optimizer = 'nvme' "
-            "with an offload.nvme_path on a larger disk, or free memory"
+            + ". Use more ranks, a partitioner that shards more, offload tiers with more room "
+            "(offload.optimizer, offload.params; `zkernel plugins` lists them), or free memory"
         )

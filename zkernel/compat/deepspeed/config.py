@@ -256,6 +256,9 @@ def _zero(reader: _Reader, out: dict[str, Any], precision: str) -> str:
         offload["optimizer_options"] = {"pin_memory": False}
     if optimizer_path or params_path:
         offload["nvme_path"] = optimizer_path or params_path
+    elif "nvme" in (optimizer_tier, params_tier):
+        # DeepSpeed's device "nvme" needs its nvme_path; zkernel's nvme tier says the same at initialize.
+        raise ConfigError("offload.nvme_path is required when offload.optimizer or offload.params is 'nvme'")
     _aio(reader, offload)
     out["offload"] = offload
 
