@@ -66,9 +66,8 @@ def _builtins() -> tuple[set[str], set[str]]:
     from zkernel.spec.config import Config
 
     schema = {a.name for a in attrs.fields(Config)}
-    for field in attrs.fields(Config):
-        if attrs.has(field.type) if isinstance(field.type, type) else False:
-            schema.update(a.name for a in attrs.fields(field.type))
+    for family in Family:
+        schema.update(family.section_keys())
     return names, options - schema
 
 

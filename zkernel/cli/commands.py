@@ -222,6 +222,8 @@ def config_to_toml(config: Any) -> str:
 def cmd_config(args: argparse.Namespace) -> int:
     from zkernel.kernel.config_source import load_config
 
+    # The structure only (every family's section, from its declaration): components' names and
+    # options are checked at `initialize`, which loads the plugins (and torch, which this avoids).
     print(config_to_toml(load_config(args.path)), end="")
     return 0
 

@@ -42,7 +42,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from zkernel.spec.config import ConfigError, OptimizerConfig, ParamGroupConfig
+from zkernel.errors import ConfigError
+from zkernel.spec.sections import OptimizerConfig, ParamGroupConfig
 from zkernel.spec.groups import ParamGroup, ParamHyper
 from zkernel.telemetry.log import get_logger
 from zkernel.params.param_map import ParamMap

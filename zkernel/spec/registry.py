@@ -1,14 +1,21 @@
 """Families of selectable components, declared once, and the registry plugins fill.
 
 [Note: declaring a family] A family (partitioner, optimizer, offload tier, ...)
-is one `Family` member whose `FamilySpec` says which registration hook offers
-its components and which config keys select them (a `Slot` each: the dotted key
-holding the component's name, the dotted key holding its options, and any extra
-arguments its factory takes). `zkernel.kernel.plugin_manager` collects components by
-walking the families, `resolve_components` resolves every slot, and
+is one `Family` member whose `FamilySpec` says, once: which registration hook
+offers its components; which config keys select them and so how many may be
+selected at once (a `Slot` each: the dotted key holding the component's name,
+the dotted key holding its options, any extra arguments its factory takes,
+whether the planner may choose it, what it needs of other slots); and its config
+section (the table's key and its schema in `zkernel.spec.sections`). Everything
+else is driven from that declaration: `zkernel.spec.config.Config` gets the
+section as a field, `config_from_dict` builds it and `section_keys` lists it;
+`zkernel.kernel.plugin_manager` collects components by walking the families and
+`resolve_components` resolves every slot through `ComponentRegistry.select`;
 `zkernel.kernel.bootstrap.initialize` builds every selected component from the
-resolved slots, so adding a family means: its hook spec in `zkernel.spec.hookspecs`,
-its section in `zkernel.spec.config`, and one member here.
+resolved slots; ``zkernel plugins`` lists components by family and ``zkernel
+config`` prints the sections and checks every selection. Adding a family
+means: its hook spec in `zkernel.spec.hookspecs`, its section's schema in
+`zkernel.spec.sections` (if it has a table), and one member here.
 
 A family whose components change the model before it is partitioned (tiling,
 activation checkpointing) also names its *apply* hook in the spec; the
@@ -26,6 +33,7 @@ from typing import Any
 import attrs
 
 from zkernel.errors import ConfigError
+from zkernel.spec import sections
 from zkernel.spec.options import build_options
 
 
@@ -69,8 +77,6 @@ class Slot:
     key: str
     # Dotted config path of the component's own options (a mapping), e.g. "offload.optimizer_options".
     options: str
-    # Dotted config path of the section whose own keys sit beside the options (named in errors), or "".
-    section: str = ""
     # Extra positional arguments of the factory after the context, e.g. the tier's role.
     factory_args: tuple[Any, ...] = ()
     # The planner may choose it: the value `AUTO` is resolved at `initialize` (`zkernel.kernel.planning`).
@@ -81,11 +87,24 @@ class Slot:
 
 @attrs.frozen
 class FamilySpec:
+    """Everything about a family, in one place ([Note: declaring a family])."""
+
     label: str  # as `zkernel plugins` prints it
     hook: str  # the registration hook that offers components of this family
+    # Where config selects its components, one `Slot` each: how many may be selected at once.
     slots: tuple[Slot, ...]
+    # The family's own table in the config (``"optimizer"`` for ``[optimizer]``), or "" when its
+    # keys sit at the top level (the partitioner's), and that table's schema: a frozen attrs class
+    # whose own keys apply to whichever component is selected ([Note: family sections]).
+    section: str = ""
+    schema: type | None = None
     # The hook that applies the selected component to the model before partitioning, or "".
     apply: str = ""
+
+
+def _one(section: str, schema: type, hook: str, label: str, **kwargs: Any) -> FamilySpec:
+    """A family that selects one component by ``[section] name``, its options beside the section's keys."""
+    return FamilySpec(label, hook, (Slot(f"{section}.name", f"{section}.options"),), section, schema, **kwargs)
 
 
 class Family(enum.Enum):
@@ -114,30 +133,22 @@ class Family(enum.Enum):
                 ),
             ),
         ),
+        "offload",
+        sections.OffloadConfig,
     )
-    OPTIMIZER = FamilySpec(
-        "optimizer", "zkernel_register_optimizers", (Slot("optimizer.name", "optimizer.options", "optimizer"),)
-    )
+    OPTIMIZER = _one("optimizer", sections.OptimizerConfig, "zkernel_register_optimizers", "optimizer")
     # Model transforms, applied in this order: tiling replaces layers, checkpointing wraps blocks.
-    TILING = FamilySpec(
-        "tiling",
-        "zkernel_register_tilings",
-        (Slot("tiling.name", "tiling.options", "tiling"),),
-        apply="zkernel_apply_tiling",
-    )
-    ACTIVATION_CHECKPOINTING = FamilySpec(
-        "activation checkpointing",
+    TILING = _one("tiling", sections.TilingConfig, "zkernel_register_tilings", "tiling", apply="zkernel_apply_tiling")
+    ACTIVATION_CHECKPOINTING = _one(
+        "activation_checkpointing",
+        sections.ActivationCheckpointingConfig,
         "zkernel_register_activation_checkpointers",
-        (Slot("activation_checkpointing.name", "activation_checkpointing.options", "activation_checkpointing"),),
+        "activation checkpointing",
         apply="zkernel_apply_activation_checkpointing",
     )
-    LR_SCHEDULE = FamilySpec(
-        "lr schedule",
-        "zkernel_register_lr_schedules",
-        (Slot("lr_schedule.name", "lr_schedule.options", "lr_schedule"),),
-    )
+    LR_SCHEDULE = _one("lr_schedule", sections.LRScheduleConfig, "zkernel_register_lr_schedules", "lr schedule")
     # Resolves "auto" in the config before the others are resolved (see `zkernel.kernel.planning`).
-    PLANNER = FamilySpec("planner", "zkernel_register_planners", (Slot("planner.name", "planner.options", "planner"),))
+    PLANNER = _one("planner", sections.PlannerConfig, "zkernel_register_planners", "planner")
 
     @property
     def label(self) -> str:
@@ -154,6 +165,34 @@ class Family(enum.Enum):
     @property
     def apply(self) -> str:
         return self.value.apply
+
+    @property
+    def section(self) -> str:
+        return self.value.section
+
+    @property
+    def schema(self) -> type | None:
+        return self.value.schema
+
+    def section_keys(self) -> tuple[str, ...]:
+        """The keys the family's section takes itself, before any component's options."""
+        return sections.own_keys(self.schema) if self.schema is not None else ()
+
+    def options_owner(self, slot: Slot) -> tuple[str, tuple[str, ...]]:
+        """Where the user writes ``slot``'s component options (the key errors name) and the section's
+        own keys beside them: ``("optimizer", ("name", "lr", ...))`` for options inside ``[optimizer]``,
+        ``("offload.optimizer_options", ())`` for a table of their own."""
+        if self.section and slot.options == f"{self.section}.options":
+            return self.section, self.section_keys()
+        return slot.options, ()
+
+    @classmethod
+    def of_section(cls, section: str) -> Family:
+        """The family whose section is ``section``."""
+        for family in cls:
+            if family.section == section:
+                return family
+        raise KeyError(f"no family has the config section {section!r}; valid: {', '.join(f.section for f in cls if f.section)}")
 
 
 @attrs.frozen
@@ -307,10 +346,7 @@ class ComponentRegistry:
             installed = ", ".join(self.names(family)) or "(none)"
             how = self._not_installed(family, key, name) if self._not_installed is not None else ""
             raise ConfigError(f"{key} {name!r} is not installed; installed: {installed}{how}")
-        from zkernel.spec.config import section_keys  # noqa: PLC0415 - config imports this module
-
-        common = section_keys(slot.section) if slot.section else ()
-        owner = slot.section or slot.options  # where the user wrote the options
+        owner, common = family.options_owner(slot)
         options = build_options(owner, component.options_for(slot), config_value(config, slot.options), common)
         if component.check is not None:
             component.check(config, slot)
