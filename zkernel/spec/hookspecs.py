@@ -55,6 +55,10 @@ def zkernel_register_partitioners(registry: ComponentRegistry) -> None:
         factory is called as ``factory(context)`` with a
         `zkernel.spec.runtime.RuntimeContext` and returns an object with
         ``@hookimpl`` methods, which is then registered on the runtime manager.
+        ``capabilities=`` and ``check=`` state the rules that involve the
+        component ([Note: capabilities] in `zkernel.spec.registry`); a partitioner
+        whose parameter shards the ``offload.params`` tier may move declares
+        ``PARAMS_ON_TIER``.
 
     All implementations are called; results are ignored.
     """

@@ -331,8 +331,9 @@ class ComponentRegistry:
 
         [Note: resolving a component] This is the one place a component's options
         are resolved: `zkernel.initialize` (through
-        `zkernel.kernel.plugin_manager.resolve_components`), the estimator and the
-        planner call it. It raises `ConfigError` naming the key and what is installed
+        `zkernel.kernel.plugin_manager.resolve_components`) and the estimator call
+        it, and a planner holds the registry (``PlanRequest.components``) to call it
+        for a candidate's options (``name``: a component other than the config's). It raises `ConfigError` naming the key and what is installed
         for a name no plugin offers; validates the options written for the slot
         against the component's own class (`zkernel.spec.options.build_options`, its
         section's own keys listed beside them); runs the component's ``check``; and
