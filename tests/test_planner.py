@@ -20,7 +20,7 @@ from zkernel.kernel.config_source import load_config
 from zkernel.sizing.estimator import installed_tiers, totals
 from zkernel.sizing.model_shape import TransformerShape, estimate_activations
 from zkernel.spec.hookspecs import hookimpl
-from zkernel.platform.machine import format_bytes
+from zkernel.platform.sizes import format_bytes
 from zkernel.spec.planner import Plan, PlacementError, Planner
 from zkernel.sizing.planning import plan
 

@@ -603,3 +603,10 @@ def zkernel_register_offload_tiers(registry) -> None:
         description="optimizer: fp32 masters, state and gradients in page-locked host memory, CPU step overlapping the GPU; params: shards in host memory, uploaded per gather",
         options_cls={"optimizer": CpuTierOptions, "params": CpuParamsOptions},
     )
+
+
+@hookimpl
+def zkernel_size_offload_tier(name, role, options, device):
+    from ._footprint import cpu_footprint
+
+    return cpu_footprint(role, options) if name == "cpu" else None

@@ -221,3 +221,10 @@ def zkernel_register_offload_tiers(registry) -> None:
         description="state stays on the compute device (GPU when present, else CPU)",
         capabilities=(ON_COMPUTE_DEVICE,),
     )
+
+
+@hookimpl
+def zkernel_size_offload_tier(name, role, options, device):
+    from ._footprint import device_footprint
+
+    return device_footprint(role) if name == "none" else None

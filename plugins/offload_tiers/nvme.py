@@ -40,3 +40,10 @@ def zkernel_register_offload_tiers(registry) -> None:
         options_cls={"optimizer": NvmeTierOptions, "params": NvmeParamsOptions},
         check=check_nvme_config,
     )
+
+
+@hookimpl
+def zkernel_size_offload_tier(name, role, options, device):
+    from ._footprint import nvme_footprint
+
+    return nvme_footprint(role, options) if name == "nvme" else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from zkernel.spec import hookimpl
 
 from ._reduce import reduce_at_boundary
+from ._footprint import WholeFootprint
 from ._whole import BucketOptions, build_whole_groups, describe, memory_of, restore
 
 
@@ -57,3 +58,10 @@ def zkernel_register_partitioners(registry) -> None:
         description="plain data parallel: bucketed all-reduce of gradients, overlapping backward",
         options_cls=BucketOptions,
     )
+
+
+@hookimpl
+def zkernel_size_partition(name, module, world_size, options):
+    if name != "none":
+        return None
+    return WholeFootprint(module, 1, options.bucket_size, accumulates_whole=True, divides=())

@@ -16,6 +16,7 @@ from __future__ import annotations
 from zkernel.spec import hookimpl
 
 from ._reduce import reduce_at_boundary
+from ._footprint import WholeFootprint
 from ._whole import BucketOptions, build_whole_groups, describe, memory_of, publish, restore
 
 
@@ -63,3 +64,10 @@ def zkernel_register_partitioners(registry) -> None:
         description="ZeRO-1: optimizer state and fp32 masters partitioned across ranks",
         options_cls=BucketOptions,
     )
+
+
+@hookimpl
+def zkernel_size_partition(name, module, world_size, options):
+    if name != "zero1":
+        return None
+    return WholeFootprint(module, world_size, options.bucket_size, accumulates_whole=True, divides=("optimizer_state",))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from zkernel.spec import hookimpl
 
 from ._reduce import reduce_every_micro_batch
+from ._footprint import WholeFootprint
 from ._whole import BucketOptions, build_whole_groups, describe, memory_of, publish, restore
 
 
@@ -64,3 +65,10 @@ def zkernel_register_partitioners(registry) -> None:
         description="ZeRO-2: optimizer state, masters and gradients partitioned; bucketed reduce-scatter during backward",
         options_cls=BucketOptions,
     )
+
+
+@hookimpl
+def zkernel_size_partition(name, module, world_size, options):
+    if name != "zero2":
+        return None
+    return WholeFootprint(module, world_size, options.bucket_size, accumulates_whole=False, divides=("optimizer_state", "grads"))

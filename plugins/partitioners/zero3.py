@@ -73,6 +73,7 @@ from zkernel.params.released import mark_gathered, mark_released
 from zkernel.platform.streams import current_stream, record_event
 from zkernel.params.unit_modules import UNIT_POLICIES
 
+from ._footprint import Zero3Footprint
 from ._flat import FlatLayout, all_gather_flat, flatten_into, module_units
 from ._peer_gather import PEER_GATHER_POLICIES, PeerGathers, open_pool, peer_access_everywhere, pool_threshold
 from ._peer_reduce import PEER_REDUCTION_POLICIES, PeerReductions
@@ -462,3 +463,8 @@ def zkernel_register_partitioners(registry) -> None:
     )
 
 
+
+
+@hookimpl
+def zkernel_size_partition(name, module, world_size, options):
+    return Zero3Footprint(module, world_size, options) if name == "zero3" else None

@@ -1,6 +1,6 @@
 """What the default planner knows of activations: the estimator's formula, for a model it recognises.
 
-The formula (`zkernel.sizing.model_shape.estimate_activations`) needs a GPT- or
+The formula (`zkernel.spec.model_shape.estimate_activations`) needs a GPT- or
 Llama-like decoder's numbers and a micro-batch. When the model was given by
 its numbers they are exact; for a module they are read from its structure
 (`infer_shape`): the largest ``nn.Embedding`` gives the vocabulary and
@@ -19,9 +19,8 @@ import math
 import attrs
 from torch import nn
 
-from zkernel.sizing.model_shape import TransformerShape, estimate_activations
-
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from zkernel.spec import TransformerShape, estimate_activations
+from zkernel.spec.model_shape import DTYPE_BYTES as _DTYPE_BYTES
 
 
 @attrs.frozen(kw_only=True)

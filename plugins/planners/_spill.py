@@ -6,7 +6,8 @@ every step (at 1-3 GB/s, against tens to hundreds of GB/s for host memory
 and the GPU), so the nvme tier keeps the optimizer of the first
 ``gpu_share`` of the trainable elements (in module order, the next
 forward's) on the GPU and of the next ``host_share`` in host memory
-([Note: optimizer spill] in `zkernel.sizing.estimator`). For a candidate whose
+([Note: optimizer spill] in `zkernel.spec.sizing`; each tier declares its
+spills, `zkernel.spec.sizing.Spill`). For a candidate whose
 other needs fit the device, the planner, when the tier is its choice and the
 config gives no fraction: gives ``gpu_share`` the
 largest fraction (in thousandths) whose groups fit the device with
@@ -22,12 +23,14 @@ nothing, so where neither has room the plan is the tier without fractions:
 every master and state in swap files. Within the stage, the fitting
 candidate with the least on disk wins (ties keep the order): a step moves that many bytes over the disk twice,
 which costs more than checkpointing's recompute or parameters crossing
-PCIe from host memory. The cpu tier's ``gpu_share`` is sized the same way
-under zero3, which places zero3's module-bound units as it adopts them, so the
-share lowers what host memory must hold from the first step. Under zero1 and
-zero2 the tier moves its groups after the first step, so host memory must
-hold all of them first: there the share is sized after the choice from the
-device memory left (`SpillSizing.leftover_gpu_share`).
+PCIe from host memory. A spill the tier places after the first step (the cpu
+tier's ``gpu_share``: not ``at_adopt``) is sized the same way under a
+partitioner that binds its groups to modules (zero3), whose groups the tier
+places as it adopts them, so the share lowers what host memory must hold
+from the first step. Under the others (zero1, zero2) the tier moves its
+groups after the first step, so host memory must hold all of them first:
+there the share is sized after the choice from the device memory left
+(`SpillSizing.leftover_gpu_share`).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ import math
 
 import attrs
 
-from zkernel.sizing.estimator import DEVICE, TIER_PLACEMENT, Role, Spill, spill_numel
-from zkernel.platform.machine import format_bytes
+from zkernel.platform.sizes import format_bytes
+from zkernel.spec import DEVICE, Role, Spill
 
 from ._types import Candidate, Outcome
 
@@ -49,26 +52,21 @@ STEPS = 1000
 
 class SpillSizing:
     """The spill part of the default planner's `_Planning`, which it is mixed into: it uses that
-    class's ``request``, ``config``, ``budgets``, ``label``, ``separate``, ``_variant`` and
-    ``_outcome``."""
+    class's ``request``, ``sizing``, ``config``, ``budgets``, ``label``, ``separate``, ``_tier``,
+    ``_layout``, ``_variant`` and ``_outcome``."""
+
+    def _spills(self, candidate: Candidate) -> tuple[Spill, ...]:
+        """The spills the candidate's optimizer tier declares."""
+        return self._tier(candidate.optimizer, "optimizer").spills
 
     def _spill_options(self, candidate: Candidate) -> set[str]:
-        """The spill fractions of the candidate's optimizer tier the planner counts: declared in
-        `TIER_PLACEMENT`, taken by its installed options class, and placed as the tier adopts its
-        groups. A spill that is not ``at_adopt`` (the cpu tier's gpu_share) still places zero3's
-        module-bound groups at adopt, so it counts under zero3; under the other partitioners it
-        moves groups after the first step and does not lower what that step needs."""
-        from zkernel.spec.registry import Family
-
-        tier = candidate.optimizer
-        component = self.request.components.get(Family.OFFLOAD_TIER, tier) if self.request.components else None
-        options_cls = component.options_for(Family.OFFLOAD_TIER.slots[0]) if component is not None else None
-        taken = {a.name for a in attrs.fields(options_cls)} if options_cls is not None else set()
-        return {
-            s.option
-            for s in TIER_PLACEMENT[tier].spills
-            if s.option in taken and (s.at_adopt or candidate.partitioner == "zero3")
-        }
+        """The spill fractions of the candidate's optimizer tier the planner counts: those placed as
+        the tier adopts its groups. A spill that is not ``at_adopt`` (the cpu tier's gpu_share)
+        still places groups bound to modules at adopt, so it counts under a partitioner that binds
+        them (zero3); under the others it moves groups after the first step and does not lower
+        what that step needs."""
+        binds = self._layout(candidate.partitioner).binds_modules
+        return {s.option for s in self._spills(candidate) if s.at_adopt or binds}
 
     def _given_shares(self, candidate: Candidate) -> dict[str, float]:
         """The counted spill fractions the config gives (numbers only), as the tier takes them here."""
@@ -82,7 +80,7 @@ class SpillSizing:
 
     def _effective(self, candidate: Candidate, shares: dict[str, float]) -> dict[str, float]:
         """``shares`` the tier acts on: positive, and a CUDA-only one only where the plan has a GPU."""
-        cuda_only = {s.option for s in TIER_PLACEMENT[candidate.optimizer].spills if s.cuda_only}
+        cuda_only = {s.option for s in self._spills(candidate) if s.cuda_only}
         return {k: v for k, v in shares.items() if v > 0 and (self.separate or k not in cuda_only)}
 
     def _sizable(self, candidate: Candidate) -> list[Spill]:
@@ -90,18 +88,14 @@ class SpillSizing:
         if "offload.optimizer" not in self.request.auto:
             return []
         options = self._spill_options(candidate) - set(self.config.offload.optimizer_options)
-        return [
-            s
-            for s in TIER_PLACEMENT[candidate.optimizer].spills
-            if s.option in options and (self.separate or not s.cuda_only)
-        ]
+        return [s for s in self._spills(candidate) if s.option in options and (self.separate or not s.cuda_only)]
 
     def _size_spills(self, candidate: Candidate, options, base: Outcome, spills: list[Spill]) -> Outcome:
         """``base`` with each spill in turn given the largest fraction (in 1/STEPS) that its place holds."""
         working = base.need[self.label]["working"]
         outcome = base
         for spill in spills:
-            row = TIER_PLACEMENT[spill.row].where[Role.MASTER]
+            row = spill.where[Role.MASTER]
             place = self.label if row == DEVICE else row
             budget = self.budgets.get(place)
             cap = math.floor((1 - sum(outcome.shares.values())) * STEPS + 1e-9)
@@ -144,7 +138,7 @@ class SpillSizing:
         may count its trainable elements without the groups' padding."""
         shares = dict(outcome.shares)
         variant = self._variant(candidate, shares)
-        count = spill_numel(self.request.model, variant, self.request.world_size, options, shares=shares)
+        count = self.sizing.spill_count(variant, self.request.world_size, options, shares=shares)
         placed = count.taken.get(option, 0)
         if not placed:
             shares.pop(option, None)
@@ -161,13 +155,9 @@ class SpillSizing:
     def _spill_note(self, candidate: Candidate, outcome: Outcome) -> str:
         """Where the optimizer tier keeps what, in words (``outcome.shares`` are its fractions)."""
         words = {DEVICE: "on the GPU", "cpu": "in host memory", "nvme": "in swap files"}
-        row = TIER_PLACEMENT[candidate.optimizer]
-        parts = [
-            f"{s.option} {outcome.shares[s.option]:g} {words[TIER_PLACEMENT[s.row].where[Role.MASTER]]}"
-            for s in row.spills
-            if s.option in outcome.shares
-        ]
-        home = row.where[Role.MASTER]
+        tier = self._tier(candidate.optimizer, "optimizer")
+        parts = [f"{s.option} {outcome.shares[s.option]:g} {words[s.where[Role.MASTER]]}" for s in tier.spills if s.option in outcome.shares]
+        home = tier.where[Role.MASTER]
         rest = sum(outcome.report[c].get(home, 0) for c in ("master_weights", "optimizer_state"))
         return (
             f"optimizer tier {candidate.optimizer!r} keeps the master and optimizer state of the first "

@@ -1,18 +1,24 @@
 """Planner ``default``: the fastest placement that fits, tried from the fastest to the slowest.
 
-Algorithm. Placements are tried in stages, each slower than the one before
-and each keeping less on the compute device:
-
-1. nothing offloaded: zero1, zero2, zero3 (in the order of what they keep);
-2. the optimizer (fp32 master, Adam moments, gradient landing buffer) on the
-   ``cpu`` tier, zero1 to zero3, with the tier's ``gpu_share`` sized from the
-   device memory the placement leaves free (that share steps on the GPU);
-3. the parameters on the CPU too (zero3);
-4. the optimizer on NVMe (zero1 to zero3, then zero3 with parameters on the
-   CPU), with the ``nvme`` tier's ``gpu_share`` and ``host_share`` sized from
-   the device and host memory the placement leaves free, so that only the
-   rest of the optimizer is on disk;
-5. the parameters on NVMe too (the spill sized likewise).
+Algorithm. Everything the planner knows of a component it asks the component
+through the request's sizing service (`zkernel.spec.sizing.SizingService`,
+[Note: components answer for their bytes]): it names no partitioner or tier.
+Placements are tried in stages, each slower than the one before and each
+keeping less on the compute device (`_stages`). The partitioners tried are
+those that divide something across ranks, those that divide less first (they
+keep more, and communicate less). The tiers that answer for their bytes are
+ranked by how far from the compute device they keep state (their
+`TierSizing.level`: the device, host memory, swap files); for each level of
+the optimizer's tier, fastest first: the optimizer there with the parameters
+on a nearer tier, then with the parameters there too (parameters leave the
+device only under a partitioner whose shards the params tier owns). With the
+builtins: nothing offloaded (zero1, zero2, zero3); the optimizer on the
+``cpu`` tier; the parameters on it too; the optimizer on ``nvme`` (with the
+parameters on the device, then on the CPU); the parameters on ``nvme`` too.
+A tier's spill fractions (the ``cpu`` tier's ``gpu_share``, the ``nvme``
+tier's ``gpu_share`` and ``host_share``: `zkernel.spec.sizing.Spill`) are
+sized from the device and host memory the placement leaves free, so that
+only the rest of the optimizer is in its own place.
 
 Within a stage, when the activations are known (`_activations`) and the
 config does not checkpoint any module itself, the placements are tried as
@@ -25,14 +31,15 @@ swap files through fit: the device's free memory less ``device_reserve``,
 the machine's host memory less 10% shared by its ranks, the disk at
 ``offload.nvme_path`` shared likewise. The first placement of a stage that
 fits is chosen, unless it keeps model states on disk: then the stage's
-placement that fits with the least on disk. A zero3 placement that fails on
-the device because a layer is too large to gather gets the Linear layers
-that are split into tiles small enough to gather.
+placement that fits with the least on disk. A placement that fails on the
+device because a layer is too large to gather gets the Linear layers
+that are split into tiles small enough to gather (a partitioner that gathers
+each module's own parameters at once: `PartitionSizing.gather_threshold`).
 
 The spill fractions are sized as [Note: sizing the spill] in `_spill` says.
 
-Keys the config sets are kept; offload tiers that are not installed (nvme,
-before its plugin is) or that would need ``offload.nvme_path`` without one
+Keys the config sets are kept; offload tiers that do not answer for their
+bytes, or that keep state in swap files without an ``offload.nvme_path``,
 are skipped, and the plan says so.
 
 Measured before choosing, on rank 0: host<->device copy throughput (CUDA),
@@ -48,18 +55,10 @@ import math
 import attrs
 from torch import nn
 
-from zkernel.spec import hookimpl
+from zkernel.platform.machine import Probe, probe_copy, probe_cpu_adam, probe_disk
+from zkernel.platform.sizes import format_bytes
+from zkernel.spec import DEVICE, Buffer, Family, PartitionSizing, Role, TierSizing, hookimpl, totals
 from zkernel.spec.options import boolean, number
-from zkernel.sizing.estimator import (
-    PARTITIONERS,
-    TIER_PLACEMENT,
-    Buffer,
-    Role,
-    group_buffers,
-    tally,
-    totals,
-)
-from zkernel.platform.machine import Probe, format_bytes, probe_copy, probe_cpu_adam, probe_disk
 from zkernel.spec.planner import Plan, PlacementError, Planner, PlanRequest
 from zkernel.spec.tiers import HOST_MARGIN
 
@@ -67,31 +66,9 @@ from ._activations import Activations, activations_of
 from ._spill import SpillSizing
 from ._types import Candidate, Mode, Outcome, States
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from zkernel.spec.model_shape import DTYPE_BYTES as _DTYPE_BYTES
+
 _MAX_TILES = 64
-# How the nvme tiers size their page-locked pools when buffer_bytes is not given: the optimizer
-# role's DEFAULT_BUFFER_BYTES (plugins/offload_tiers/_nvme_optimizer.py) and the params role's
-# default lookahead_host_bytes (_nvme_options.py); files are on O_DIRECT alignment.
-_NVME_OPTIMIZER_POOL = 2 << 30
-_NVME_PARAMS_LOOKAHEAD = 2 << 30
-_ALIGNMENT = 4096
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
-
-
-# (stage, placements as (partitioner, offload.optimizer, offload.params)), fastest first.
-STAGES = (
-    ("nothing offloaded", (("zero1", "none", "none"), ("zero2", "none", "none"), ("zero3", "none", "none"))),
-    ("optimizer on CPU", (("zero1", "cpu", "none"), ("zero2", "cpu", "none"), ("zero3", "cpu", "none"))),
-    ("parameters on CPU", (("zero3", "cpu", "cpu"),)),
-    (
-        "optimizer on NVMe",
-        (("zero1", "nvme", "none"), ("zero2", "nvme", "none"), ("zero3", "nvme", "none"), ("zero3", "nvme", "cpu")),
-    ),
-    ("parameters on NVMe", (("zero3", "nvme", "nvme"),)),
-)
 
 
 @attrs.frozen(kw_only=True)
@@ -123,8 +100,15 @@ class _Planning(SpillSizing):
     """One `DefaultPlanner.plan` call: the request, the budgets, and what was found."""
 
     def __init__(self, request: PlanRequest, options: DefaultPlannerOptions) -> None:
+        if request.sizing is None or request.components is None:
+            raise PlacementError(
+                "the default planner sizes placements through PlanRequest.sizing and .components; "
+                "this request carries none (build it as zkernel.kernel.planning.resolve_auto does)"
+            )
         self.request = request
+        self.sizing = request.sizing
         self.options = options
+        self._layouts: dict[str, PartitionSizing | None] = {}
         self.config = config = request.config
         self.c = _DTYPE_BYTES[config.precision]
         caps = request.capacities
@@ -145,13 +129,30 @@ class _Planning(SpillSizing):
 
     # -- what may be chosen ------------------------------------------------------------------
 
+    def _layout(self, partitioner: str) -> PartitionSizing | None:
+        """The partitioner's layout of the model (with the configured options it takes), or None
+        when it is not installed or does not answer for its bytes."""
+        if partitioner not in self._layouts:
+            if self.request.components.get(Family.PARTITIONER, partitioner) is None:
+                self._layouts[partitioner] = None
+            else:
+                variant = attrs.evolve(self.config, partitioner=partitioner, partitioner_options=self._partitioner_options(partitioner))
+                self._layouts[partitioner] = self.sizing.partition(variant, self.request.world_size)
+        return self._layouts[partitioner]
+
+    def _tier(self, name: str, role: str) -> TierSizing | None:
+        """Tier ``name``'s answer for ``role``, with the configured options when the config fixes it there."""
+        given = getattr(self.config.offload, f"{role}_options") if self._fixed(f"offload.{role}") == name else {}
+        return self.sizing.tier(name, role, given)
+
     def _usable_tiers(self) -> set[str]:
         usable = set()
-        for tier in TIER_PLACEMENT:
-            if tier not in self.request.tiers:
-                self.notes.append(f"offload tier {tier!r} skipped: not installed (no plugin offers it)")
-            elif tier == "nvme" and self.config.offload.nvme_path is None:
-                self.notes.append("offload tier 'nvme' skipped: no offload.nvme_path")
+        for tier in self.request.tiers:
+            answers = [a for a in (self.sizing.tier(tier, role) for role in ("optimizer", "params")) if a is not None]
+            if not answers:
+                self.notes.append(f"offload tier {tier!r} skipped: it does not answer for its bytes (zkernel_size_offload_tier)")
+            elif self.config.offload.nvme_path is None and any("nvme" in a.where.values() for a in answers):
+                self.notes.append(f"offload tier {tier!r} skipped: no offload.nvme_path")
             else:
                 usable.add(tier)
         return usable
@@ -161,17 +162,47 @@ class _Planning(SpillSizing):
 
         return None if key in self.request.auto else config_value(self.config, key)
 
+    def _stages(self) -> list[list[tuple[str, str, str]]]:
+        """Every (partitioner, offload.optimizer, offload.params) to try, in stages, fastest first
+        (see the module docstring)."""
+        partitioners = [
+            name
+            for name in self.request.components.names(Family.PARTITIONER)
+            if (layout := self._layout(name)) is not None and layout.divides
+        ]
+        partitioners.sort(key=lambda name: len(self._layout(name).divides))
+        answers = {role: {t: a for t in sorted(self.usable) if (a := self.sizing.tier(t, role)) is not None} for role in ("optimizer", "params")}
+        params = sorted(answers["params"], key=lambda t: answers["params"][t].level)
+        stages = []
+        for level in sorted({a.level for a in answers["optimizer"].values()}):
+            optimizers = [t for t, a in answers["optimizer"].items() if a.level == level]
+            for nearer in (True, False):
+                stage = [
+                    (p, o, q)
+                    for o in optimizers
+                    for q in params
+                    if (answers["params"][q].level < level if nearer else answers["params"][q].level == level)
+                    for p in partitioners
+                    if answers["params"][q].level == 0 or self._layout(p).shards_params
+                ]
+                if stage:
+                    stages.append(stage)
+        return stages
+
     def _candidates(self) -> list[list[Candidate]]:
         fixed = {key: self._fixed(key) for key in ("partitioner", "offload.optimizer", "offload.params")}
-        if fixed["partitioner"] is not None and fixed["partitioner"] not in PARTITIONERS:
+        if fixed["partitioner"] is not None and self._layout(fixed["partitioner"]) is None:
+            known = [n for n in self.request.components.names(Family.PARTITIONER) if self._layout(n) is not None]
             raise PlacementError(
-                f"the default planner estimates the builtin partitioners ({', '.join(PARTITIONERS)}), "
+                f"the default planner estimates the partitioners that answer for their bytes ({', '.join(known)}), "
                 f"not partitioner {fixed['partitioner']!r}; set partitioner = 'auto' or one of those"
             )
         for key in ("offload.optimizer", "offload.params"):
-            if fixed[key] is not None and fixed[key] not in TIER_PLACEMENT:
+            role = key.split(".")[1]
+            if fixed[key] is not None and self._tier(fixed[key], role) is None:
+                known = [t for t in self.request.tiers if self.sizing.tier(t, role) is not None]
                 raise PlacementError(
-                    f"the default planner estimates the offload tiers {', '.join(TIER_PLACEMENT)}, not "
+                    f"the default planner estimates the offload tiers {', '.join(known)}, not "
                     f"{key} {fixed[key]!r}; set {key} = 'auto' or one of those"
                 )
         if self.activations is None:
@@ -184,21 +215,27 @@ class _Planning(SpillSizing):
         given = {v for v in fixed.values() if v is not None}
         seen: set[tuple[str, str, str]] = set()
         stages = []
-        for _, placements in STAGES:
+        for placements in self._stages():
             chosen = []
             for p, o, q in placements:
                 p = fixed["partitioner"] or p
                 o = fixed["offload.optimizer"] or o
                 q = fixed["offload.params"] or q
-                if (q != "none" and p != "zero3") or (p, o, q) in seen:
+                if (self._tier(q, "params").level > 0 and not self._layout(p).shards_params) or (p, o, q) in seen:
                     continue
-                if any(t != "none" and t not in self.usable and t not in given for t in (o, q)):
-                    continue  # a tier the planner would choose is not installed or has no nvme_path
+                if any(t not in self.usable and t not in given for t in (o, q)):
+                    continue  # a tier the planner would choose is not usable here
                 seen.add((p, o, q))
                 chosen.append((p, o, q))
             if chosen:
                 stages.append([Candidate(p, o, q, mode) for mode in modes for p, o, q in chosen])
         return stages
+
+    def _disk_tiers(self, tiers) -> list[str]:
+        """Those of ``tiers`` that keep state in swap files (for either role)."""
+        return [
+            t for t in tiers if any((a := self.sizing.tier(t, role)) is not None and "nvme" in a.where.values() for role in ("optimizer", "params"))
+        ]
 
     # -- measurements --------------------------------------------------------------------------
 
@@ -207,10 +244,10 @@ class _Planning(SpillSizing):
             off = Probe(None, "planner option measure = false")
             return {"host_to_device": off, "device_to_host": off, "disk_write": off, "disk_read": off, "cpu_adam": off}
         h2d, d2h = probe_copy(self.request.device)
-        if "nvme" in self.usable:
+        if self._disk_tiers(self.usable):
             write, read = probe_disk(self.config.offload.nvme_path)
         else:
-            reason = "nvme tier not usable here"
+            reason = "no usable tier keeps state in swap files here"
             write, read = Probe(None, reason), Probe(None, reason)
         return {"host_to_device": h2d, "device_to_host": d2h, "disk_write": write, "disk_read": read, "cpu_adam": probe_cpu_adam()}
 
@@ -233,11 +270,9 @@ class _Planning(SpillSizing):
 
     def _partitioner_options(self, partitioner: str) -> dict:
         """The configured partitioner options the candidate's partitioner takes (they differ by partitioner)."""
-        from zkernel.spec.registry import Family
-
         given = dict(self.config.partitioner_options)
         component = self.request.components.get(Family.PARTITIONER, partitioner)
-        if self._fixed("partitioner") is not None or component is None:
+        if self._fixed("partitioner") == partitioner or component is None:
             return given
         names = {a.name for a in attrs.fields(component.options_cls)} if component.options_cls else set()
         return {k: v for k, v in given.items() if k in names}
@@ -245,7 +280,6 @@ class _Planning(SpillSizing):
     def _built_options(self, variant):
         """The candidate partitioner's validated options object (what `estimate` would build)."""
         from zkernel.spec.options import build_options
-        from zkernel.spec.registry import Family
 
         component = self.request.components.get(Family.PARTITIONER, variant.partitioner)
         return build_options("partitioner_options", component.options_cls, variant.partitioner_options)
@@ -268,49 +302,28 @@ class _Planning(SpillSizing):
 
     def _states(self, candidate: Candidate, options, shares: dict[str, float]) -> States:
         variant = self._variant(candidate, shares)
-        groups = group_buffers(self.request.model, variant, self.request.world_size, options, shares=shares)
-        largest, prefetch = self._transients(variant.partitioner, groups)
-        return States(tally(groups, variant, self.label), largest, prefetch, self._pools(candidate, groups))
-
-    def _transients(self, partitioner: str, groups: list[list[Buffer]]) -> tuple[int, int]:
-        """(largest bytes one group needs while gathered or reduced, zero3's prefetch window)."""
-        if partitioner in ("none", "zero1"):
-            return 0, 0  # the whole gradient is a model state of theirs
         world = self.request.world_size
-        largest, gathered = 0, 0
-        for buffers in groups:
-            by_role: dict[Role, int] = {}
-            for b in buffers:
-                by_role[b.role] = by_role.get(b.role, 0) + b.nbytes
-            shard = max(by_role.get(Role.GRAD_LANDING, 0) // 4, by_role.get(Role.PARAM_SHARD, 0) // self.c, by_role.get(Role.MASTER, 0) // 4)
-            padded = shard * world
-            if partitioner == "zero3" and Role.PARAM_FULL not in by_role:
-                largest = max(largest, padded * (self.c + 4))  # gathered parameters and their gradient
-                gathered += padded * self.c
-            else:
-                largest = max(largest, padded * 4)  # a reduce bucket
-        prefetch = min(self.config.prefetch_bytes, gathered) if partitioner == "zero3" else 0
-        return largest, prefetch
+        groups = self.sizing.groups(variant, world, options, shares=shares)
+        largest, prefetch = self._transients(self.sizing.partition(variant, world, options))
+        return States(self.sizing.tally(groups, variant, self.label), largest, prefetch, self._pools(candidate, groups))
+
+    def _transients(self, layout: PartitionSizing) -> tuple[int, int]:
+        """(largest bytes one group needs while gathered or reduced, the prefetch window), as the
+        partitioner answers them."""
+        answers = [layout.transient(group, self.c) for group in layout.groups]
+        largest = max((a[0] for a in answers), default=0)
+        return largest, min(self.config.prefetch_bytes, sum(a[1] for a in answers))
 
     def _pools(self, candidate: Candidate, groups: list[list[Buffer]]) -> int:
-        """Page-locked host bytes the nvme tiers stream their swap files through, sized as they size
-        them (their ``buffer_bytes`` where the config gives it for the tier it fixes)."""
+        """Page-locked host bytes the tiers stream their swap files through, as they size them
+        (with the configured options where the config fixes the tier)."""
         total = 0
-        if candidate.optimizer == "nvme":
-            files = [
-                sum(_aligned(b.nbytes) for b in group if b.where == "nvme" and b.role in (Role.MASTER, Role.OPTIMIZER_STATE))
-                for group in groups
-            ]
-            files = [f for f in files if f]
-            given = self.config.offload.optimizer_options if self._fixed("offload.optimizer") == "nvme" else {}
-            if files:
-                total += given.get("buffer_bytes") or min(sum(files), max(_NVME_OPTIMIZER_POOL, 2 * max(files)))
-        if candidate.params == "nvme":
-            shards = [_aligned(b.nbytes) for group in groups for b in group if b.where == "nvme" and b.role is Role.PARAM_SHARD]
-            given = self.config.offload.params_options if self._fixed("offload.params") == "nvme" else {}
-            if shards:
-                lookahead = given.get("lookahead_host_bytes", _NVME_PARAMS_LOOKAHEAD)
-                total += given.get("buffer_bytes") or min(2 * sum(shards), lookahead + 4 * max(shards))
+        for role, name in (("optimizer", candidate.optimizer), ("params", candidate.params)):
+            tier = self._tier(name, role)
+            if tier is None or tier.pool_bytes is None:
+                continue
+            files = [[b.nbytes for b in group if b.role.owner == role and b.where == "nvme"] for group in groups]
+            total += tier.pool_bytes(files)
         return total
 
     def _need(self, candidate: Candidate, states: States, working: int) -> dict[str, dict[str, int]]:
@@ -341,8 +354,9 @@ class _Planning(SpillSizing):
         states = self._states(candidate, options, given)
         working, tiling = states.largest + states.prefetch, None
         need = self._need(candidate, states, working)
-        if self.label in self._short(need) and candidate.partitioner == "zero3" and states.largest:
-            found = self._tiling(options, need, states.prefetch)
+        threshold = self.sizing.partition(self._variant(candidate), self.request.world_size, options).gather_threshold
+        if self.label in self._short(need) and threshold is not None and states.largest:
+            found = self._tiling(threshold, need, states.prefetch)
             if found is not None:
                 tiles, tiled = found
                 need[self.label]["working"] = tiled
@@ -367,12 +381,14 @@ class _Planning(SpillSizing):
                 short.append(place)
         return short
 
-    def _tiling(self, options, need, prefetch) -> tuple[tuple[int, int], int] | None:
-        """((min_numel, tiles), working bytes) that make every gathered unit fit, or None."""
+    def _tiling(self, threshold: int, need, prefetch) -> tuple[tuple[int, int], int] | None:
+        """((min_numel, tiles), working bytes) that make every gathered module fit, or None.
+
+        ``threshold``: the partitioner gathers each module's own parameters of at least this many
+        elements at once (`PartitionSizing.gather_threshold`)."""
         section = self.config.tiling
-        if section.modules or section.min_numel or options.units != "modules":
-            return None  # tiling configured already, or units that tiles do not split
-        threshold = options.persistence_threshold
+        if section.modules or section.min_numel:
+            return None  # tiling configured already
         budget = self.budgets[self.label]
         rest = sum(v for k, v in need[self.label].items() if k != "working")
         per_element = self.c + 4
@@ -469,27 +485,33 @@ class _Planning(SpillSizing):
         params_options = dict(config.offload.params_options)
         notes = list(self.notes)
         for role, tier, options in (("optimizer", candidate.optimizer, optimizer_options), ("params", candidate.params, params_options)):
-            if f"offload.{role}" in auto and tier == "none" and options:
-                notes.append(f"offload.{role}_options {sorted(options)} dropped: the chosen tier 'none' takes none")
+            component = self.request.components.get(Family.OFFLOAD_TIER, tier)
+            slot = next(s for s in Family.OFFLOAD_TIER.slots if s.factory_args == (role,))
+            if f"offload.{role}" in auto and options and component.options_for(slot) is None:
+                notes.append(f"offload.{role}_options {sorted(options)} dropped: the chosen tier {tier!r} takes none")
                 options.clear()
         kept = self._partitioner_options(candidate.partitioner)
         dropped = sorted(set(config.partitioner_options) - set(kept))
         if dropped:
             notes.append(f"partitioner_options {dropped} dropped: {candidate.partitioner} does not take them")
-        share = outcome.shares.get("gpu_share", 0.0)
-        # The cpu tier's share where it was not sized as a spill (not zero3: moved after the first
-        # step, into what that step left of the device).
-        leftover_share = "gpu_share" not in optimizer_options and "gpu_share" not in outcome.shares
-        if candidate.optimizer == "cpu" and "offload.optimizer" in auto and self.separate and leftover_share:
+        device_spills = [s for s in self._tier(candidate.optimizer, "optimizer").spills if s.where.get(Role.MASTER) == DEVICE]
+        share = sum(outcome.shares.get(s.option, 0.0) for s in device_spills)
+        # A device share the tier places after the first step, where it was not sized as a spill (not
+        # under a partitioner binding modules): into what that step left of the device.
+        leftover = [
+            s for s in device_spills if not s.at_adopt and s.option not in optimizer_options and s.option not in outcome.shares
+        ]
+        if leftover and "offload.optimizer" in auto and self.separate:
             share = self.leftover_gpu_share(outcome)
             if share > 0:
-                optimizer_options["gpu_share"] = share
-                if self.request.device.type != "cuda":
-                    notes.append("gpu_share takes effect on CUDA only")
+                optimizer_options[leftover[0].option] = share
+                if leftover[0].cuda_only and self.request.device.type != "cuda":
+                    notes.append(f"{leftover[0].option} takes effect on CUDA only")
         sized = {k: v for k, v in outcome.shares.items() if k not in optimizer_options}
         optimizer_options.update(sized)
-        if sized.get("gpu_share") and self.request.device.type != "cuda":
-            notes.append("gpu_share takes effect on CUDA only")
+        for spill in self._tier(candidate.optimizer, "optimizer").spills:
+            if spill.cuda_only and sized.get(spill.option) and self.request.device.type != "cuda":
+                notes.append(f"{spill.option} takes effect on CUDA only")
         if outcome.shares:
             notes.append(self._spill_note(candidate, outcome))
         checkpointing = None
@@ -521,23 +543,23 @@ class _Planning(SpillSizing):
         numel = self._trainable_numel(outcome)
         host_numel = int(numel * (1 - share))
         params_off = sum(outcome.report["params"].get(p, 0) for p in ("cpu", "nvme") if p != self.label) // self.c
+        host_step = self._tier(candidate.optimizer, "optimizer").steps_on != DEVICE
         out: dict[str, float] = {}
-        if candidate.optimizer != "none" and rate["cpu_adam"]:
+        if host_step and rate["cpu_adam"]:
             out["host_optimizer_step"] = round(host_numel / rate["cpu_adam"], 4)
         if self.separate and rate["host_to_device"] and rate["device_to_host"]:
-            down = 4 * host_numel if candidate.optimizer != "none" else 0
-            up = self.c * host_numel if candidate.optimizer != "none" else 0
+            down = 4 * host_numel if host_step else 0
+            up = self.c * host_numel if host_step else 0
             up += 2 * params_off * self.c  # forward and backward gathers read the shard from the host
             if up or down:
                 out["host_device_transfers"] = round(up / rate["host_to_device"] + down / rate["device_to_host"], 4)
         if rate["disk_read"] and rate["disk_write"]:
             read = write = 0
-            if candidate.optimizer == "nvme":
-                # Master and state in swap files are read and written back every step.
-                swapped = sum(outcome.report[c].get("nvme", 0) for c in ("master_weights", "optimizer_state"))
-                read += swapped
-                write += swapped
-            if candidate.params == "nvme":
+            # Master and state in swap files are read and written back every step.
+            swapped = sum(outcome.report[c].get("nvme", 0) for c in ("master_weights", "optimizer_state"))
+            read += swapped
+            write += swapped
+            if self._tier(candidate.params, "params").home == "nvme":
                 read += 2 * params_off * self.c
                 write += params_off * self.c
             if read or write:
@@ -563,12 +585,12 @@ class _Planning(SpillSizing):
         advice = []
         if self.label in short:
             advice.append(
-                "more ranks (zero3 keeps 1/N of the model states per rank), GPUs with more free memory"
+                "more ranks (a partitioner dividing the parameters too keeps 1/N of the model states per rank), GPUs with more free memory"
                 + (", a smaller [planner] micro_batch" if self.activations is not None else "")
             )
-        if "cpu" in short or "nvme" not in self.usable:
-            if "nvme" not in self.request.tiers:
-                advice.append("more host memory, or NVMe offload: install a plugin offering the 'nvme' tier")
+        if "cpu" in short or not self._disk_tiers(self.usable):
+            if not self._disk_tiers(self.request.tiers):
+                advice.append("more host memory, or NVMe offload: install a plugin offering a tier that keeps state in swap files")
             elif self.config.offload.nvme_path is None:
                 advice.append("more host memory, or NVMe offload: set offload.nvme_path to a directory on a large disk")
             else:
@@ -576,7 +598,7 @@ class _Planning(SpillSizing):
         if "nvme" in short:
             advice.append(
                 "an offload.nvme_path on a disk with more free space, or more GPU or host memory to keep more of "
-                "the optimizer off the disk (the nvme tier's gpu_share, host_share)"
+                "the optimizer off the disk (the optimizer tier's spill fractions, such as gpu_share and host_share)"
             )
         if advice:
             lines.append("to make it fit: " + "; or ".join(advice))

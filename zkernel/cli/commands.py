@@ -241,14 +241,12 @@ def parse_size(text: str) -> int:
 
 
 def format_size(nbytes: int | None) -> str:
+    """A table cell: `zkernel.platform.sizes.format_bytes`, ``"?"`` for unknown, ``"-"`` for nothing."""
+    from zkernel.platform.sizes import format_bytes
+
     if nbytes is None:
         return "?"
-    if nbytes == 0:
-        return "-"
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes} B"
+    return "-" if nbytes == 0 else format_bytes(nbytes)
 
 
 def _estimate_model(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -366,7 +364,7 @@ def _print_plan(model: Any, config: Any, world: int, args: argparse.Namespace) -
     """``estimate --plan``: what ``"auto"`` would choose here, measured, with the machine flags as overrides."""
     import attrs
 
-    from zkernel.platform.machine import format_bytes
+    from zkernel.platform.sizes import format_bytes
     from zkernel.spec.planner import PlacementError
     from zkernel.sizing.planning import plan
 

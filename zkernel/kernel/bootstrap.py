@@ -165,13 +165,13 @@ def initialize(
     selection = resolve_components(registry, cfg, skip=auto_keys(cfg))
     lifecycle.claim(model, f"partitioner {cfg.partitioner!r}")
     try:
-        return _build(model, cfg, selection, init_fn, registry)
+        return _build(model, cfg, selection, init_fn, registry, installed)
     except BaseException:
         lifecycle.release(model)
         raise
 
 
-def _build(model: nn.Module, cfg: Config, selection, init_fn, registry) -> Engine:
+def _build(model: nn.Module, cfg: Config, selection, init_fn, registry, installed=None) -> Engine:
     dist_info = init_distributed(timeout_s=cfg.collective_timeout)
     if dist_info.created_group:
         lifecycle.own_process_group()
@@ -180,7 +180,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn, registry) -> Engin
     if auto_keys(cfg):
         from zkernel.kernel.planning import resolve_auto
 
-        cfg, plan = resolve_auto(model, cfg, registry, dist_info)
+        cfg, plan = resolve_auto(model, cfg, registry, dist_info, installed)
         selection = resolve_components(registry, cfg)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)

@@ -38,11 +38,15 @@ log = get_logger()
 # -- at initialize -------------------------------------------------------------------------
 
 
-def resolve_auto(model: nn.Module, config: Config, registry: Any, dist_info: Any) -> tuple[Config, Plan | None]:
+def resolve_auto(
+    model: nn.Module, config: Config, registry: Any, dist_info: Any, installed: Any = None
+) -> tuple[Config, Plan | None]:
     """The concrete config for ``config`` and the plan that made it (None when nothing is ``"auto"``).
 
     Collective when the job has a process group: every rank must call it (see
-    [Note: automatic placement]).
+    [Note: automatic placement]). ``installed``: the installed plugin manager
+    the registry was collected from (built from ``config`` when None), which
+    the planner's sizing service asks.
     """
     auto = auto_keys(config)
     if not auto:
@@ -64,6 +68,10 @@ def resolve_auto(model: nn.Module, config: Config, registry: Any, dist_info: Any
     failure: BaseException | None = None
     if dist_info.rank == 0:
         try:
+            from zkernel.kernel.plugin_manager import get_plugin_manager
+            from zkernel.kernel.sizing import Estimator
+
+            installed = installed if installed is not None else get_plugin_manager(config=config)
             request = PlanRequest(
                 model=model,
                 config=config,
@@ -73,6 +81,7 @@ def resolve_auto(model: nn.Module, config: Config, registry: Any, dist_info: Any
                 tiers=tuple(registry.names(Family.OFFLOAD_TIER)),
                 components=registry,
                 auto=auto,
+                sizing=Estimator(model, dist_info.device.type, installed, registry),
             )
             outcome[0] = ("plan", run_planner(selected, request, config, dist_info))
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it

@@ -30,7 +30,6 @@ from pathlib import Path
 import attrs
 import torch
 
-from zkernel.platform import sizes
 from zkernel.errors import ConfigError
 from zkernel.telemetry.log import get_logger
 from zkernel.platform.sizes import parse_size
@@ -94,11 +93,6 @@ def local_capacity(device: torch.device, nvme_path: str | os.PathLike | None) ->
     """What the calling rank has: see `LocalCapacity`."""
     device_bytes = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
     return LocalCapacity(device_bytes=device_bytes, host_bytes=available_host_bytes(), disk_bytes=free_disk_bytes(nvme_path))
-
-
-def format_bytes(nbytes: int | None) -> str:
-    """``"1.50 GiB"``, ``"512.00 KiB"``, ``"12 B"``; ``"unknown"`` for None."""
-    return "unknown" if nbytes is None else sizes.format_bytes(nbytes)
 
 
 @attrs.frozen

@@ -17,8 +17,11 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _UNITS[unit])
 
 
-def format_bytes(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps it at least 1 ("1.50 GiB", "64.00 KiB", "12 B")."""
+def format_bytes(nbytes: int | None) -> str:
+    """``nbytes`` in the largest binary unit that keeps it at least 1 ("1.50 GiB", "64.00 KiB", "12 B");
+    ``"unknown"`` for None (a capacity nobody could read). The one byte formatter of the project."""
+    if nbytes is None:
+        return "unknown"
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
             return f"{nbytes / size:.2f} {unit}"

@@ -32,7 +32,7 @@ def plan(
     """What the planner would choose for ``model`` on ``world_size`` ranks of this machine, without training.
 
     ``model``: a module (shapes only), an import path ``"pkg.mod:factory"``, or
-    a transformer's numbers (`zkernel.sizing.model_shape.TransformerShape` or a dict).
+    a transformer's numbers (`zkernel.spec.model_shape.TransformerShape` or a dict).
     The keys of ``config`` that are ``"auto"`` are planned; when none is, all
     three are. ``keys`` names the keys to plan instead (of `AUTO_KEYS`; ``()``:
     none, so the planner only sizes and checks the placement ``config`` fixes,
@@ -41,8 +41,9 @@ def plan(
     machine, replaced by ``[planner]`` ``gpu_memory``/``ram``/``disk``.
     """
     from zkernel.platform.distributed import DistInfo
-    from zkernel.sizing.model_shape import TransformerShape, as_module, as_shape
+    from zkernel.spec.model_shape import TransformerShape, as_module, as_shape
     from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, resolve_components
+    from zkernel.kernel.sizing import Estimator
     from zkernel.spec.registry import Family
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -75,7 +76,8 @@ def plan(
         local = attrs.evolve(local, device_bytes=None)
     ranks_per_machine = min(world_size, gpus) if gpus else world_size
     capacities = Capacities.combine([local], ranks_per_machine, cfg.planner)
-    registry = collect_components(get_plugin_manager(plugins, config=cfg))
+    installed = get_plugin_manager(plugins, config=cfg)
+    registry = collect_components(installed)
     selected = resolve_components(registry, cfg, families=[Family.PLANNER])["planner.name"]
     request = PlanRequest(
         model=module,
@@ -87,6 +89,7 @@ def plan(
         components=registry,
         shape=shape,
         auto=auto_keys(cfg),
+        sizing=Estimator(module, device.type, installed, registry),
     )
     dist_info = DistInfo(0, world_size, 0, device, None)
     return run_planner(selected, request, cfg, dist_info)

@@ -7,6 +7,8 @@
 - `registry`: the families of selectable components and how config selects them.
 - `config`: the core config schema; `options`: how a component declares its own options.
 - `runtime`: the context a selected component is built with.
+- `model_shape`: a model by its transformer numbers, and the activations such a model saves.
+- `sizing`: how partitioners, tiers and optimizers answer for their bytes before training.
 
 A plugin imports this package (and `zkernel.platform`, `zkernel.telemetry`,
 `zkernel.params` for the services they offer), never the kernel: everything a
@@ -55,6 +57,19 @@ _EXPORTS = {
     "Selected": "zkernel.spec.registry",
     "Slot": "zkernel.spec.registry",
     "RuntimeContext": "zkernel.spec.runtime",
+    "TransformerShape": "zkernel.spec.model_shape",
+    "estimate_activations": "zkernel.spec.model_shape",
+    "Buffer": "zkernel.spec.sizing",
+    "DEVICE": "zkernel.spec.sizing",
+    "PartitionSizing": "zkernel.spec.sizing",
+    "Placement": "zkernel.spec.sizing",
+    "Role": "zkernel.spec.sizing",
+    "SizedGroup": "zkernel.spec.sizing",
+    "SizingService": "zkernel.spec.sizing",
+    "Spill": "zkernel.spec.sizing",
+    "SpillCount": "zkernel.spec.sizing",
+    "TierSizing": "zkernel.spec.sizing",
+    "totals": "zkernel.spec.sizing",
     "HOST_MARGIN": "zkernel.spec.tiers",
     "Capacity": "zkernel.spec.tiers",
     "OptimizerTier": "zkernel.spec.tiers",
@@ -67,11 +82,13 @@ _EXPORTS = {
 
 __all__ = [
     "AUTO",
+    "DEVICE",
     "HOST_MARGIN",
     "MATERIALIZES_META",
     "ON_COMPUTE_DEVICE",
     "PARAMS_ON_TIER",
     "PER_PARAM_HYPER",
+    "Buffer",
     "Capacities",
     "Capacity",
     "Component",
@@ -88,7 +105,9 @@ __all__ = [
     "ParamGroup",
     "ParamHyper",
     "ParamsTier",
+    "PartitionSizing",
     "Phase",
+    "Placement",
     "PlacementError",
     "PlacementInfo",
     "Plan",
@@ -96,23 +115,32 @@ __all__ = [
     "Planner",
     "ReducedGradient",
     "Resource",
+    "Role",
     "RuntimeContext",
     "Selected",
     "ShardLayout",
     "ShardState",
+    "SizedGroup",
+    "SizingService",
+    "Spill",
+    "SpillCount",
     "StateSpec",
     "StepOptions",
     "Slot",
     "StoredBytes",
+    "TierSizing",
+    "TransformerShape",
     "boolean",
     "build_options",
     "choice",
     "config_value",
+    "estimate_activations",
     "hookimpl",
     "hookspec",
     "integer",
     "number",
     "str_tuple",
+    "totals",
 ]
 
 

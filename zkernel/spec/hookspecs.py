@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from zkernel.spec.groups import OptimizerDeclaration, ParamGroup, Phase, ReducedGradient, ShardLayout, StepOptions
     from zkernel.spec.registry import ComponentRegistry
     from zkernel.spec.runtime import RuntimeContext
+    from zkernel.spec.sizing import PartitionSizing, TierSizing
 
 PROJECT = "zkernel"
 
@@ -505,4 +506,56 @@ def zkernel_memory_tensors(group: ParamGroup) -> dict[str, list[torch.Tensor]] |
     `zkernel.spec.tiers.StoredBytes`, counted under their ``place``.
 
     All results are collected.
+    """
+
+
+# ---------------------------------------------------------------------------
+# Sizing (see [Note: components answer for their bytes] in zkernel.spec.sizing)
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def zkernel_size_partition(
+    name: str, module: torch.nn.Module, world_size: int, options: object
+) -> PartitionSizing | None:
+    """Lay ``module`` out as partitioner ``name`` would on ``world_size`` ranks, without allocating.
+
+    Called on the *installed* manager by `zkernel.sizing.estimator` (for
+    `zkernel.estimate`, ``zkernel estimate`` and, through
+    `zkernel.spec.sizing.SizingService`, a planner), in one process, any number
+    of times, before or without any training. The plugin offering the
+    partitioner ``name`` answers; every other plugin returns None.
+
+    :param module: the model, read for parameter shapes, ``requires_grad``
+        and module structure only (usually on the meta device).
+    :param options: the partitioner's validated options object (its defaults
+        filled in), as `initialize` would build it.
+    :return: a `zkernel.spec.sizing.PartitionSizing`: its groups with their
+        per-rank extents, and the buffers it keeps for each where the tiers
+        put them, exactly as its ``zkernel_partition_params`` and
+        ``zkernel_memory_tensors`` would count them.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def zkernel_size_offload_tier(name: str, role: str, options: object, device: str) -> TierSizing | None:
+    """Say where offload tier ``name`` keeps the buffers of ``role`` (``"optimizer"``, ``"params"``).
+
+    Called on the *installed* manager by `zkernel.sizing.estimator`, like
+    `zkernel_size_partition`, for the selected tier of each role and, for the
+    ``zkernel estimate`` table and a planner, for every installed tier. The
+    plugin offering the tier ``name`` answers; every other plugin, and a
+    tier that does not serve ``role``, returns None.
+
+    :param options: the tier's validated options object for ``role`` (None
+        when it takes none).
+    :param device: the compute device's type (``"cuda"``, ``"cpu"``).
+    :return: a `zkernel.spec.sizing.TierSizing`: where each owned role's
+        buffers live, the fractions of its groups it keeps elsewhere, its
+        staging and page-locked pools, exactly as its ``zkernel_memory_tensors``
+        would count them after a step.
+
+    Stops at the first non-None result.
     """

@@ -89,6 +89,9 @@ class PlanRequest:
     shape: Any = None
     # Keys whose value the planner chooses (`zkernel.spec.config.AUTO_KEYS` that are "auto").
     auto: tuple[str, ...] = ()
+    # Bytes of any placement of `model`, from the installed components' own answers
+    # (`zkernel.spec.sizing.SizingService`; [Note: components answer for their bytes]).
+    sizing: Any = None
 
 
 @attrs.frozen(kw_only=True)
