@@ -101,3 +101,24 @@ def reference_losses(
         opt.zero_grad()
         losses.append(total)
     return losses
+
+
+def sized_units(model, policy: str = "modules", leaf_modules: tuple[str, ...] = (), leaf_experts: bool = True) -> list[int]:
+    """How many parameters each of zero3's units holds as the estimator is told them: the groups of
+    zero3's answer to ``zkernel_size_partition``, none pooled, every parameter counted trainable (so
+    each unit is one group), in zero3's order."""
+    from zkernel.kernel.plugin_manager import get_plugin_manager
+    from zkernel.kernel.sizing import Estimator
+    from zkernel.spec.config import Config
+
+    options = {"persistence_threshold": 0, "units": policy, "leaf_modules": list(leaf_modules), "leaf_experts": leaf_experts}
+    config = Config(partitioner="zero3", partitioner_options=options)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        layout = Estimator(model, "cpu", get_plugin_manager(config=config)).partition(config, 1)
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+    return [group.params for group in layout.groups]

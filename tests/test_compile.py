@@ -84,7 +84,7 @@ def test_compiled_models_train_under_zero3_like_compiled_torch():
 
 
 def test_a_module_compiled_in_place_is_one_unit_and_the_estimator_agrees():
-    from zkernel.sizing.estimator import _units
+    from tests.models import sized_units
     from zkernel_plugins.partitioners._flat import module_units
 
     def units(model, policy):
@@ -97,7 +97,7 @@ def test_a_module_compiled_in_place_is_one_unit_and_the_estimator_agrees():
         found = units(model, policy)
         assert found["block"] == ["block.0.weight", "block.0.bias", "block.2.weight", "block.2.bias"], policy
         assert not any(name.startswith("block.") for name in found), policy
-        assert sorted(map(len, found.values())) == sorted(map(len, _units(model, policy))), policy
+        assert sorted(map(len, found.values())) == sorted(sized_units(model, policy)), policy
     # The root compiled in place is left to the policy: one unit would gather the whole model.
     model.compile(backend=BACKEND)
     assert set(units(model, "modules")) == {"", "embed", "block", "norm", "frozen_proj"}

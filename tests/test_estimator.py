@@ -89,12 +89,11 @@ def check(predicted, measured, label) -> bool:
 
 
 def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
-    """Every partitioner and option, fp32 and bf16, on every installed tier the placement table knows
+    """Every partitioner and option, fp32 and bf16, on every installed tier that answers for its bytes
     (for both roles: parameters offloaded under zero3 too)."""
-    from zkernel.spec.config import Config
-    from zkernel.sizing.estimator import TIER_PLACEMENT, installed_tiers
+    from zkernel.sizing.estimator import answering_tiers
 
-    tiers = [t for t in installed_tiers(Config()) if t in TIER_PLACEMENT and "optimizer" in TIER_PLACEMENT[t].serves]
+    tiers = answering_tiers("optimizer")
     assert "none" in tiers
     # The estimate is model state: without the units a step starts gathering for the next forward
     # ([Note: prefetch across the step]), which prefetch_bytes bounds.
@@ -125,10 +124,25 @@ def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
             inexact.append(cfg)
     assert not inexact, f"the builtin partitioners and tiers are modelled byte for byte; not for {inexact}"
     assert meta_gpt.wte.weight.is_meta  # read, never materialised
-    from zkernel.sizing.estimator import _ALIGN
-    from zkernel_plugins.partitioners._flat import ALIGN
 
-    assert _ALIGN == ALIGN  # the flat layouts' alignment, mirrored
+
+def test_the_estimator_and_the_planner_keep_no_model_of_a_builtin():
+    """They ask the components ([Note: components answer for their bytes]): no builtin partitioner's
+    name, no constant of a builtin's layout, no import of a plugin module in their code."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(zkernel.__file__).resolve().parents[1]
+    files = [*(root / "zkernel" / "sizing").glob("*.py"), root / "zkernel" / "kernel" / "sizing.py", *(root / "plugins" / "planners").glob("*.py")]
+    assert len(files) > 5
+    for path in files:
+        tree = ast.parse(path.read_text())
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        assert not strings & {"zero1", "zero2", "zero3"}, path
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not names & {"ALIGN", "_ALIGN", "TIER_PLACEMENT", "PARTITIONERS", "STAGES"}, path
+        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m.startswith(("zkernel_plugins.partitioners", "zkernel_plugins.offload_tiers")) for m in imported), path
 
 
 def _measure_both(cfgs):

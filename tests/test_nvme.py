@@ -387,9 +387,10 @@ def test_read_only_and_small_disks(tmp_path):
 
 def test_capacity_shortfall_names_the_numbers(tmp_path, monkeypatch):
     from zkernel.kernel import bootstrap
-    from zkernel.spec.tiers import Capacity, Resource
+    from zkernel.spec.tiers import Capacity
 
-    monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: Capacity({Resource.DISK: 1000})))
+    full = Capacity(device_bytes=None, host_bytes=None, disk_bytes=1000)
+    monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: full))
     with pytest.raises(ConfigError, match=r"disk at offload.nvme_path: needs \d+\.\d\d KiB \(\d+\.\d\d KiB per rank\), 1000 B usable"):
         zkernel.initialize(TrickyNet(), nvme_config(tmp_path, params="nvme"))
     assert not _runs(tmp_path)  # the run directory made before the check is gone again

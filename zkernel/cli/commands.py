@@ -280,7 +280,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import attrs
 
     from zkernel.kernel.config_source import load_config
-    from zkernel.sizing.estimator import detect_capacity, estimate_table, shortfalls, totals
+    from zkernel.platform.machine import machine_capacity
+    from zkernel.sizing.estimator import estimate_table, shortfalls, totals
     from zkernel.sizing.model_shape import as_module, estimate_activations
 
     config = load_config(args.config)
@@ -290,12 +291,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         config = attrs.evolve(config, offload=attrs.evolve(config.offload, nvme_path=args.nvme_path))
     model, shape = _estimate_model(args)
     module = as_module(model)
-    detected = detect_capacity(config.offload.nvme_path)
+    detected = machine_capacity(config.offload.nvme_path)
     capacity = attrs.evolve(
         detected,
         gpus=detected.gpus if args.gpus is None else args.gpus,
-        gpu_bytes=args.gpu_memory if args.gpu_memory is not None else detected.gpu_bytes,
-        ram_bytes=args.ram if args.ram is not None else detected.ram_bytes,
+        device_bytes=args.gpu_memory if args.gpu_memory is not None else detected.device_bytes,
+        host_bytes=args.ram if args.ram is not None else detected.host_bytes,
         disk_bytes=args.disk if args.disk is not None else detected.disk_bytes,
     )
     device = "cuda" if capacity.gpus else "cpu"
@@ -305,9 +306,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     what = f"{shape.style}-like transformer" if shape is not None else str(model)
     print(f"zkernel estimate: {what}, {numel:,} parameters ({trainable:,} trainable), {config.precision}, {world} rank(s)")
-    gpu_text = f"{capacity.gpus} GPU(s) x {format_size(capacity.gpu_bytes)}" if capacity.gpus else "no GPU (compute on CPU)"
+    gpu_text = f"{capacity.gpus} GPU(s) x {format_size(capacity.device_bytes)}" if capacity.gpus else "no GPU (compute on CPU)"
     disk_text = f"{format_size(capacity.disk_bytes)} free at {config.offload.nvme_path}" if config.offload.nvme_path else "no nvme_path"
-    print(f"machine: {gpu_text}, RAM {format_size(capacity.ram_bytes)} available, disk {disk_text}; {per_machine} rank(s) on it")
+    print(f"machine: {gpu_text}, RAM {format_size(capacity.host_bytes)} available, disk {disk_text}; {per_machine} rank(s) on it")
 
     activations = ckpt = None
     tiled = args.tiled_loss or config.planner.tiled_loss

@@ -7,7 +7,7 @@ resolves any other component (`resolve_auto`):
 1. every rank reads what it has (`zkernel.platform.machine.local_capacity`: free
    memory of its compute device, available host memory, free disk at
    ``offload.nvme_path``); the ranks gather these and every figure becomes the
-   job's minimum (`Capacities.combine`), replaced by ``[planner]`` overrides;
+   job's minimum (`zkernel.spec.planner.job_capacity`), replaced by ``[planner]`` overrides;
 2. rank 0 alone builds the planner ``[planner] name`` selects (a component of
    the planner family, `zkernel.spec.registry.Family.PLANNER`) and asks it for a
    `Plan` (`Planner.plan`): the planner measures what it needs (other ranks
@@ -30,7 +30,7 @@ from torch import nn
 
 from zkernel.platform.machine import local_capacity
 from zkernel.spec.config import Config, auto_keys
-from zkernel.spec.planner import _COMPUTE_DTYPES, Capacities, PlacementError, Plan, Planner, PlanRequest
+from zkernel.spec.planner import _COMPUTE_DTYPES, PlacementError, Plan, Planner, PlanRequest, job_capacity
 from zkernel.telemetry.log import get_logger
 
 log = get_logger()
@@ -63,7 +63,7 @@ def resolve_auto(
 
         ranks = [None] * dist_info.world_size
         dist.all_gather_object(ranks, local)
-    capacities = Capacities.combine(ranks, local_world_size(dist_info), config.planner)
+    capacities = job_capacity(ranks, local_world_size(dist_info), config.planner)
     outcome: list[Any] = [None]
     failure: BaseException | None = None
     if dist_info.rank == 0:

@@ -1,8 +1,10 @@
 """What this machine has and how fast it moves bytes: the numbers a planner decides from.
 
-`local_capacity` reads, on the calling rank, the free memory of its compute
+`Capacity` is the one type for how much memory a job has: `local_capacity`
+(`Capacity.measure`) reads, on the calling rank, the free memory of its compute
 device, the host memory available and the free disk at a path; the kernel
-combines every rank's into the job's minima (`zkernel.kernel.planning`). The probes
+combines every rank's into the job's minima (`Capacity.combine`,
+`zkernel.kernel.planning`); `machine_capacity` gives the machine's sizes. The probes
 measure, cheaply and for real, what the placements differ in:
 
 * `probe_copy`: host<->device copy throughput from page-locked memory (CUDA
@@ -24,7 +26,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -38,15 +40,78 @@ log = get_logger()
 
 
 @attrs.frozen(kw_only=True)
-class LocalCapacity:
-    """One rank's view of its machine (None: unknown or not applicable)."""
+class Capacity:
+    """Memory a job has, in bytes (None: unknown or not applicable): the one capacity type.
 
-    # Free memory of the compute device (torch.cuda.mem_get_info), None when it is the CPU.
+    What it describes depends on who made it: one rank's view of its machine
+    (`Capacity.measure`, free memory now), the machine's installed sizes
+    (`machine_capacity`, for ``zkernel estimate``'s table), or the job's minima
+    over its ranks with a user's overrides (`Capacity.combine`, what a planner
+    decides from). Host memory and disk are the machine's, shared by its
+    ``ranks_per_machine`` ranks; ``device_bytes`` is one compute device's.
+    """
+
+    # Memory of one compute device; None when the compute device is the CPU (whose memory is
+    # `host_bytes`), or unknown.
     device_bytes: int | None
-    # MemAvailable of /proc/meminfo (the machine's, shared by its ranks).
+    # Host memory available on the machine (MemAvailable, or ``ZKERNEL_HOST_MEMORY``).
     host_bytes: int | None
-    # Free bytes of the file system holding the path asked about, None without a path.
+    # Free disk of the file system at offload.nvme_path (None: no path, or unknown).
     disk_bytes: int | None
+    # GPUs on the machine (0: compute on the CPU).
+    gpus: int = 0
+    # Ranks sharing the machine's host memory and disk.
+    ranks_per_machine: int = 1
+    # Which of "device"/"host"/"disk" came from a user's overrides instead of detection.
+    overridden: tuple[str, ...] = ()
+
+    @classmethod
+    def measure(cls, device: torch.device, nvme_path: str | os.PathLike | None) -> Capacity:
+        """What the calling rank has now: the free memory of its compute device
+        (torch.cuda.mem_get_info; None on the CPU), the host memory available, the free disk
+        where ``nvme_path`` is (or would be created)."""
+        cuda = device.type == "cuda"
+        device_bytes = int(torch.cuda.mem_get_info(device)[0]) if cuda else None
+        return cls(
+            device_bytes=device_bytes,
+            host_bytes=available_host_bytes(),
+            disk_bytes=free_disk_bytes(nvme_path),
+            gpus=torch.cuda.device_count() if cuda else 0,
+        )
+
+    @classmethod
+    def combine(
+        cls,
+        ranks: Sequence[Capacity],
+        ranks_per_machine: int,
+        *,
+        device: int | None = None,
+        host: int | None = None,
+        disk: int | None = None,
+    ) -> Capacity:
+        """The minimum over ``ranks`` of each figure (unknown where any rank does not know), then
+        the overrides given (``device``, ``host``, ``disk``; None: detected)."""
+
+        def smallest(values: list[int | None]) -> int | None:
+            return None if not values or any(v is None for v in values) else min(values)
+
+        found = {
+            "device": smallest([r.device_bytes for r in ranks]),
+            "host": smallest([r.host_bytes for r in ranks]),
+            "disk": smallest([r.disk_bytes for r in ranks]),
+        }
+        given = {"device": device, "host": host, "disk": disk}
+        for key, value in given.items():
+            if value is not None:
+                found[key] = value
+        return cls(
+            device_bytes=found["device"],
+            host_bytes=found["host"],
+            disk_bytes=found["disk"],
+            gpus=min((r.gpus for r in ranks), default=0),
+            ranks_per_machine=ranks_per_machine,
+            overridden=tuple(k for k, v in given.items() if v is not None),
+        )
 
 
 # Overrides the host memory zkernel plans with (a size: "480GiB"), for machines whose
@@ -89,10 +154,17 @@ def free_disk_bytes(path: str | os.PathLike | None) -> int | None:
         return None
 
 
-def local_capacity(device: torch.device, nvme_path: str | os.PathLike | None) -> LocalCapacity:
-    """What the calling rank has: see `LocalCapacity`."""
-    device_bytes = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
-    return LocalCapacity(device_bytes=device_bytes, host_bytes=available_host_bytes(), disk_bytes=free_disk_bytes(nvme_path))
+def local_capacity(device: torch.device, nvme_path: str | os.PathLike | None) -> Capacity:
+    """What the calling rank has now: `Capacity.measure`."""
+    return Capacity.measure(device, nvme_path)
+
+
+def machine_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
+    """This machine's sizes: its GPUs and the smallest one's total memory (torch.cuda), the host
+    memory available, the free disk at ``nvme_path``."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus)) if gpus else None
+    return Capacity(device_bytes=device_bytes, host_bytes=available_host_bytes(), disk_bytes=free_disk_bytes(nvme_path), gpus=gpus)
 
 
 @attrs.frozen

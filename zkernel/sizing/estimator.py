@@ -36,9 +36,7 @@ The activations a forward saves are a separate, rough formula:
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -48,7 +46,7 @@ from torch import nn
 from zkernel.kernel.config_source import load_config
 from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager
 from zkernel.kernel.sizing import Estimator
-from zkernel.platform.machine import available_host_bytes
+from zkernel.platform.machine import Capacity
 from zkernel.sizing.model_shape import TransformerShape, as_module
 from zkernel.spec.config import Config, ConfigError, auto_keys
 from zkernel.spec.registry import Family
@@ -60,6 +58,7 @@ __all__ = [
     "Row",
     "estimate",
     "estimate_table",
+    "answering_tiers",
     "installed_tiers",
     "totals",
 ]
@@ -112,6 +111,14 @@ def _estimate_with(sizing: Estimator, cfg: Config, world_size: int, partitioner_
 def installed_tiers(config: Config) -> list[str]:
     """Names of the offload tiers the installed plugins offer."""
     return collect_components(get_plugin_manager(config=config)).names(Family.OFFLOAD_TIER)
+
+
+def answering_tiers(role: str, config: Config | None = None, device: str = "cpu") -> list[str]:
+    """Names of the installed offload tiers that answer for their bytes as ``role``'s tier
+    (``"optimizer"``, ``"params"``): those `estimate` and a planner can place state in."""
+    config = config if config is not None else Config()
+    sizing = Estimator(nn.Module(), device, get_plugin_manager(config=config))
+    return sizing.answering_tiers(role)
 
 
 # -- every partitioner x offload combination ------------------------------------------
@@ -180,29 +187,6 @@ def estimate_table(
 # -- what this machine has -----------------------------------------------------------
 
 
-@attrs.frozen(kw_only=True)
-class Capacity:
-    """Memory of the machine the job would run on (detected, or given)."""
-
-    gpus: int
-    gpu_bytes: int | None  # per GPU; None without GPUs
-    ram_bytes: int | None
-    disk_bytes: int | None  # free at nvme_path, None when no path is known
-
-
-def detect_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
-    """GPUs and the smallest one's total memory (torch.cuda), MemAvailable, free disk at ``nvme_path``."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus)) if gpus else None
-    disk = None
-    if nvme_path is not None:
-        path = Path(nvme_path)
-        while not path.exists() and path != path.parent:
-            path = path.parent
-        disk = shutil.disk_usage(path).free
-    return Capacity(gpus=gpus, gpu_bytes=gpu_bytes, ram_bytes=available_host_bytes(), disk_bytes=disk)
-
-
 def shortfalls(per_rank: Mapping[str, int], capacity: Capacity, ranks_per_machine: int, device: str) -> list[str]:
     """The places (``device``, ``"cpu"``, ``"nvme"``) where ``ranks_per_machine`` ranks of ``per_rank`` bytes do not fit.
 
@@ -211,10 +195,10 @@ def shortfalls(per_rank: Mapping[str, int], capacity: Capacity, ranks_per_machin
     needing a GPU without one, or NVMe without a path, is a shortfall.
     """
     short = []
-    if device != "cpu" and (capacity.gpu_bytes is None or per_rank.get(device, 0) > capacity.gpu_bytes):
+    if device != "cpu" and (capacity.device_bytes is None or per_rank.get(device, 0) > capacity.device_bytes):
         short.append(device)
     host = per_rank.get("cpu", 0) * ranks_per_machine
-    if capacity.ram_bytes is not None and host > capacity.ram_bytes:
+    if capacity.host_bytes is not None and host > capacity.host_bytes:
         short.append("cpu")
     disk = per_rank.get("nvme", 0) * ranks_per_machine
     if disk and (capacity.disk_bytes is None or disk > capacity.disk_bytes):

@@ -17,7 +17,7 @@ from zkernel.kernel.config_source import load_config
 from zkernel.kernel.planning import run_planner
 from zkernel.platform.machine import local_capacity
 from zkernel.spec.config import AUTO, AUTO_KEYS, Config, ConfigError, auto_keys, config_value
-from zkernel.spec.planner import Capacities, Plan, PlanRequest
+from zkernel.spec.planner import Plan, PlanRequest, job_capacity
 
 
 def plan(
@@ -75,7 +75,7 @@ def plan(
     if gpus == 0:
         local = attrs.evolve(local, device_bytes=None)
     ranks_per_machine = min(world_size, gpus) if gpus else world_size
-    capacities = Capacities.combine([local], ranks_per_machine, cfg.planner)
+    capacities = job_capacity([local], ranks_per_machine, cfg.planner)
     installed = get_plugin_manager(plugins, config=cfg)
     registry = collect_components(installed)
     selected = resolve_components(registry, cfg, families=[Family.PLANNER])["planner.name"]

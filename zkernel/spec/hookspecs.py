@@ -4,7 +4,8 @@ Two plugin managers use these specs (see `zkernel.kernel.plugin_manager`):
 
 * the *installed* manager holds every plugin found (entry points of group
   ``zkernel``, plugins passed in code, dotted paths from config). Only the
-  registration hooks are called on it.
+  registration hooks and the sizing hooks (a component answering for its
+  bytes before anything is built) are called on it.
 * the *runtime* manager of one engine holds only the component objects the
   config selected (one partitioner, one optimizer, one tier per role, one
   component per model-transform family: tiling, activation checkpointing). The

@@ -18,7 +18,7 @@ from torch import nn
 
 from zkernel.spec.config import AUTO, Config, ConfigError, PlannerConfig
 from zkernel.telemetry.log import get_logger
-from zkernel.platform.machine import LocalCapacity, Probe
+from zkernel.platform.machine import Capacity, Probe
 
 log = get_logger()
 
@@ -29,44 +29,16 @@ class PlacementError(ConfigError):
     """No placement the planner knows fits; the message has the numbers and what to change."""
 
 
-@attrs.frozen(kw_only=True)
-class Capacities:
-    """What the job has, per rank or per machine, as the planner sees it."""
+# The planner's name for the one capacity type (`zkernel.platform.machine.Capacity`).
+Capacities = Capacity
 
-    # Free memory of one rank's compute device (the smallest over ranks); None when the compute
-    # device is the CPU, whose memory is `host_bytes`.
-    device_bytes: int | None
-    # Host memory available on one machine, shared by its `ranks_per_machine` ranks (None: unknown).
-    host_bytes: int | None
-    # Free disk at offload.nvme_path on one machine, shared likewise (None: no path, or unknown).
-    disk_bytes: int | None
-    ranks_per_machine: int
-    # Which of device/host/disk came from `[planner]` overrides instead of detection.
-    overridden: tuple[str, ...] = ()
 
-    @classmethod
-    def combine(cls, ranks: Sequence[LocalCapacity], ranks_per_machine: int, overrides: PlannerConfig) -> Capacities:
-        """The minimum over ``ranks`` of each figure (unknown where any rank does not know), then overrides."""
-
-        def smallest(values: list[int | None]) -> int | None:
-            return None if not values or any(v is None for v in values) else min(values)
-
-        found = {
-            "device": smallest([r.device_bytes for r in ranks]),
-            "host": smallest([r.host_bytes for r in ranks]),
-            "disk": smallest([r.disk_bytes for r in ranks]),
-        }
-        given = {"device": overrides.gpu_memory, "host": overrides.ram, "disk": overrides.disk}
-        for key, value in given.items():
-            if value is not None:
-                found[key] = value
-        return cls(
-            device_bytes=found["device"],
-            host_bytes=found["host"],
-            disk_bytes=found["disk"],
-            ranks_per_machine=ranks_per_machine,
-            overridden=tuple(k for k, v in given.items() if v is not None),
-        )
+def job_capacity(ranks: Sequence[Capacity], ranks_per_machine: int, overrides: PlannerConfig) -> Capacity:
+    """What the job has, as a planner sees it: the minimum over ``ranks`` of each figure, then the
+    ``[planner]`` overrides (``gpu_memory``, ``ram``, ``disk``)."""
+    return Capacity.combine(
+        ranks, ranks_per_machine, device=overrides.gpu_memory, host=overrides.ram, disk=overrides.disk
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -78,7 +50,7 @@ class PlanRequest:
     # The config as given: `auto` lists the keys to resolve; the others are fixed.
     config: Config
     world_size: int
-    capacities: Capacities
+    capacities: Capacity
     # Rank 0's compute device (where a planner's device probes run).
     device: torch.device
     # Names of the installed offload tiers (a planner chooses among these only).
@@ -121,7 +93,7 @@ class Plan:
     tiling: tuple[int, int] | None = None
     bytes: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
     budgets: Mapping[str, int | None] = attrs.field(factory=dict)
-    capacities: Capacities | None = None
+    capacities: Capacity | None = None
     measurements: Mapping[str, Probe] = attrs.field(factory=dict)
     predicted_seconds: Mapping[str, float] = attrs.field(factory=dict)
     rejected: tuple[str, ...] = ()

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import abc
 import enum
-import os
-import shutil
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -39,7 +37,7 @@ import torch
 
 from zkernel.spec.config import ConfigError
 from zkernel.spec.groups import ParamGroup, ReducedGradient, StateSpec
-from zkernel.platform.machine import available_host_bytes
+from zkernel.platform.machine import Capacity  # the one capacity type, re-exported for tiers
 from zkernel.platform.sizes import format_bytes
 
 
@@ -297,33 +295,21 @@ class PlacementInfo:
     params_on_compute_device: bool
 
 
-@attrs.frozen
-class Capacity:
-    """Free bytes per resource, as `initialize` sees them (overridable for tests)."""
-
-    free: Mapping[Resource, int | None]
-
-    @classmethod
-    def measure(cls, device: torch.device, nvme_path: str | os.PathLike | None) -> Capacity:
-        free: dict[Resource, int | None] = {Resource.HOST: available_host_bytes()}
-        free[Resource.DEVICE] = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        free[Resource.DISK] = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
-        return cls(free)
-
-
 # Host memory the capacity check leaves to everything else (the process, the OS, other ranks'
 # transient use): a tenth of what is available.
 HOST_MARGIN = 0.1
 
 
 def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_size_local: int) -> None:
-    """Raise `ConfigError` with the numbers when ``demands`` (per rank) exceed what is free.
+    """Raise `ConfigError` with the numbers when ``demands`` (per rank) exceed what is free
+    (``capacity``: the calling rank's, `Capacity.measure`).
 
     Host memory and disk are shared by the ``world_size_local`` ranks of this machine.
     """
+    free_by = {Resource.DEVICE: capacity.device_bytes, Resource.HOST: capacity.host_bytes, Resource.DISK: capacity.disk_bytes}
     short = []
     for resource, need in demands.items():
-        free = capacity.free.get(resource)
+        free = free_by.get(resource)
         if free is None or need <= 0:
             continue
         if resource is Resource.DEVICE:
