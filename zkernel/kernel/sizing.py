@@ -31,7 +31,7 @@ time (the cpu tier's ``gpu_share = "auto"``) is answered as 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
