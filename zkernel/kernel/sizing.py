@@ -126,6 +126,7 @@ class Estimator(SizingService):
         return out
 
     def layout(self, config: Config, world_size: int, options: Any) -> PartitionSizing:
+        """The selected partitioner's layout; `ConfigError` naming those that answer when it does not."""
         layout = self.partition(config, world_size, options)
         if layout is None:
             component = self.registry.get(Family.PARTITIONER, config.partitioner)
@@ -137,6 +138,8 @@ class Estimator(SizingService):
         return layout
 
     def selected_tier(self, config: Config, role: str, built: Any = None) -> TierSizing:
+        """The answer of ``role``'s selected tier (``built``: its validated options, when the caller has
+        them); `ConfigError` naming the tiers that answer when it does not."""
         name = getattr(config.offload, role)
         answer = self.tier(name, role, getattr(config.offload, f"{role}_options"), built=built)
         if answer is None:
