@@ -138,3 +138,20 @@ def test_without_its_distribution_the_tier_is_not_installed():
     from zkernel.spec.config import Config
 
     assert "hostram" not in installed_tiers(Config())
+
+
+def test_a_tier_that_does_not_answer_for_its_bytes_is_named_not_estimated(tmp_path, monkeypatch, capsys, restore_zkernel_logger):
+    from zkernel.cli.commands import main
+
+    (tmp_path / "mute_tier.py").write_text(
+        "from zkernel.spec import hookimpl\n\n"
+        "@hookimpl\n"
+        "def zkernel_register_offload_tiers(registry):\n"
+        "    registry.add('mute', lambda context, role: None, description='answers for nothing')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "cfg.json").write_text(json.dumps({"plugins": ["mute_tier"]}))
+    assert main(["estimate", "tests.scenarios:small_gpt", "--world-size", "2", "--gpus", "0", "--config", str(tmp_path / "cfg.json")]) == 0
+    out = capsys.readouterr().out
+    assert "not estimated: offload tier(s) mute (their plugins do not answer zkernel_size_offload_tier)" in out
+    assert not any(line.split()[1:2] and "mute" in line.split()[1] for line in out.splitlines() if line.startswith("zero"))

@@ -281,7 +281,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     from zkernel.kernel.config_source import load_config
     from zkernel.platform.machine import machine_capacity
-    from zkernel.sizing.estimator import estimate_table, shortfalls, totals
+    from zkernel.sizing.estimator import answering_tiers, estimate_table, installed_tiers, shortfalls, totals
     from zkernel.sizing.model_shape import as_module, estimate_activations
 
     config = load_config(args.config)
@@ -356,6 +356,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     else:
         print("\nFITS counts model states only (activations: give the transformer's numbers and --micro-batch)")
+    listed = {name for row in rows for name in (row.offload_optimizer, row.offload_params)}
+    silent = [t for t in installed_tiers(config) if t not in listed and t not in answering_tiers("optimizer", config) + answering_tiers("params", config)]
+    if silent:
+        print(f"not estimated: offload tier(s) {', '.join(silent)} (their plugins do not answer zkernel_size_offload_tier)")
     if args.plan:
         return _print_plan(module if shape is None else shape, config, world, args)
     return 0
