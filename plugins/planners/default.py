@@ -486,7 +486,7 @@ class _Planning(SpillSizing):
         notes = list(self.notes)
         for role, tier, options in (("optimizer", candidate.optimizer, optimizer_options), ("params", candidate.params, params_options)):
             component = self.request.components.get(Family.OFFLOAD_TIER, tier)
-            slot = next(s for s in Family.OFFLOAD_TIER.slots if s.factory_args == (role,))
+            slot = next(s for s in Family.OFFLOAD_TIER.slots if s.key == f"offload.{role}")
             if f"offload.{role}" in auto and options and component.options_for(slot) is None:
                 notes.append(f"offload.{role}_options {sorted(options)} dropped: the chosen tier {tier!r} takes none")
                 options.clear()

@@ -41,7 +41,7 @@ from zkernel.kernel.plugin_manager import InstalledPlugins, collect_components, 
 from zkernel.platform.distributed import DistInfo
 from zkernel.spec.config import Config, ConfigError
 from zkernel.spec.options import build_options
-from zkernel.spec.registry import Family
+from zkernel.spec.registry import Family, slot_of
 from zkernel.spec.runtime import RuntimeContext
 from zkernel.spec.sizing import (
     CATEGORIES,
@@ -81,13 +81,8 @@ class Estimator(SizingService):
 
     def partitioner_options(self, config: Config) -> Any:
         """The selected partitioner's validated options (its defaults filled in), as `initialize` builds them."""
-        component = self.registry.get(Family.PARTITIONER, config.partitioner)
-        if component is None:
-            raise ConfigError(
-                f"partitioner {config.partitioner!r} is not installed; installed: "
-                f"{', '.join(self.registry.names(Family.PARTITIONER))}"
-            )
-        return build_options("partitioner_options", component.options_cls, config.partitioner_options)
+        # [Note: resolving a component] in `zkernel.spec.registry`: the one place options are resolved.
+        return self.registry.select(config, "partitioner").options
 
     def partition(self, config: Config, world_size: int, options: Any = None) -> PartitionSizing | None:
         options = self.partitioner_options(config) if options is None else options
@@ -103,9 +98,12 @@ class Estimator(SizingService):
         component = self.registry.get(Family.OFFLOAD_TIER, name)
         if component is None:
             return None
-        slot = next(s for s in Family.OFFLOAD_TIER.slots if s.factory_args == (role,))
+        family, slot = slot_of(f"offload.{role}")
         if built is None:
-            built = build_options(slot.options, component.options_for(slot), dict(options or {}))
+            # Options as `ComponentRegistry.select` validates them, without the tier's own config
+            # check: an answer is asked of every installed tier, also where it could not run.
+            owner, common = family.options_owner(slot)
+            built = build_options(owner, component.options_for(slot), dict(options or {}), common)
         key = (name, role, repr(built))
         if key not in self._tiers:
             answer = self.installed.pm.hook.zkernel_size_offload_tier(name=name, role=role, options=built, device=self.device)
@@ -119,8 +117,10 @@ class Estimator(SizingService):
     def answering_partitioners(self) -> list[str]:
         """The installed partitioners that answer ``zkernel_size_partition`` (at world size 1, their defaults)."""
         out = []
+        family, slot = slot_of("partitioner")
+        owner, common = family.options_owner(slot)
         for component in self.registry.components(Family.PARTITIONER):
-            options = build_options("partitioner_options", component.options_cls, {})
+            options = build_options(owner, component.options_for(slot), {}, common)
             if self.installed.pm.hook.zkernel_size_partition(name=component.name, module=self.module, world_size=1, options=options) is not None:
                 out.append(component.name)
         return out
