@@ -68,3 +68,10 @@ def test_readme_sgd_plugin_matches_torch_sgd(zk_sgd, partitioner, tier):
     for a, b in zip(got, expected):
         assert abs(a - b) <= 1e-5 * abs(b), (got, expected)
     assert expected[-1] < expected[0]
+
+
+def test_readme_tier_example_is_the_tested_outside_tier():
+    """The README's complete tier is, word for word, the one tests/test_outside_tier.py installs and runs."""
+    source = (Path(__file__).resolve().parent / "support" / "outside_tier" / "outside_tier" / "__init__.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert source in blocks, "README's third-party tier differs from tests/support/outside_tier"
