@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
 import zkernel
 from tests.harness import gpus_hidden_if_short, run_ranks
-from tests.lifecycle_scenarios import close_and_reuse, reference_two_phases
+from tests.lifecycle_scenarios import (
+    FailingDeclaration,
+    close_and_reuse,
+    failed_initialize,
+    model_state,
+    reference_two_phases,
+    same_state,
+)
 from tests.models import VOCAB, TrickyNet
 
 LR = 1e-2
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(stage: str, tier: str = "none", precision: str = "fp32") -> dict:
@@ -121,6 +132,87 @@ def test_a_closed_engine_refuses_work_and_closing_twice_is_harmless():
     engine.close()
     with pytest.raises(RuntimeError, match="engine is closed"):
         engine(torch.randint(0, 29, (2, 6)), torch.randint(0, 29, (2, 6)))
+
+
+def test_a_failed_initialize_gives_the_model_back_bitwise_and_it_trains_after(tmp_path):
+    """zero3 with both roles on NVMe fails after partitioning (a plugin raising while groups are placed, a
+    schedule raising in the engine's constructor, after every module was hooked): each time the model is
+    exactly as it was (values bitwise, classes, hooks), and a valid initialize then trains it as torch does."""
+    out = failed_initialize(str(tmp_path))
+    for name in ("declaration", "schedule"):
+        assert out[name]["error"] is not None and "injected" in out[name]["error"], out[name]
+        assert out[name]["diffs"] == [], (name, out[name]["diffs"])
+    torch.testing.assert_close(out["losses"], out["reference"], rtol=1e-5, atol=1e-6)
+    assert out["runs_left"] == []
+
+
+def test_a_failed_initialize_leaves_a_meta_device_model_on_meta():
+    """zero3 had materialised (and released) the first units when placing a later group failed."""
+    with torch.device("meta"):
+        model = TrickyNet()
+    before = model_state(model)
+    cfg = {**_cfg("zero3"), "optimizer": {"name": "adamw_failing", "lr": LR}}
+    with pytest.raises(RuntimeError, match="injected"):
+        zkernel.initialize(model, cfg, plugins=[FailingDeclaration(3)])
+    assert same_state(before, model_state(model)) == []
+    assert all(p.is_meta for p in model.parameters())
+
+    def init(module: torch.nn.Module) -> None:
+        if isinstance(module, TrickyNet):
+            module.gain.data.fill_(0.75)
+            module.shift.copy_(torch.linspace(-0.1, 0.1, module.shift.numel()))
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    engine = zkernel.initialize(model, _cfg("zero3"), init_fn=init)  # materialised now
+    engine.backward(engine(torch.randint(0, VOCAB, (2, 6)), torch.randint(0, VOCAB, (2, 6))))
+    engine.step()
+    engine.close()
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_a_disk_too_small_fails_initialize_without_harm(tmp_path):
+    """A real 64 KiB disk (tmpfs in a private mount namespace) runs out while zero3 pre-allocates its swap files,
+    after the first units were partitioned: the model is given back bitwise and trains on a real disk after."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) to mount a small file system in a private namespace")
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.mkdir()
+    big.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=64k tmpfs {small} && "
+        f"exec {sys.executable} -m tests.lifecycle_scenarios failed_initialize {big} {small}"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([unshare, "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
+        pytest.skip(f"cannot mount tmpfs in a user namespace here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert "No space left on device" in out["disk"]["error"], out["disk"]
+    for name in ("disk", "declaration", "schedule"):
+        assert out[name]["diffs"] == [], (name, out[name]["diffs"])
+    torch.testing.assert_close(out["losses"], out["reference"], rtol=1e-5, atol=1e-6)
+    assert out["runs_left"] == []
+
+
+def test_the_capacity_check_runs_before_anything_moves(tmp_path, monkeypatch):
+    """A shortfall is found from the model's shapes before zero3 materialises (or moves) a single unit."""
+    from zkernel.kernel import bootstrap
+    from zkernel.spec.tiers import Capacity, Resource
+
+    monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: Capacity({Resource.DISK: 1000})))
+    with torch.device("meta"):
+        model = TrickyNet()
+    initialised = []
+    cfg = _cfg("zero3")
+    cfg["offload"] = {"optimizer": "nvme", "params": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(zkernel.ConfigError, match="do not fit"):
+        zkernel.initialize(model, cfg, init_fn=initialised.append)
+    assert initialised == []  # no unit was materialised
+    assert all(p.is_meta and type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not list(tmp_path.iterdir())
 
 
 EXIT_SCRIPT = textwrap.dedent(

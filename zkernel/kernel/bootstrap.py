@@ -27,6 +27,7 @@ from zkernel.telemetry.timeline import Timeline
 from zkernel.spec.tiers import Capacity, OptimizerTier, ParamsTier, PlacementInfo, Resource, check_capacity
 from zkernel.kernel.transforms import apply_transforms, register_transforms
 from zkernel.kernel.param_hyper import mark_overrides, param_overrides
+from zkernel.kernel.restore_point import RestorePoint
 
 log = get_logger()
 
@@ -84,7 +85,13 @@ def _component(obj: Any, interface: type, key: str, name: str) -> Any:
 
 
 class _Placer:
-    """Places each group the partitioner yields in the tiers, checking capacity before the first."""
+    """Places each group the partitioner yields in the tiers; `check_capacity` before the partitioner runs.
+
+    Nothing is moved before the capacity check: the demands follow from the model's shapes and the
+    number of ways its state is sharded. Before partitioning that is taken as the world size (the least
+    any partitioner needs per rank; exact for every partitioner on one rank); the first group shows how
+    the partitioner really shards, and where that is fewer ways the check runs again before it is placed.
+    """
 
     def __init__(self, hook, optimizer_tier: OptimizerTier, params_tier: ParamsTier, model: nn.Module, context) -> None:
         self.hook = hook
@@ -96,13 +103,13 @@ class _Placer:
         self.trainable_params = sum(p.requires_grad for p in model.parameters())
         self.can_rollback = True
         self.skips_params = True
-        self._checked = False
+        self._checked_shards: int | None = None
 
     def place(self, groups: Iterable[ParamGroup]) -> list[ParamGroup]:
         placed = []
         for group in groups:
-            if not self._checked:
-                self._check_capacity(group)
+            if not placed:
+                self._recheck_capacity(group)
             if group.param_shard is not None:
                 group.param_shard = self.params_tier.adopt(group, group.param_shard)
             if group.requires_grad:
@@ -119,12 +126,17 @@ class _Placer:
     def _declaration(self, numel: int, param_count: int) -> OptimizerDeclaration:
         return _declares(self.hook, numel, param_count)
 
-    def _check_capacity(self, first: ParamGroup) -> None:
-        """Capacity check from the model's size and the partitioner's sharding, before any placement."""
-        self._checked = True
-        ctx = self.context
+    def _recheck_capacity(self, first: ParamGroup) -> None:
+        """Check again where the partitioner shards fewer ways than `check_capacity` assumed."""
         sharded = first.grad_is_shard or (first.param_shard is not None and first.param_shard.numel() < first.numel)
-        shards = ctx.world_size if sharded else 1
+        shards = self.context.world_size if sharded else 1
+        if shards != self._checked_shards:
+            self.check_capacity(shards)
+
+    def check_capacity(self, shards: int) -> None:
+        """Raise `ConfigError` when the tiers' demands for the model's state over ``shards`` ranks do not fit."""
+        self._checked_shards = shards
+        ctx = self.context
         declaration = self._declaration(max(1, -(-self.trainable_numel // shards)), max(1, self.trainable_params))
         demands: dict[Resource, int] = {}
         parts = (
@@ -164,9 +176,11 @@ def initialize(
     # every other name and option is checked now, before the process group exists.
     selection = resolve_components(registry, cfg, skip=auto_keys(cfg))
     lifecycle.claim(model, f"partitioner {cfg.partitioner!r}")
+    restore_point = RestorePoint.take(model)  # [Note: a failed initialize gives the model back]
     try:
         return _build(model, cfg, selection, init_fn, registry, installed)
     except BaseException:
+        restore_point.restore()
         lifecycle.release(model)
         raise
 
@@ -253,12 +267,13 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     original_tensors = tuple(
         (n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())
     )
+    placer = _Placer(runtime.hook, optimizer_tier, params_tier, model, partition_context)
+    placer.check_capacity(partition_context.world_size)  # before anything moves: see `_Placer`
     produced = runtime.hook.zkernel_partition_params(
         module=model, context=attrs.evolve(partition_context, options=selection["partitioner"].options)
     )
     if produced is None:
         raise RuntimeError(f"partitioner {cfg.partitioner!r} returned no parameter groups")
-    placer = _Placer(runtime.hook, optimizer_tier, params_tier, model, partition_context)
     groups = placer.place(produced)
     mark_overrides(model, groups, overrides)
     # After partitioning: zero3 materialises buffers a meta-device model left on meta.

@@ -232,3 +232,8 @@ def set_fetcher(param: nn.Parameter, fetch: Callable[[nn.Parameter], bool]) -> _
     """
     _fetchers[id(param)] = fetch
     return _FetcherHandle(id(param), fetch)
+
+
+def drop_fetcher(param: nn.Parameter) -> None:
+    """Take whatever fetcher ``param`` has off it (the engine that set it is gone: a failed initialize)."""
+    _fetchers.pop(id(param), None)
