@@ -118,6 +118,9 @@ class IoQueue:
                 with self._cv:
                     self._resolving -= 1
                     self._cv.notify_all()
+            # The reaper waits for the next request holding nothing of this one: an error raised to the
+            # submitter carries its frames (an engine's), and a live local would keep them alive.
+            future = error = None
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._waiting or self._resolving)

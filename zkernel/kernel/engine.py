@@ -42,7 +42,7 @@ from zkernel.kernel.loss_scale import DynamicLossScaler
 from zkernel.platform.machine import available_host_bytes
 from zkernel.params.param_writes import WriteFolder
 from zkernel.telemetry.profiling import profiler_range
-from zkernel.params.released import is_released
+from zkernel.params.released import is_released, mark_gathered
 from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.kernel.scheduler import Scheduler, streams_device
 from zkernel.platform.sizes import format_bytes
@@ -394,6 +394,16 @@ class Engine:
         memory and disk has no single place to be whole on every rank. Then the
         parameters are released (meta tensors) with a WARNING; save a checkpoint
         (`save_checkpoint`) before `close` to keep the trained values.
+
+        [Note: closing after a failure] A step that failed (a swap file that no
+        longer reads back, an optimizer that raised) leaves the engine open.
+        `close` then still gives every group back that it can (a trainable
+        group from its fp32 master even where its parameter shard cannot be
+        read; a group with no readable values as meta tensors of its shape,
+        with an ERROR), takes the hooks off, restores the classes, stops the
+        threads and removes the swap files, and marks the engine closed, then
+        raises the first error it met (or the failed update's), once; a later
+        `close` is a no-op.
         """
         if self._closed:
             return
@@ -410,32 +420,84 @@ class Engine:
             self.pipeline.wait_all()
         except Exception as exc:  # noqa: BLE001 - a failed update: give the model back, then raise it
             failed = exc
-        home = self._restore_home()
-        with self.scheduler.plugin_call():
-            if failed is None:
-                self.scheduler.fold_writes()
-            for group in self.groups:
-                master = self.optimizer_tier.read_master(group) if group.requires_grad else None
-                self.params_tier.to_device(group, consume=True, block=True)
-                self.hook.zkernel_restore_params(group=group, master=master, home=home)
-                self.params_tier.drop_device(group)
-        param_writes.unwatch([p for group in self.groups for p in group.params])
-        with torch.no_grad():
-            for name, dtype in self._original_dtypes:
-                param = self._module.get_parameter(name)
-                if param.dtype != dtype:
-                    param.data = param.data.to(dtype)
-        self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
-        self._closed = True
-        self.timeline.close()
-        self.scheduler.paths.close()
-        self._finalizer.detach()
-        lifecycle.unregister_cleanup(id(self))
-        _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
-        lifecycle.release(self._module)
+        try:
+            home = self._restore_home()
+            with self.scheduler.plugin_call():
+                if failed is None:
+                    self.scheduler.fold_writes()
+                for group in self.groups:
+                    error = self._give_back(group, home)  # every group, also after one failed
+                    failed = failed or error
+            param_writes.unwatch([p for group in self.groups for p in group.params])
+            with torch.no_grad():
+                for name, dtype in self._original_dtypes:
+                    param = self._module.get_parameter(name)
+                    if param.dtype != dtype:
+                        param.data = param.data.to(dtype)
+            self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
+        except Exception as exc:  # noqa: BLE001 - [Note: closing after a failure]
+            failed = failed or exc
+        finally:
+            self._closed = True
+            self.timeline.close()
+            self.scheduler.paths.close()
+            self._finalizer.detach()
+            lifecycle.unregister_cleanup(id(self))
+            error = _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
+            failed = failed or error
+            lifecycle.release(self._module)
         log.debug("zkernel.engine.closed", rank=self.dist.rank)
         if failed is not None:
             raise failed
+
+    def _give_back(self, group: ParamGroup, home: torch.device) -> Exception | None:
+        """Put ``group``'s whole values in its parameters ([Note: closing after a failure]); the first error met."""
+        error: Exception | None = None
+        master = None
+        if group.requires_grad:
+            try:
+                master = self.optimizer_tier.read_master(group)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+        try:
+            self.params_tier.to_device(group, consume=True, block=True)
+            readable = True
+        except Exception as exc:  # noqa: BLE001 - the master alone can give a trainable group back
+            error, readable = error or exc, master is not None
+        restored = False
+        if readable:
+            try:
+                self.hook.zkernel_restore_params(group=group, master=master, home=home)
+                restored = True
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
+        try:
+            self.params_tier.drop_device(group)
+        except Exception as exc:  # noqa: BLE001
+            error = error or exc
+        if not restored:
+            self._lose(group)
+        if error is not None:
+            error.add_note(
+                f"while engine.close() gave back group {group.name!r}: "
+                + ("its parameters took their fp32 masters" if restored else "its values could not be read; its parameters are meta tensors now")
+            )
+        return error
+
+    def _lose(self, group: ParamGroup) -> None:
+        """``group``'s values could not be read back at close: its parameters become meta tensors of their shape."""
+        log.error(
+            "zkernel.close.values_lost",
+            group=group.name,
+            params=list(group.param_names[:8]),
+            advice="their values could not be read back (see the error close raises); load them again from a checkpoint",
+        )
+        param_writes.unwatch(group.params)
+        for name, p in zip(group.param_names, group.params):
+            mark_gathered(p)
+            shape, dtype = self.original_tensors.get(name, (p.shape, p.dtype))
+            meta = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, meta)
 
     @property
     def closed(self) -> bool:
@@ -623,13 +685,19 @@ def log_context(rank: int, step: int):
     return structlog.contextvars.bound_contextvars(rank=rank, step=step)
 
 
-def _free(handles, optimizer_tier, params_tier, worker) -> None:
-    for handle in handles:
-        handle.remove()
-    worker.shutdown(wait=True)
-    optimizer_tier.close()
+def _free(handles, optimizer_tier, params_tier, worker) -> Exception | None:
+    """Take the hooks off, stop the host worker, close the tiers: each even if another failed; the first error."""
+    error: Exception | None = None
+    steps = [lambda: [handle.remove() for handle in handles], lambda: worker.shutdown(wait=True), optimizer_tier.close]
     if params_tier is not optimizer_tier:
-        params_tier.close()
+        steps.append(params_tier.close)
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - free the rest, report the first
+            log.warning("zkernel.engine.free_failed", error=str(exc))
+            error = error or exc
+    return error
 
 
 def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker, paths) -> None:
