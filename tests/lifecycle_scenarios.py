@@ -192,6 +192,51 @@ def failed_initialize(big: str, small: str | None = None) -> dict:
     return out
 
 
+
+def forward_fails_on_rank_0(stage: str, batches_run: int = 4) -> dict:
+    """zero2 on two ranks: rank 0's model raises inside its forward at the second batch and the loop goes
+    on with the next batch, so rank 0 runs one step fewer; both ranks then close. Returns what each saw."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = TrickyNet()
+    failing = {"now": False}
+
+    def fail(module, args):
+        if failing["now"]:
+            raise ValueError("injected: a bad batch in the model's forward")
+
+    model.block.register_forward_pre_hook(fail)
+    options = {"persistence_threshold": 0} if stage == "zero3" else {"bucket_size": 300}
+    engine = zkernel.initialize(model, {"partitioner": stage, "optimizer": {"lr": 1e-2}, "partitioner_options": options})
+    out: dict = {"caught": [], "close": None}
+    for i, step in enumerate(batches(3, batches_run, 1, 2, 2)):
+        tokens, targets = step[0][rank]
+        failing["now"] = rank == 0 and i == 1
+        try:
+            engine.backward(engine(tokens, targets))
+            engine.step()
+        except Exception as exc:  # noqa: BLE001 - as a training loop that skips a bad batch
+            out["caught"].append(f"{i}: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, ValueError):
+                break
+    try:
+        engine.close()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["close"] = f"{type(exc).__name__}: {exc} " + " ".join(getattr(exc, "__notes__", []))
+    out["closed"] = engine.closed
+    out["model_trains"] = _trains(model)
+    return out
+
+
+def _trains(model) -> bool:
+    """Whether ``model`` runs forward and backward on its own (meta parameters, if any, left out)."""
+    if any(p.is_meta for p in model.parameters()):
+        return False
+    tokens = torch.randint(0, 29, (2, 6))
+    model(tokens, tokens).backward()
+    return True
+
+
 if __name__ == "__main__":
     import json
     import sys

@@ -8,14 +8,18 @@ exception keeps its frames, and so the engine, alive by Python's rules).
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 import zkernel
+from tests.harness import run_ranks
+from tests.lifecycle_scenarios import forward_fails_on_rank_0
 from tests.models import TrickyNet
 from tests.nvme_scenarios import RUN_GLOB, nvme_config, steps
 from zkernel.platform.aio import ChecksumError
@@ -149,3 +153,105 @@ def test_close_gives_values_it_cannot_read_back_as_meta_tensors_and_says_so(tmp_
     assert model.frozen_proj.weight.shape == (13, 13) and type(model.frozen_proj.weight) is torch.nn.Parameter
     assert all(type(p) is torch.nn.Parameter and torch.isfinite(p).all() for n, p in model.named_parameters() if n not in lost)
     assert not list(tmp_path.glob(RUN_GLOB))
+
+
+# -- misuse the engine names (issue 43, item 9) ------------------------------------------------------
+
+
+def _small(stage: str = "zero2") -> dict:
+    options = {"persistence_threshold": 0} if stage == "zero3" else {"bucket_size": 300}
+    return {"partitioner": stage, "optimizer": {"lr": 1e-2}, "partitioner_options": options}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 29, (2, 6), generator=g)
+    return tokens, (tokens * 7 + 3) % 29
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_step_without_a_backward_warns_and_is_not_counted(stage):
+    torch.manual_seed(0)
+    engine = zkernel.initialize(TrickyNet(), _small(stage))
+    before = engine.state_dict()
+    with capture_logs() as events:
+        engine.step()  # nothing since initialize
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with capture_logs() as more:
+        engine(*_batch())  # a forward, then no backward
+        engine.step()
+    warned = [e for e in events + more if e["event"] == "zkernel.step.no_backward"]
+    assert len(warned) == 2 and all(e["log_level"] == "warning" for e in warned), events + more
+    assert "call backward first" in warned[0]["advice"]
+    assert (engine.micro_steps, engine.global_steps, engine.skipped_steps) == (0, 0, 0)
+    engine.backward(engine(*_batch()))  # and training goes on as usual
+    engine.step()
+    assert (engine.micro_steps, engine.global_steps) == (1, 1)
+    engine.close()
+
+
+def test_methods_of_a_closed_engine_raise_naming_themselves():
+    model = TrickyNet()
+    engine = zkernel.initialize(model, _small())
+    engine.backward(engine(*_batch()))
+    engine.step()
+    engine.close()
+    calls = {
+        "memory_report()": lambda: engine.memory_report(),
+        "lr = ...": lambda: setattr(engine, "lr", 0.5),
+        "step()": lambda: engine.step(),
+        "backward()": lambda: engine.backward(torch.ones((), requires_grad=True)),
+        "__call__() (a forward)": lambda: engine(*_batch()),
+        "state_dict()": lambda: engine.state_dict(),
+        "load_state_dict()": lambda: engine.load_state_dict({}),
+        "save_checkpoint()": lambda: engine.save_checkpoint("/nonexistent"),
+        "load_checkpoint()": lambda: engine.load_checkpoint("/nonexistent"),
+        "gathered_parameters()": lambda: engine.gathered_parameters(),
+        "train()": lambda: engine.train(),
+        "eval()": lambda: engine.eval(),
+        "training_state()": lambda: engine.training_state(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(zkernel.EngineClosedError, match=rf"engine\.{re.escape(name)} was called after engine\.close\(\): this zkernel engine is closed"):
+            call()
+    engine.close()  # still a no-op
+    assert engine.closed and engine.module is model and engine.lr == 1e-2
+    assert model.training  # eval() above changed nothing
+
+
+def test_a_meta_device_input_is_an_error_naming_it():
+    engine = zkernel.initialize(TrickyNet(), _small())
+    tokens, targets = _batch()
+    with pytest.raises(ValueError, match=r"argument 1 of the engine's forward is a meta-device tensor \(shape \(2, 6\).*inputs must be real tensors"):
+        engine(tokens, targets.to("meta"))
+    with pytest.raises(ValueError, match=r"argument 'targets' of the engine's forward is a meta-device tensor"):
+        engine(tokens, targets=targets.to("meta"))
+    engine.backward(engine(tokens, targets))  # the engine is unharmed
+    engine.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_rank_that_skips_a_batch_after_a_forward_error_closes_without_an_abort(stage):
+    """[Note: ranks a step apart]: rank 0 catches an error raised inside its model's forward and goes on,
+    one step behind rank 1. Before, close() paired its gathers with rank 1's last reductions and gloo
+    aborted the process (SIGABRT); now both ranks raise RankDivergenceError naming what each was about to
+    do, close frees everything without a collective, and the model runs on its own again."""
+    results = run_ranks(2, forward_fails_on_rank_0, stage, timeout=180)
+    zero, one = results
+    assert zero["caught"] and zero["caught"][0].startswith("1: ValueError: injected"), zero
+    for r in results:
+        assert r["closed"], r
+    said = [c for r in results for c in [r["close"], *r["caught"]] if c and "RankDivergenceError" in c]
+    assert said and all("ranks took different module paths" in c for c in said), results
+    for r in results:
+        assert r["close"] is not None and "issued no collective" in r["close"], r
+    if stage == "zero2":
+        # No collective in a zero2 forward: the first statements to differ are rank 1's last reduction
+        # and rank 0's close. Parameters are whole on every rank: the model comes back on both.
+        assert all("rank 0 was about to close the engine" in c for c in said), results
+        assert zero["model_trains"] and one["model_trains"]
+    else:
+        # zero3 gathers in forward: the next forward after the error already diverges.
+        assert any("about to gather for forward" in c for c in said), results

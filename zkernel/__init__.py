@@ -2,7 +2,7 @@
 
 Public API (see README): `initialize`, `Config`, `consolidate`,
 `from_deepspeed_config`, `estimate`, `tiled_cross_entropy`, `Engine`, and the
-errors `ConfigError`, `CheckpointError`, `RankDivergenceError`, `LossScaleError`.
+errors `ConfigError`, `CheckpointError`, `RankDivergenceError`, `LossScaleError`, `EngineClosedError`.
 Plugins import `zkernel.spec` (the contract). Nothing is loaded at import time;
 `initialize` builds the plugin managers.
 """
@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "RankDivergenceError",
     "LossScaleError",
+    "EngineClosedError",
     "Config",
     "ConfigError",
     "Engine",
@@ -37,6 +38,7 @@ _LAZY = {
     "estimate": ("zkernel.sizing.estimator", "estimate"),
     "RankDivergenceError": ("zkernel.kernel.divergence", "RankDivergenceError"),
     "LossScaleError": ("zkernel.kernel.loss_scale", "LossScaleError"),
+    "EngineClosedError": ("zkernel.kernel.closed", "EngineClosedError"),
     "CheckpointError": ("zkernel.checkpoint.format", "CheckpointError"),
     "tiled_cross_entropy": ("zkernel.ops.tiled_loss", "tiled_cross_entropy"),
     "Engine": ("zkernel.kernel.engine", "Engine"),

@@ -44,6 +44,17 @@ itself):
   reduction: two 32-byte copies and one 32-byte all-gather on the check's
   stream.
 
+[Note: ranks a step apart] A rank that catches an exception from its forward
+and goes on with the next batch runs one step fewer than the others: every
+collective still pairs with one of the same group, a batch apart, until
+`Engine.close`, whose gathers met the other rank's last reductions (gloo
+aborted the process: "Received data size doesn't match"). So on gloo close
+begins with a statement of its own (`PathCheck.before_close`): the rank still
+training states its next reduction instead, both raise `RankDivergenceError`
+naming what each was about to do, and neither engine issues another
+collective; close then frees what its rank holds without one (see
+`Engine.close`).
+
 [Note: statements in shared memory] When every rank runs on one host, the
 statements need no collective at all: rank 0 creates a file in ``/dev/shm``
 that every rank maps (the ring's host rows, shared), each rank writes its own
@@ -114,6 +125,9 @@ class PathCheck:
         self._names = {g.index: g.name for g in groups}
         self.count = 0
         self.micro_step = 0
+        # The disagreement the synchronous check found (its message), or None: later collectives
+        # of this engine would pair with other ranks' different ones, so `Engine.close` issues none.
+        self.diverged: str | None = None
         if not self.enabled:
             return
         self.world = dist.get_world_size()
@@ -143,13 +157,31 @@ class PathCheck:
         if self.deferred:
             self._statements.state(statement)
             return
+        self._compare(statement, micro_step)
+
+    def before_close(self, micro_step: int) -> None:
+        """Called by every rank as `Engine.close` begins, before its collectives ([Note: ranks a step apart]).
+
+        On gloo every rank states that it closes; a rank still training (one step behind or ahead)
+        states its next reduction or gather instead, and both raise `RankDivergenceError`. (With the
+        deferred check, NCCL, nothing is stated: the watcher compares group statements only.)"""
+        if not self.enabled or self.deferred:
+            return
+        statement = (self.count, _CLOSE, _CLOSE, micro_step)
+        self.count += 1
+        self._compare(statement, micro_step)
+
+    def _compare(self, statement: tuple[int, int, int, int], micro_step: int) -> None:
         gathered = torch.empty(self.world * _COLS, dtype=torch.int64)
         _all_gather(gathered, torch.tensor(statement, dtype=torch.int64))
         rows = gathered.view(self.world, _COLS).tolist()
         if any(r[1:3] != rows[0][1:3] for r in rows):
-            raise RankDivergenceError(self._message(rows, micro_step))
+            self.diverged = self._message(rows, micro_step)
+            raise RankDivergenceError(self.diverged)
 
     def _clause(self, index: int, kind: int) -> str:
+        if index == _CLOSE:
+            return "close the engine (engine.close())"
         if index not in self._names or not 0 <= kind < len(_KINDS):
             return f"move group {index}"
         return f"{_verb(_KINDS[kind])} {self._names[index]!r}"
@@ -190,6 +222,7 @@ class PathCheck:
 
 
 _RING = 1024  # statements the watcher can see
+_CLOSE = -1  # group index and kind of the statement `before_close` makes
 _COLS = 4  # statement number, group index, kind, micro-step (compared: group index and kind)
 _HEAD = "ranks took different module paths in micro-step "
 _MIDDLE = ": "
@@ -220,7 +253,18 @@ def _open_statements(world: int, device: torch.device, transport: str) -> _State
 
 
 class _SharedStatements:
-    """Every rank's statements in one file of host shared memory (see [Note: statements in shared memory])."""
+    """Every rank's statements in one file of host shared memory (see [Note: ranks a step apart] A rank that catches an exception from its forward
+and goes on with the next batch runs one step fewer than the others: every
+collective still pairs with one of the same group, a batch apart, until
+`Engine.close`, whose gathers met the other rank's last reductions (gloo
+aborted the process: "Received data size doesn't match"). So on gloo close
+begins with a statement of its own (`PathCheck.before_close`): the rank still
+training states its next reduction instead, both raise `RankDivergenceError`
+naming what each was about to do, and neither engine issues another
+collective; close then frees what its rank holds without one (see
+`Engine.close`).
+
+[Note: statements in shared memory])."""
 
     def __init__(self, rows: np.ndarray, rank: int) -> None:
         self.host = torch.from_numpy(rows)  # keeps the mapping alive; the watcher reads it

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import SequenceKey, MappingKey, tree_map_with_path
 from torch.utils.checkpoint import CheckpointError
 
 from zkernel.kernel import lifecycle
@@ -43,6 +43,8 @@ from zkernel.platform.machine import available_host_bytes
 from zkernel.params.param_writes import WriteFolder
 from zkernel.telemetry.profiling import profiler_range
 from zkernel.params.released import is_released, mark_gathered
+from zkernel.kernel.closed import closed_error, requires_open
+from zkernel.kernel.divergence import RankDivergenceError
 from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.kernel.scheduler import Scheduler, streams_device
 from zkernel.platform.sizes import format_bytes
@@ -183,11 +185,13 @@ class Engine:
         """Whether the model is in training mode."""
         return self._module.training
 
+    @requires_open("train()")
     def train(self, mode: bool = True) -> Engine:
         """Put the model in training mode (``mode`` False: evaluation), as DeepSpeed's engine does; returns the engine."""
         self._module.train(mode)
         return self
 
+    @requires_open("eval()")
     def eval(self) -> Engine:
         """Put the model in evaluation mode; returns the engine."""
         return self.train(False)
@@ -199,6 +203,7 @@ class Engine:
         return self.pipeline.hyper.lr
 
     @lr.setter
+    @requires_open("lr = ...")
     def lr(self, value: float) -> None:
         self.pipeline.hyper = attrs.evolve(self.pipeline.hyper, lr=float(value))
 
@@ -216,6 +221,7 @@ class Engine:
         """Whether the micro-batch being computed now ends an accumulation window."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
+    @requires_open("__call__() (a forward)")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward on the engine's device and dtype, profiled and in the timeline.
 
@@ -226,8 +232,7 @@ class Engine:
         `backward`, so user code between the two (a regulariser on a weight, say)
         may read parameters too, as long as every rank does the same reads.
         """
-        self._check_open()
-        args, kwargs = tree_map(self._prepare_input, (args, kwargs))
+        args, kwargs = tree_map_with_path(lambda path, v: self._prepare_input(v, _input_name(path)), (args, kwargs))
         try:
             with profiler_range("zkernel::forward"), self._compute_span("forward"):
                 return self._module(*args, **kwargs)
@@ -235,6 +240,7 @@ class Engine:
             self.scheduler.abandon_forward()
             raise
 
+    @requires_open("gathered_parameters()")
     @contextlib.contextmanager
     def gathered_parameters(self):
         """Make every parameter whole inside the block (collective: call it on every rank).
@@ -246,7 +252,6 @@ class Engine:
         ([Note: writes to gathered parameters] in `zkernel.params.param_writes`), so
         make the same write on every rank.
         """
-        self._check_open()
         self.unset.require("engine.gathered_parameters()")
         self.pipeline.wait_all()
         groups = [g for g in self.scheduler.bound if not g.gathered]
@@ -261,9 +266,9 @@ class Engine:
                 for group in groups:
                     self.hook.zkernel_release_params(group=group, phase=Phase.USER)
 
+    @requires_open("backward()")
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
-        self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
@@ -300,9 +305,25 @@ class Engine:
         if boundary:
             self._coefficient = (self._coefficient_from(norm),)
 
+    @requires_open("step()")
     def step(self) -> None:
-        """Count a micro-batch; at an accumulation boundary apply the optimizer and zero gradients."""
-        self._check_open()
+        """Count a micro-batch; at an accumulation boundary apply the optimizer and zero gradients.
+
+        [Note: a step without a backward] A step() with no backward since the last one has no
+        micro-batch to count: it logs a WARNING and counts nothing (micro_steps, global_steps and the
+        schedule stay), as DeepSpeed applies no step then; what a forward kept for its backward is
+        released.
+        """
+        if not self._backward_done:
+            self.scheduler.release_kept()  # a forward whose backward never came: its values change now
+            log.warning(
+                "zkernel.step.no_backward",
+                micro_steps=self.micro_steps,
+                global_steps=self.global_steps,
+                advice="engine.step() counts the micro-batch of the last engine.backward(loss); call backward first "
+                "(this step was not counted and changed no parameter)",
+            )
+            return
         boundary = self.is_accumulation_boundary
         self.micro_steps += 1
         self._backward_done = False
@@ -328,6 +349,7 @@ class Engine:
         if self.loss_scaler is not None:  # last: it may raise, with the skipped step recorded
             self.loss_scaler.update(coefficient is None)
 
+    @requires_open("memory_report()")
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds, by category (params, grads, master_weights, optimizer_state) and place
         (a device, or ``"nvme"`` for swap files).
@@ -408,6 +430,9 @@ class Engine:
         if self._closed:
             return
         self._exit_guard()
+        diverged = self._ranks_apart()
+        if diverged is not None:
+            self._close_locally(diverged)  # raises it
         if self.unset.names:  # [Note: values left unset]: given back as the initialiser left them (NaN)
             log.warning(
                 "zkernel.close.values_unset",
@@ -438,17 +463,58 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - [Note: closing after a failure]
             failed = failed or exc
         finally:
-            self._closed = True
-            self.timeline.close()
-            self.scheduler.paths.close()
-            self._finalizer.detach()
-            lifecycle.unregister_cleanup(id(self))
-            error = _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
+            error = self._teardown()
             failed = failed or error
-            lifecycle.release(self._module)
-        log.debug("zkernel.engine.closed", rank=self.dist.rank)
         if failed is not None:
             raise failed
+
+    def _teardown(self) -> Exception | None:
+        """The last of `close`: mark the engine closed, stop its threads, free its tiers; the first error."""
+        self._closed = True
+        self.timeline.close()
+        self.scheduler.paths.close()
+        self._finalizer.detach()
+        lifecycle.unregister_cleanup(id(self))
+        error = _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
+        lifecycle.release(self._module)
+        log.debug("zkernel.engine.closed", rank=self.dist.rank)
+        return error
+
+    def _ranks_apart(self) -> RankDivergenceError | None:
+        """Whether another rank is not closing with this one ([Note: ranks a step apart] in
+        `zkernel.kernel.divergence`): the error saying so, or None."""
+        paths = self.scheduler.paths
+        if paths.diverged is None:
+            try:
+                paths.before_close(self.micro_steps)
+            except RankDivergenceError as exc:
+                return exc
+            return None
+        return RankDivergenceError(paths.diverged)
+
+    def _close_locally(self, error: RankDivergenceError) -> None:
+        """`close` without a collective (the ranks diverged): whole parameters keep their values, released
+        ones (zero3 shards) become meta tensors; everything this rank holds is freed. Raises ``error``."""
+        try:
+            for group in self.groups:
+                if any(is_released(p) for p in group.params):
+                    self._lose(group)
+            param_writes.unwatch([p for group in self.groups for p in group.params])
+            with torch.no_grad():
+                for name, dtype in self._original_dtypes:
+                    param = self._module.get_parameter(name)
+                    if param.dtype != dtype:
+                        param.data = param.data.to(dtype)
+            self.hook.zkernel_restore_module(module=self._module)
+        finally:
+            self._teardown()
+        error.add_note(
+            "engine.close() issued no collective (the other ranks would not have met it): it freed this rank's "
+            "memory, threads and swap files; parameters kept whole on this rank keep their values, the others are "
+            "meta tensors. Let every rank run the same steps: a rank that catches an error from its forward or "
+            "backward must make the others skip that batch too (or end the job)"
+        )
+        raise error
 
     def _give_back(self, group: ParamGroup, home: torch.device) -> Exception | None:
         """Put ``group``'s whole values in its parameters ([Note: closing after a failure]); the first error met."""
@@ -503,6 +569,7 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
+    @requires_open("save_checkpoint()")
     def save_checkpoint(
         self,
         directory,
@@ -530,6 +597,7 @@ class Engine:
         self._fold_writes()
         return save(self, directory, tag, client_state, exclude_frozen_parameters)
 
+    @requires_open("load_checkpoint()")
     def load_checkpoint(
         self,
         directory,
@@ -555,6 +623,7 @@ class Engine:
             self, directory, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
         )
 
+    @requires_open("state_dict()")
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
         """The full model state dict, as the plain model's ``state_dict()`` would give it; collective.
 
@@ -571,6 +640,7 @@ class Engine:
         self._fold_writes()
         return full_state_dict(self, rank0_only)
 
+    @requires_open("load_state_dict()")
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, *, broadcast_from_rank0: bool = False):
         """Write a plain model's state dict (as `state_dict` gives it) into the engine; collective.
 
@@ -588,6 +658,7 @@ class Engine:
 
         return load_full_state_dict(self, state_dict, strict, broadcast_from_rank0)
 
+    @requires_open("training_state()")
     def training_state(self) -> dict[str, Any]:
         """Counters and scales a checkpoint keeps so training continues as if uninterrupted (JSON values)."""
         return {
@@ -599,6 +670,7 @@ class Engine:
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
 
+    @requires_open("load_training_state()")
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Take back what `training_state` gave (a loss scale is restored only when both runs use fp16)."""
         self.micro_steps = int(state["micro_steps"])
@@ -624,6 +696,7 @@ class Engine:
             )
         self.pipeline.hyper = hyper
 
+    @requires_open("refresh_param_shard()")
     def refresh_param_shard(self, group: ParamGroup) -> None:
         """After a load replaced ``group``'s master: its parameter shard takes the rounded values."""
         if group.param_shard is None and self.params_tier.on_compute_device:
@@ -643,16 +716,23 @@ class Engine:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         return self.timeline.span(SpanKind.COMPUTE, stream=stream, label=label)
 
-    def _check_open(self) -> None:
+    def _check_open(self, name: str | None = None) -> None:
+        """Raise `EngineClosedError` naming ``name`` after close ([Note: a closed engine] in `zkernel.kernel.closed`)."""
         if self._closed:
-            raise RuntimeError("this zkernel engine is closed; initialize a new one to train again")
+            raise closed_error(name)
 
     def _exit_guard(self) -> None:
         self.scheduler.guarding = False
 
-    def _prepare_input(self, value: Any) -> Any:
+    def _prepare_input(self, value: Any, where: str = "an input") -> Any:
         if not isinstance(value, torch.Tensor):
             return value
+        if value.is_meta:
+            raise ValueError(
+                f"{where} of the engine's forward is a meta-device tensor (shape {tuple(value.shape)}, "
+                f"{value.dtype}), which holds no values: inputs must be real tensors (on the CPU or "
+                f"{self.device}); build them outside a `with torch.device('meta')` block"
+            )
         if value.is_floating_point() and value.dtype != self.compute_dtype:
             return value.to(device=self.device, dtype=self.compute_dtype)
         return value.to(self.device)
@@ -677,6 +757,21 @@ class Engine:
         max_norm = self.config.gradient_clipping
         clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
         return unscale * clip
+
+
+def _input_name(path) -> str:
+    """``path`` into ``(args, kwargs)`` as the caller wrote it: "argument 0", "argument 'mask'", "argument 1[2]"."""
+    if not path:
+        return "an input"
+    head, *rest = path
+    first = path[1] if len(path) > 1 else None
+    if isinstance(head, SequenceKey) and head.idx == 0 and isinstance(first, SequenceKey):
+        name = f"argument {first.idx}"
+    elif isinstance(head, SequenceKey) and head.idx == 1 and isinstance(first, MappingKey):
+        name = f"argument {first.key!r}"
+    else:
+        return "an input"
+    return name + "".join(str(k) for k in rest[1:])
 
 
 def log_context(rank: int, step: int):
