@@ -165,7 +165,7 @@ class PathCheck:
         On gloo every rank states that it closes; a rank still training (one step behind or ahead)
         states its next reduction or gather instead, and both raise `RankDivergenceError`. (With the
         deferred check, NCCL, nothing is stated: the watcher compares group statements only.)"""
-        if not self.enabled or self.deferred:
+        if not self.enabled or self.deferred or not dist.is_initialized():  # a group the script destroyed
             return
         statement = (self.count, _CLOSE, _CLOSE, micro_step)
         self.count += 1

@@ -480,19 +480,20 @@ class Engine:
         log.debug("zkernel.engine.closed", rank=self.dist.rank)
         return error
 
-    def _ranks_apart(self) -> RankDivergenceError | None:
+    def _ranks_apart(self) -> Exception | None:
         """Whether another rank is not closing with this one ([Note: ranks a step apart] in
-        `zkernel.kernel.divergence`): the error saying so, or None."""
+        `zkernel.kernel.divergence`): the error saying so (also the statement's own failure: a rank
+        that is gone), or None."""
         paths = self.scheduler.paths
-        if paths.diverged is None:
-            try:
-                paths.before_close(self.micro_steps)
-            except RankDivergenceError as exc:
-                return exc
-            return None
-        return RankDivergenceError(paths.diverged)
+        if paths.diverged is not None:
+            return RankDivergenceError(paths.diverged)
+        try:
+            paths.before_close(self.micro_steps)
+        except Exception as exc:  # noqa: BLE001 - no collective can follow: close locally, then raise it
+            return exc
+        return None
 
-    def _close_locally(self, error: RankDivergenceError) -> None:
+    def _close_locally(self, error: Exception) -> None:
         """`close` without a collective (the ranks diverged): whole parameters keep their values, released
         ones (zero3 shards) become meta tensors; everything this rank holds is freed. Raises ``error``."""
         try:
