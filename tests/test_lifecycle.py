@@ -19,6 +19,7 @@ import zkernel
 from tests.harness import gpus_hidden_if_short, run_ranks
 from tests.lifecycle_scenarios import (
     FailingDeclaration,
+    FailingSchedule,
     close_and_reuse,
     failed_initialize,
     model_state,
@@ -169,6 +170,29 @@ def test_a_failed_initialize_leaves_a_meta_device_model_on_meta():
     engine.step()
     engine.close()
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", ["none", "zero1", "zero2", "zero3"])
+def test_a_failed_initialize_undoes_transforms_and_casts_under_every_partitioner(stage):
+    """bf16 with a tiled layer and a checkpointed block: the failure comes after the transforms, the casts
+    and (for the schedule) the hooks; the model is given back as it was each time and trains after."""
+    torch.manual_seed(0)
+    model = TrickyNet()
+    before = model_state(model)
+    base = {**_cfg(stage, precision="bf16"), "tiling": {"modules": ["block.0"], "tiles": 2},
+            "activation_checkpointing": {"modules": ["block"]}}
+    attempts = [
+        ({**base, "optimizer": {"name": "adamw_failing", "lr": LR}}, FailingDeclaration(2)),
+        ({**base, "lr_schedule": {"name": "exploding"}}, FailingSchedule()),
+    ]
+    for cfg, plugin in attempts:
+        with pytest.raises(RuntimeError, match="injected"):
+            zkernel.initialize(model, cfg, plugins=[plugin])
+        assert same_state(before, model_state(model)) == []
+    engine = zkernel.initialize(model, base)
+    engine.backward(engine(torch.randint(0, VOCAB, (2, 6)), torch.randint(0, VOCAB, (2, 6))))
+    engine.step()
+    engine.close()
 
 
 def test_a_disk_too_small_fails_initialize_without_harm(tmp_path):
