@@ -224,9 +224,10 @@ def test_a_disk_too_small_fails_initialize_without_harm(tmp_path):
 def test_the_capacity_check_runs_before_anything_moves(tmp_path, monkeypatch):
     """A shortfall is found from the model's shapes before zero3 materialises (or moves) a single unit."""
     from zkernel.kernel import bootstrap
-    from zkernel.spec.tiers import Capacity, Resource
+    from zkernel.spec.tiers import Capacity
 
-    monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: Capacity({Resource.DISK: 1000})))
+    full = Capacity(device_bytes=None, host_bytes=None, disk_bytes=1000)
+    monkeypatch.setattr(bootstrap.Capacity, "measure", classmethod(lambda cls, device, path: full))
     with torch.device("meta"):
         model = TrickyNet()
     initialised = []
