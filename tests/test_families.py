@@ -77,10 +77,13 @@ def test_a_component_checks_the_config_it_runs_under():
 
 
 def test_the_estimator_resolves_options_through_the_registry():
-    from zkernel.sizing import estimator
+    from torch import nn
+
+    from zkernel.kernel.sizing import Estimator
 
     config = load_config({"partitioner": "zero1", "partitioner_options": {"bucket_size": 1024}})
     registry = collect_components(get_plugin_manager(config=config))
-    assert estimator._partitioner_options(config, "zero1") == registry.select(config, "partitioner").options
+    sizing = Estimator(nn.Module(), "cpu", get_plugin_manager(config=config))
+    assert sizing.partitioner_options(config) == registry.select(config, "partitioner").options
     with pytest.raises(ConfigError, match="partitioner_options.bucket_size 'big' is not valid"):
-        estimator._partitioner_options(attrs.evolve(config, partitioner_options={"bucket_size": "big"}), "zero1")
+        sizing.partitioner_options(attrs.evolve(config, partitioner_options={"bucket_size": "big"}))
