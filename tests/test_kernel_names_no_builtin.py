@@ -38,11 +38,12 @@ WORDS = {"none", "cpu", "device", "default", "linear", "cuda"}
 SCHEMA_DEFAULTS = {"none", "adamw", "linear", "recompute", "default"}
 # (file, the literal, the builtin name in it): why it may stay.
 ALLOWED = {
-    # The planner's description of a plan and its tier spill fractions: the sizing helper's
-    # rewrite of the planner (issue 42) moves them to the planner plugin.
-    ("zkernel/spec/planner.py", "gpu_share", "gpu_share"): "planner (sizing rewrite)",
-    ("zkernel/spec/planner.py", "host_share", "host_share"): "planner (sizing rewrite)",
-    ("zkernel/spec/planner.py", "none", "none"): "planner (sizing rewrite)",
+    # The offload sections' default ("none": the tier that keeps everything on the device), which a
+    # plan's description reads as "the compute device".
+    ("zkernel/spec/planner.py", "none", "none"): "the offload sections' schema default, for people",
+    # Places, as memory_report and the estimates name them (host memory, disk), not tier names.
+    ("zkernel/spec/sizing.py", "nvme", "nvme"): "the disk place of PLACES",
+    ("zkernel/kernel/sizing.py", "cpu", "cpu"): "the host-memory place and device type",
     # activation_checkpointing.offload's own value "cpu" (a section key's choice, not a tier).
     ("zkernel/spec/planner.py", "cpu", "cpu"): "activation_checkpointing.offload = 'cpu'",
 }

@@ -19,7 +19,7 @@ from zkernel.kernel.engine import Engine, EngineParts
 from zkernel.spec.groups import OptimizerDeclaration, ParamGroup
 from zkernel.telemetry.log import get_logger
 from zkernel.spec.lr_schedule import LRSchedule
-from zkernel.spec.registry import MATERIALIZES_META, PER_PARAM_HYPER, Family
+from zkernel.spec.registry import MATERIALIZES_META, PARAMS_ON_TIER, PER_PARAM_HYPER, Family
 from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, new_plugin_manager, resolve_components
 from zkernel.spec.runtime import RuntimeContext
 from zkernel.platform.streams import Streams
@@ -84,6 +84,28 @@ def _component(obj: Any, interface: type, key: str, name: str) -> Any:
     return obj
 
 
+def _roomier_tiers(model: nn.Module, cfg: Config, registry, installed, device: torch.device) -> list[str]:
+    """Offload settings that keep a role's state further from the device than the selected tier does,
+    from the installed tiers' own answers (`zkernel_size_offload_tier`): what a capacity error suggests."""
+    from zkernel.kernel.sizing import Estimator
+
+    if installed is None:
+        return []
+    sizing = Estimator(model, device.type, installed, registry)
+    roles = ["optimizer"]
+    if cfg.partitioner in registry.with_capability(Family.PARTITIONER, PARAMS_ON_TIER):
+        roles.append("params")
+    out = []
+    for role in roles:
+        selected = sizing.tier(getattr(cfg.offload, role), role)
+        level = selected.level if selected is not None else 0
+        for name in sizing.answering_tiers(role):
+            answer = sizing.tier(name, role)
+            if answer is not None and answer.level > level:
+                out.append(f"offload.{role} = {name!r}")
+    return out
+
+
 class _Placer:
     """Places each group the partitioner yields in the tiers; `check_capacity` before the partitioner runs.
 
@@ -93,8 +115,11 @@ class _Placer:
     the partitioner really shards, and where that is fewer ways the check runs again before it is placed.
     """
 
-    def __init__(self, hook, optimizer_tier: OptimizerTier, params_tier: ParamsTier, model: nn.Module, context) -> None:
+    def __init__(
+        self, hook, optimizer_tier: OptimizerTier, params_tier: ParamsTier, model: nn.Module, context, alternatives=None
+    ) -> None:
         self.hook = hook
+        self.alternatives = alternatives  # offload settings with more room, named when nothing fits
         self.optimizer_tier = optimizer_tier
         self.params_tier = params_tier
         self.context = context
@@ -147,7 +172,7 @@ class _Placer:
             for resource, nbytes in part.items():
                 demands[resource] = demands.get(resource, 0) + nbytes
         nvme = ctx.config.offload.nvme_path
-        check_capacity(demands, Capacity.measure(ctx.device, nvme), local_world_size(ctx.dist))
+        check_capacity(demands, Capacity.measure(ctx.device, nvme), local_world_size(ctx.dist), self.alternatives)
 
 
 def initialize(
@@ -215,7 +240,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn, registry, installe
     )
     tiers: list = []  # built so far: closed again if initialize fails (swap files, I/O threads)
     try:
-        return _assemble(model, cfg, selection, base, tiers, plan, registry)
+        return _assemble(model, cfg, selection, base, tiers, plan, registry, installed)
     except BaseException:
         for tier in reversed(tiers):
             try:
@@ -226,7 +251,9 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn, registry, installe
         raise
 
 
-def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, tiers: list, plan, registry) -> Engine:
+def _assemble(
+    model: nn.Module, cfg: Config, selection, base: RuntimeContext, tiers: list, plan, registry, installed=None
+) -> Engine:
     """Build the selected components on ``base``, partition and place the model, make the engine."""
     dist_info, compute_dtype, worker = base.dist, base.compute_dtype, base.host_worker
     streams, timeline = base.streams, base.timeline
@@ -267,7 +294,10 @@ def _assemble(model: nn.Module, cfg: Config, selection, base: RuntimeContext, ti
     original_tensors = tuple(
         (n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())
     )
-    placer = _Placer(runtime.hook, optimizer_tier, params_tier, model, partition_context)
+    placer = _Placer(
+        runtime.hook, optimizer_tier, params_tier, model, partition_context,
+        alternatives=lambda: _roomier_tiers(model, cfg, registry, installed, partition_context.device),
+    )
     placer.check_capacity(partition_context.world_size)  # before anything moves: see `_Placer`
     produced = runtime.hook.zkernel_partition_params(
         module=model, context=attrs.evolve(partition_context, options=selection["partitioner"].options)

@@ -124,10 +124,11 @@ class Plan:
     def placement(self) -> str:
         """``partitioner, optimizer on X, parameters on Y`` (and what else was set), for people."""
         text = f"{self.partitioner}, optimizer on {_where(self.offload_optimizer)}, parameters on {_where(self.offload_params)}"
+        # The numbers the planner chose for the optimizer tier (its own options, such as a spill fraction).
         shares = [
             f"{key} {value:g}"
-            for key in ("gpu_share", "host_share")
-            if isinstance(value := self.optimizer_options.get(key), (int, float)) and not isinstance(value, bool) and value > 0
+            for key, value in self.optimizer_options.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
         ]
         if shares:
             text += f" ({', '.join(shares)})"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -300,11 +300,18 @@ class PlacementInfo:
 HOST_MARGIN = 0.1
 
 
-def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_size_local: int) -> None:
+def check_capacity(
+    demands: Mapping[Resource, int],
+    capacity: Capacity,
+    world_size_local: int,
+    alternatives: Callable[[], Sequence[str]] | None = None,
+) -> None:
     """Raise `ConfigError` with the numbers when ``demands`` (per rank) exceed what is free
     (``capacity``: the calling rank's, `Capacity.measure`).
 
     Host memory and disk are shared by the ``world_size_local`` ranks of this machine.
+    ``alternatives``, asked only when something does not fit, gives config settings that would
+    keep more state away from the device and host (``offload.optimizer = 'name'``), named in the error.
     """
     free_by = {Resource.DEVICE: capacity.device_bytes, Resource.HOST: capacity.host_bytes, Resource.DISK: capacity.disk_bytes}
     short = []
@@ -323,6 +330,7 @@ def check_capacity(demands: Mapping[Resource, int], capacity: Capacity, world_si
         raise ConfigError(
             "the selected offload tiers do not fit: "
             + "; ".join(short)
-            + ". Use more ranks, a partitioner that shards more, offload tiers with more room "
-            "(offload.optimizer, offload.params; `zkernel plugins` lists them), or free memory"
+            + ". Use more ranks, a partitioner that shards more, offload tiers with more room ("
+            + ", ".join([*(alternatives() if alternatives is not None else ()), "`zkernel plugins` lists them"])
+            + "), or free memory"
         )
