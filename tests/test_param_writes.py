@@ -157,3 +157,107 @@ def test_training_without_writes_folds_nothing():
     for result in run_ranks(WORLD, _train, Plain, "small parameters kept whole"):
         assert result["compared"] == 0
         torch.testing.assert_close(result["losses"], result["reference"]["losses"], rtol=result["tolerance"], atol=0)
+
+
+# -- assignments to .data between steps (issue 43, item 1) ------------------------------------------------------------
+
+ASSIGNING = {
+    "none": {"partitioner": "none"},
+    "zero1": {"partitioner": "zero1"},
+    "zero2": {"partitioner": "zero2"},
+    "zero3, parameters kept whole": {"partitioner": "zero3"},
+    "zero1, optimizer on the cpu": {"partitioner": "zero1", "offload": {"optimizer": "cpu"}},
+    "zero3 kept whole, optimizer on the cpu": {"partitioner": "zero3", "offload": {"optimizer": "cpu"}},
+}  # fmt: skip
+
+
+def _assign_between_steps(model: nn.Module, step: int) -> None:
+    """What users write after a step: a clamp assigned to ``.data``, one in place through ``.data``, (once)
+    zeros assigned to a bias and (once) a clamp given by ``set_``; on every rank alike."""
+    model.coef.weight.data = model.coef.weight.data.clamp(-BOUND, BOUND)
+    model.head.weight.data.clamp_(-4 * BOUND, 4 * BOUND)
+    if step == 1:
+        model.coef.bias.data = torch.zeros_like(model.coef.bias.data)
+    if step == 1:
+        with torch.no_grad():
+            model.head.bias.set_(model.head.bias.detach().clamp(-0.01, 0.01))
+
+
+def _reference_assigning(model: nn.Module) -> dict:
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for step in range(STEPS):
+        x, y = _data(step)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        _assign_between_steps(model, step)
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _train_assigning(name: str) -> dict:
+    torch.manual_seed(0)
+    model = Plain()
+    reference = _reference_assigning(model)
+    config = {"precision": "fp32", "gradient_clipping": 1.0, "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.0},
+              **copy.deepcopy(ASSIGNING[name])}  # fmt: skip
+    engine = zkernel.initialize(model, config)
+    rank = torch.distributed.get_rank()
+    losses = []
+    for step in range(STEPS):
+        x, y = _data(step)
+        part = slice(rank * MICRO, (rank + 1) * MICRO)
+        loss = engine(x[part], y[part])
+        engine.backward(loss)
+        engine.step()
+        _assign_between_steps(engine.module, step)
+        total = torch.tensor([loss.item()], device=engine.device)
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / WORLD)
+    state = engine.state_dict()
+    engine.close()
+    closed = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    return {"losses": losses, "state": state, "closed": closed, "reference": reference}
+
+
+@pytest.mark.parametrize("name", list(ASSIGNING))
+def test_data_assigned_between_steps_trains_like_torch(name):
+    """``w.data = w.data.clamp(...)`` after each step, ``w.data.clamp_()`` and zeros assigned to a bias: the
+    parameter keeps its storage in the engine, so the next forward, the masters, ``state_dict()`` and
+    ``close()`` all see the assignment, as in plain torch."""
+    for result in run_ranks(WORLD, _train_assigning, name):
+        reference = result["reference"]
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
+        for key, expected in reference["state"].items():
+            torch.testing.assert_close(result["state"][key], expected, rtol=1e-5, atol=1e-6, msg=key)
+            torch.testing.assert_close(result["closed"][key].cpu(), expected, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _assign_wrong_shape(partitioner: str) -> str:
+    torch.manual_seed(0)
+    engine = zkernel.initialize(Plain(), {"partitioner": partitioner, "optimizer": {"name": "adamw", "lr": LR}})
+    x, y = _data(0)
+    engine.backward(engine(x, y))
+    engine.step()
+    try:
+        with pytest.raises(ValueError) as error:
+            engine.module.coef.bias.data = torch.zeros(DIM + 1)
+        with pytest.raises(ValueError):
+            engine.module.coef.bias.data = torch.zeros(DIM, dtype=torch.float64)
+        engine.backward(engine(x, y))  # the refused assignments changed nothing
+        engine.step()
+        assert engine.module.coef.bias.shape == (DIM,)
+    finally:
+        engine.close()
+    return str(error.value)
+
+
+@pytest.mark.parametrize("partitioner", ["zero1", "zero3"])
+def test_data_assignment_of_another_shape_or_dtype_is_refused(partitioner):
+    for message in run_ranks(WORLD, _assign_wrong_shape, partitioner):
+        assert "'coef.bias'" in message and "(9,)" in message and "engine.close()" in message

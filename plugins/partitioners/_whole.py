@@ -21,7 +21,7 @@ from torch import nn
 
 from zkernel.spec.options import integer
 from zkernel.spec.groups import ParamGroup
-from zkernel.params.param_writes import watch
+from zkernel.params.param_writes import unbind, watch
 
 from ._flat import FlatLayout, all_gather_flat, flatten_into, split_buckets, split_trainable, unique_named_params
 
@@ -77,9 +77,9 @@ def build_whole_groups(module: nn.Module, context, shards: int, bucket_numel: in
             dist.broadcast(full, src=0)
             if master_full is not None:
                 dist.broadcast(master_full, src=0)
-        for p, view in zip(params, flat.views(full)):
+        for (name, p), view in zip(bucket, flat.views(full)):
             p.data = view
-            watch(p)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
+            watch(p, view, name)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         own = flat.own if shards > 1 else slice(0, flat.padded)
         param_shard = full[own]
         if master_full is None:
@@ -128,6 +128,7 @@ def restore(group: ParamGroup, master: torch.Tensor | None, device: torch.device
         return
     full = gather_master(group.layout.flat, master, device, world)
     for p, view in zip(group.params, group.layout.flat.views(full)):
+        unbind(p)  # storage of its own again ([Note: assignments keep the storage] in `zkernel.params.param_writes`)
         p.data = view.clone()
 
 

@@ -67,7 +67,7 @@ from zkernel.spec import MATERIALIZES_META, PARAMS_ON_TIER, hookimpl
 from zkernel.spec.config import ConfigError, str_tuple
 from zkernel.spec.options import boolean, choice, integer
 from zkernel.spec.groups import ParamGroup, Phase
-from zkernel.params.param_writes import watch
+from zkernel.params.param_writes import unbind, watch
 from zkernel.telemetry.profiling import profiler_range
 from zkernel.params.released import mark_gathered, mark_released
 from zkernel.platform.streams import current_stream, record_event
@@ -292,15 +292,16 @@ class Zero3:
             views = state.views[1]
         else:  # a buffer of the user's (gathered_parameters) or a restore: its own views
             views = state.flat.views(full)
-        for p, view in zip(group.params, views):
+        for p, view, name in zip(group.params, views, group.param_names):
             mark_gathered(p)
             p.data = view
-            watch(p)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
+            watch(p, view, name)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         group.gathered = True
 
     def _point_at_placeholder(self, group: ParamGroup) -> None:
         """Between uses: empty ``.data``, and reads outside the engine raise (see `zkernel.params.released`)."""
         for p, name in zip(group.params, group.param_names):
+            unbind(p)  # [Note: assignments keep the storage] in `zkernel.params.param_writes`
             p.data = self._placeholder(group.layout.full)
             mark_released(p, name)
         group.gathered = False

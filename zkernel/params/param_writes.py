@@ -18,6 +18,26 @@ their fp32 master is not the parameter itself (bf16 or fp16 compute, or the
 master offloaded): a clamp between steps reached only the compute copy, which
 the next step's publish overwrote.
 
+[Note: assignments keep the storage] A whole parameter is a view of storage
+the engine owns (a flat buffer of none, ZeRO-1 and ZeRO-2, a zero3 group's
+gathered buffer), which the engine's publish after a step and its gathers
+write. ``p.data = t`` in plain torch points the parameter at ``t``; here it
+would leave the engine's storage for good: every later publish missed it,
+the next forward computed with the assigned values forever while the master
+kept training, and ``w.data = w.data.clamp(...)`` after each step folded
+stale values back into the master (issue 43). So the watched twin's
+``data`` setter copies the assigned values into the storage the parameter is
+bound to (`watch`) and leaves it bound, as ``p.data.copy_(t)`` would: the
+assignment is then an ordinary write, noted and folded like one. The copy
+goes through the storage's own alias, as a write through ``.data`` does, so
+autograd's saved tensors see no new version. An assignment of another shape,
+dtype or device cannot live in that storage and is refused with
+`ParamAssignmentError` (the model's layout is fixed at ``initialize``). A
+parameter moved off its storage another way (``p.set_(t)``, which moves its
+version counter) is found when its group is folded and bound back the same
+way. The engine's own moves of a parameter (zero3's release, ``close``) call
+`unbind` first.
+
 Detection, at no cost per operation: a whole parameter's class is a
 watched twin of its own (as the released-parameter trap swaps classes, see
 `zkernel.params.released`), whose ``data`` property notes the parameter whenever it
@@ -59,6 +79,13 @@ log = get_logger()
 _DATA = torch._C.TensorBase.data
 _noted: set[int] = set()  # ids of watched parameters whose .data was read or assigned since their snapshot
 _versions: dict[int, int] = {}  # id of a watched parameter -> its version counter at the snapshot
+# id of a watched parameter -> (the view of the engine's storage it must stay, its name) ([Note: assignments
+# keep the storage])
+_bound: dict[int, tuple[torch.Tensor, str]] = {}
+
+
+class ParamAssignmentError(ValueError):
+    """A whole parameter was given values its storage in the engine cannot hold (another shape, dtype or device)."""
 
 
 def _note_and_get(param):
@@ -78,7 +105,31 @@ def _get_data(param):
 
 def _set_data(param, value) -> None:
     _noted.add(id(param))
-    _DATA.__set__(param, value)
+    binding = _bound.get(id(param))
+    if binding is None:
+        _DATA.__set__(param, value)
+    else:
+        _keep_bound(param, value, *binding)
+
+
+def _keep_bound(param, value: torch.Tensor, view: torch.Tensor, name: str) -> None:
+    """Give ``param`` the values of ``value`` in ``view``, the engine's storage, and leave it a view of it."""
+    if value.shape != view.shape or value.dtype != view.dtype or value.device != view.device:
+        raise ParamAssignmentError(
+            f"parameter {name!r} was assigned a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}, "
+            f"but the engine keeps it as {view.dtype} of shape {tuple(view.shape)} on {view.device}, in storage "
+            "its optimizer step and gathers write; a tensor of another shape, dtype or device cannot live there, "
+            "and the parameter would stop training. Assign values of the same shape, dtype and device (they are "
+            "copied in and kept), or call engine.close(), change the model and call zkernel.initialize again"
+        )
+    if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
+        with torch.no_grad():
+            if value.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                value = value.clone()  # it overlaps the storage it is copied into (a transpose, a tied sibling)
+            with torch.autograd._unsafe_preserve_version_counter(view):
+                view.copy_(value)
+    if param.data_ptr() != view.data_ptr():
+        _DATA.__set__(param, view)
 
 
 class _WatchedMixin:
@@ -97,8 +148,13 @@ def own_class(cls: type) -> type:
     return _unwatched.get(cls, cls)
 
 
-def watch(param: nn.Parameter) -> None:
-    """Give ``param`` the watched twin of its own class and take a snapshot (call once it is whole)."""
+def watch(param: nn.Parameter, view: torch.Tensor, name: str) -> None:
+    """Give ``param`` the watched twin of its own class and take a snapshot (call once it is whole).
+
+    ``view`` is the engine's storage ``param``'s ``.data`` was just pointed at, which it keeps whatever is
+    assigned to it until `unbind` ([Note: assignments keep the storage]); ``name`` names it in errors.
+    """
+    _bound[id(param)] = (view, name)
     cls = own_class(type(param))
     twin = _watched.get(cls)
     if twin is None:
@@ -120,6 +176,11 @@ def note(param: nn.Parameter) -> None:
     _noted.add(id(param))
 
 
+def unbind(param: nn.Parameter) -> None:
+    """The engine is about to point ``param``'s ``.data`` elsewhere (a release, ``close``): let it."""
+    _bound.pop(id(param), None)
+
+
 def unwatch(params: Sequence[nn.Parameter]) -> None:
     """Give ``params`` their own classes back and stop tracking them (the engine closed)."""
     for p in params:
@@ -128,6 +189,7 @@ def unwatch(params: Sequence[nn.Parameter]) -> None:
             p.__class__ = own
         _noted.discard(id(p))
         _versions.pop(id(p), None)
+        _bound.pop(id(p), None)
 
 
 def written(params: Sequence[nn.Parameter]) -> list[int]:
@@ -153,6 +215,11 @@ class WriteFolder:
         indices = written(group.params)
         if not indices:
             return
+        for i in indices:  # moved off its storage without an assignment (``set_``): bound back
+            param = group.params[i]
+            binding = _bound.get(id(param))
+            if binding is not None and param.data_ptr() != binding[0].data_ptr():
+                _keep_bound(param, _DATA.__get__(param), *binding)
         engine = self._engine_ref()
         layout = engine.hook.zkernel_describe_shard(group=group)
         if layout is not None:
