@@ -130,6 +130,7 @@ from zkernel.platform.compiled import eager_hook
 from zkernel.kernel.divergence import PathCheck
 from zkernel.kernel.entries import GenerateGuarded, entry_modules
 from zkernel.kernel.grad_readiness import GradReadiness
+from zkernel.kernel.late_params import LateParameters
 from zkernel.spec.groups import ParamGroup, Phase
 from zkernel.telemetry.log import get_logger
 from zkernel.kernel.lookahead import Lookahead, Stage
@@ -235,6 +236,9 @@ class Scheduler:
         for group in self.bound:
             for p in group.params:
                 self.handles.append(set_fetcher(p, fetch))
+        # [Note: parameters added after initialize] in `zkernel.kernel.late_params`, checked at the forward entry.
+        self.late = LateParameters(self.root) if self.root is not None else None
+        self.handles.extend(self.late.handles if self.late is not None else ())
         # After the units' hooks: an entry's own unit is fetched inside the bracket.
         for entry in entry_modules(self.root) if self.root is not None else ():
             self.handles.append(entry.register_forward_pre_hook(eager_hook(self._enter_root), prepend=True))
@@ -274,6 +278,8 @@ class Scheduler:
         a call is a pass of its own. Within a pass they only count depth."""
         if _in_backward():
             return
+        if self._forward_depth == 0 and self.late is not None:
+            self.late.check()  # before any fetch: no rank is left in a collective
         if self._forward_depth == 0 and self._unset is not None:
             self._unset.require("A forward of the model")
         self._forward_depth += 1
