@@ -29,8 +29,8 @@ stale values back into the master (issue 43). So the watched twin's
 ``data`` setter copies the assigned values into the storage the parameter is
 bound to (`watch`) and leaves it bound, as ``p.data.copy_(t)`` would: the
 assignment is then an ordinary write, noted and folded like one. The copy
-goes through the storage's own alias, as a write through ``.data`` does, so
-autograd's saved tensors see no new version. An assignment of another shape,
+keeps the storage's version counter, as a write through ``.data`` does (the
+parameter's own counter is apart from it either way). An assignment of another shape,
 dtype or device cannot live in that storage and is refused with
 `ParamAssignmentError` (the model's layout is fixed at ``initialize``). A
 parameter moved off its storage another way (``p.set_(t)``, which moves its
