@@ -248,16 +248,20 @@ def _assign_wrong_shape(partitioner: str) -> str:
         with pytest.raises(ValueError) as error:
             engine.module.coef.bias.data = torch.zeros(DIM + 1)
         with pytest.raises(ValueError):
-            engine.module.coef.bias.data = torch.zeros(DIM, dtype=torch.float64)
+            engine.module.coef.bias.data = torch.zeros(DIM, dtype=torch.int64)
+        bias = engine.module.coef.bias
+        bias.data = torch.full((DIM,), 0.5, dtype=torch.float64)  # another floating dtype: cast in, kept
+        assert bias.dtype == torch.float32 and (bias.detach() == 0.5).all()
         engine.backward(engine(x, y))  # the refused assignments changed nothing
         engine.step()
         assert engine.module.coef.bias.shape == (DIM,)
+        assert engine.state_dict()["coef.bias"].ne(0.5).all()  # stepped from the cast values
     finally:
         engine.close()
     return str(error.value)
 
 
 @pytest.mark.parametrize("partitioner", ["zero1", "zero3"])
-def test_data_assignment_of_another_shape_or_dtype_is_refused(partitioner):
+def test_data_assignment_of_another_shape_is_refused_another_dtype_cast(partitioner):
     for message in run_ranks(WORLD, _assign_wrong_shape, partitioner):
         assert "'coef.bias'" in message and "(9,)" in message and "engine.close()" in message

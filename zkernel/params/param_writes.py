@@ -31,8 +31,13 @@ bound to (`watch`) and leaves it bound, as ``p.data.copy_(t)`` would: the
 assignment is then an ordinary write, noted and folded like one. The copy
 keeps the storage's version counter, as a write through ``.data`` does (the
 parameter's own counter is apart from it either way). An assignment of another shape,
-dtype or device cannot live in that storage and is refused with
-`ParamAssignmentError` (the model's layout is fixed at ``initialize``). A
+or kind (floating or not) cannot live in that storage and is refused with
+`ParamAssignmentError` (the model's layout is fixed at ``initialize``). Values
+of another floating dtype or on another device are cast and moved into it, as
+``initialize`` cast and moved the model: the config's precision decides the
+parameter's dtype, not the assigned tensor's (``bias.data = torch.zeros(n)`` in
+a bf16 run is kept; ``model.half()`` after ``initialize`` rounds the values
+and changes no dtype). A
 parameter moved off its storage another way (``p.set_(t)``, which moves its
 version counter) is found when its group is folded and bound back the same
 way. The engine's own moves of a parameter (zero3's release, ``close``) call
@@ -114,15 +119,15 @@ def _set_data(param, value) -> None:
 
 def _keep_bound(param, value: torch.Tensor, view: torch.Tensor, name: str) -> None:
     """Give ``param`` the values of ``value`` in ``view``, the engine's storage, and leave it a view of it."""
-    if value.shape != view.shape or value.dtype != view.dtype or value.device != view.device:
+    if value.shape != view.shape or value.is_floating_point() != view.is_floating_point():
         raise ParamAssignmentError(
-            f"parameter {name!r} was assigned a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}, "
-            f"but the engine keeps it as {view.dtype} of shape {tuple(view.shape)} on {view.device}, in storage "
-            "its optimizer step and gathers write; a tensor of another shape, dtype or device cannot live there, "
-            "and the parameter would stop training. Assign values of the same shape, dtype and device (they are "
-            "copied in and kept), or call engine.close(), change the model and call zkernel.initialize again"
+            f"parameter {name!r} was assigned a {value.dtype} tensor of shape {tuple(value.shape)}, but the engine "
+            f"keeps it as {view.dtype} of shape {tuple(view.shape)}, in storage its optimizer step and gathers "
+            "write; a tensor of another shape or kind cannot live there, and the parameter would stop training. "
+            "Assign values of the same shape (they are copied in and kept, in the engine's dtype and on its "
+            "device), or call engine.close(), change the model and call zkernel.initialize again"
         )
-    if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
+    if value.data_ptr() != view.data_ptr() or value.stride() != view.stride() or value.dtype != view.dtype:
         with torch.no_grad():
             if value.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
                 value = value.clone()  # it overlaps the storage it is copied into (a transpose, a tied sibling)
