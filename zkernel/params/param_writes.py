@@ -84,9 +84,28 @@ log = get_logger()
 _DATA = torch._C.TensorBase.data
 _noted: set[int] = set()  # ids of watched parameters whose .data was read or assigned since their snapshot
 _versions: dict[int, int] = {}  # id of a watched parameter -> its version counter at the snapshot
-# id of a watched parameter -> (the view of the engine's storage it must stay, its name) ([Note: assignments
-# keep the storage])
-_bound: dict[int, tuple[torch.Tensor, str]] = {}
+_BINDING = "_zkernel_storage"  # a watched parameter's attribute: its `_Binding` ([Note: assignments keep the storage])
+
+
+class _Binding:
+    """The view of the engine's storage a watched parameter stays, and its name; held by the parameter, so it
+    lives no longer than the parameter (an engine dropped without close leaks nothing). A copy of the
+    parameter (``copy.deepcopy``, pickling) is bound to nothing."""
+
+    __slots__ = ("view", "name")
+
+    def __init__(self, view: torch.Tensor, name: str) -> None:
+        self.view, self.name = view, name
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_unbound, ())
+
+
+def _unbound() -> None:
+    return None
 
 
 class ParamAssignmentError(ValueError):
@@ -110,11 +129,11 @@ def _get_data(param):
 
 def _set_data(param, value) -> None:
     _noted.add(id(param))
-    binding = _bound.get(id(param))
+    binding = param.__dict__.get(_BINDING)
     if binding is None:
         _DATA.__set__(param, value)
     else:
-        _keep_bound(param, value, *binding)
+        _keep_bound(param, value, binding.view, binding.name)
 
 
 def _keep_bound(param, value: torch.Tensor, view: torch.Tensor, name: str) -> None:
@@ -159,7 +178,7 @@ def watch(param: nn.Parameter, view: torch.Tensor, name: str) -> None:
     ``view`` is the engine's storage ``param``'s ``.data`` was just pointed at, which it keeps whatever is
     assigned to it until `unbind` ([Note: assignments keep the storage]); ``name`` names it in errors.
     """
-    _bound[id(param)] = (view, name)
+    param.__dict__[_BINDING] = _Binding(view, name)
     cls = own_class(type(param))
     twin = _watched.get(cls)
     if twin is None:
@@ -183,7 +202,7 @@ def note(param: nn.Parameter) -> None:
 
 def unbind(param: nn.Parameter) -> None:
     """The engine is about to point ``param``'s ``.data`` elsewhere (a release, ``close``): let it."""
-    _bound.pop(id(param), None)
+    param.__dict__.pop(_BINDING, None)
 
 
 def unwatch(params: Sequence[nn.Parameter]) -> None:
@@ -194,7 +213,7 @@ def unwatch(params: Sequence[nn.Parameter]) -> None:
             p.__class__ = own
         _noted.discard(id(p))
         _versions.pop(id(p), None)
-        _bound.pop(id(p), None)
+        p.__dict__.pop(_BINDING, None)
 
 
 def written(params: Sequence[nn.Parameter]) -> list[int]:
@@ -222,9 +241,9 @@ class WriteFolder:
             return
         for i in indices:  # moved off its storage without an assignment (``set_``): bound back
             param = group.params[i]
-            binding = _bound.get(id(param))
-            if binding is not None and param.data_ptr() != binding[0].data_ptr():
-                _keep_bound(param, _DATA.__get__(param), *binding)
+            binding = param.__dict__.get(_BINDING)
+            if binding is not None and param.data_ptr() != binding.view.data_ptr():
+                _keep_bound(param, _DATA.__get__(param), binding.view, binding.name)
         engine = self._engine_ref()
         layout = engine.hook.zkernel_describe_shard(group=group)
         if layout is not None:
