@@ -12,7 +12,6 @@ from torch import nn
 
 import zkernel
 from tests.harness import run_ranks
-from zkernel.kernel.late_params import LateParameterError
 
 WORLD, DIM, MICRO = 2, 8, 3
 
@@ -74,7 +73,7 @@ def _change_after_initialize(partitioner: str, change: str) -> list[str]:
         _train_step(engine)
         CHANGES[change](engine.module)
         for _ in range(2):  # refused again until the model is as it was
-            with pytest.raises(LateParameterError) as error:
+            with pytest.raises(zkernel.LateParameterError) as error:
                 _train_step(engine)
             messages.append(str(error.value))
     finally:
@@ -109,7 +108,7 @@ def _unchanged_or_undone(partitioner: str) -> dict:
         model.act = nn.Identity()  # a module without parameters: nothing to train
         _train_step(engine)
         _attach(model)
-        with pytest.raises(LateParameterError):
+        with pytest.raises(zkernel.LateParameterError):
             _train_step(engine)
         model.extra = None  # undone: training goes on
         _train_step(engine)

@@ -245,9 +245,9 @@ def _assign_wrong_shape(partitioner: str) -> str:
     engine.backward(engine(x, y))
     engine.step()
     try:
-        with pytest.raises(ValueError) as error:
+        with pytest.raises(zkernel.ParamAssignmentError) as error:
             engine.module.coef.bias.data = torch.zeros(DIM + 1)
-        with pytest.raises(ValueError):
+        with pytest.raises(zkernel.ParamAssignmentError):
             engine.module.coef.bias.data = torch.zeros(DIM, dtype=torch.int64)
         bias = engine.module.coef.bias
         bias.data = torch.full((DIM,), 0.5, dtype=torch.float64)  # another floating dtype: cast in, kept

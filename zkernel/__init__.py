@@ -2,7 +2,8 @@
 
 Public API (see README): `initialize`, `Config`, `consolidate`,
 `from_deepspeed_config`, `estimate`, `tiled_cross_entropy`, `Engine`, and the
-errors `ConfigError`, `CheckpointError`, `RankDivergenceError`, `LossScaleError`, `EngineClosedError`.
+errors `ConfigError`, `CheckpointError`, `RankDivergenceError`, `LossScaleError`, `EngineClosedError`,
+`LateParameterError`, `ParamAssignmentError`.
 Plugins import `zkernel.spec` (the contract). Nothing is loaded at import time;
 `initialize` builds the plugin managers.
 """
@@ -18,6 +19,8 @@ __all__ = [
     "RankDivergenceError",
     "LossScaleError",
     "EngineClosedError",
+    "LateParameterError",
+    "ParamAssignmentError",
     "Config",
     "ConfigError",
     "Engine",
@@ -40,6 +43,8 @@ _LAZY = {
     "LossScaleError": ("zkernel.kernel.loss_scale", "LossScaleError"),
     "EngineClosedError": ("zkernel.kernel.closed", "EngineClosedError"),
     "CheckpointError": ("zkernel.checkpoint.format", "CheckpointError"),
+    "LateParameterError": ("zkernel.kernel.late_params", "LateParameterError"),
+    "ParamAssignmentError": ("zkernel.params.param_writes", "ParamAssignmentError"),
     "tiled_cross_entropy": ("zkernel.ops.tiled_loss", "tiled_cross_entropy"),
     "Engine": ("zkernel.kernel.engine", "Engine"),
 }

@@ -30,14 +30,14 @@ stale values back into the master (issue 43). So the watched twin's
 bound to (`watch`) and leaves it bound, as ``p.data.copy_(t)`` would: the
 assignment is then an ordinary write, noted and folded like one. The copy
 keeps the storage's version counter, as a write through ``.data`` does (the
-parameter's own counter is apart from it either way). An assignment of another shape,
-or kind (floating or not) cannot live in that storage and is refused with
-`ParamAssignmentError` (the model's layout is fixed at ``initialize``). Values
-of another floating dtype or on another device are cast and moved into it, as
-``initialize`` cast and moved the model: the config's precision decides the
-parameter's dtype, not the assigned tensor's (``bias.data = torch.zeros(n)`` in
-a bf16 run is kept; ``model.half()`` after ``initialize`` rounds the values
-and changes no dtype). A
+parameter's own counter is apart from it either way). Values of another
+floating dtype or on another device are cast and moved in, as ``initialize``
+cast and moved the model: the config's precision decides the parameter's
+dtype, not the assigned tensor's (``bias.data = torch.zeros(n)`` in a bf16
+run is kept; ``model.half()`` after ``initialize`` rounds the values and
+changes no dtype). An assignment of another shape or kind (floating or not)
+cannot live in that storage and is refused with `ParamAssignmentError`, which
+names the parameter (the model's layout is fixed at ``initialize``). A
 parameter moved off its storage another way (``p.set_(t)``, which moves its
 version counter) is found when its group is folded and bound back the same
 way. The engine's own moves of a parameter (zero3's release, ``close``) call
@@ -109,7 +109,7 @@ def _unbound() -> None:
 
 
 class ParamAssignmentError(ValueError):
-    """A whole parameter was given values its storage in the engine cannot hold (another shape, dtype or device)."""
+    """A whole parameter was assigned values its storage in the engine cannot hold (another shape or kind)."""
 
 
 def _note_and_get(param):
