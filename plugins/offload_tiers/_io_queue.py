@@ -23,10 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from zkernel.platform.aio import AioHandle
-from zkernel.telemetry.log import get_logger
 from zkernel.telemetry.timeline import SpanKind, Timeline
-
-log = get_logger()
 
 QUEUE_DEPTH = 64
 
@@ -140,48 +137,3 @@ class IoQueue:
             self._cv.notify_all()
         self._reaper.join()
         self._handle.close()
-
-
-class SwapFileTraffic:
-    """What both NVMe tiers share about their swap files' I/O (their ``io`` is an `IoQueue`, their
-    ``_arena`` a pool or None, their ``run_dir`` a `RunDirectory`)."""
-
-    io: IoQueue
-
-    def wait_writes(self) -> None:
-        """Block until every swap-file write started so far is done (a group's writes start when its
-        step ends: wait for the engine's pending updates first, ``engine.pipeline.wait_all()``)."""
-        self.io.wait_idle()
-
-    def _write_failed(self, error: BaseException, name: str, path, note: str) -> None:
-        """A swap-file write of ``name`` failed ([Note: write failures]): keep the error, with
-        ``note``, for `_raise_failures`, and log it now (``_cv`` held)."""
-        error.add_note(note)
-        self._failures.append(error)
-        log.error("zkernel.nvme.write_failed", group=name, path=str(path), error=str(error))
-
-    def _raise_failures(self) -> None:
-        """Raise the write failures kept since the last call, the first with the others as notes."""
-        with self._cv:
-            failures, self._failures = self._failures, []
-        if failures:
-            first = failures[0]
-            for other in failures[1:]:
-                first.add_note(f"also failed: {other}")
-            raise first
-
-    def _release_io(self) -> None:
-        """The last of `close`: stop the I/O threads, free the pool, remove the run directory."""
-        self.io.close()
-        if self._arena is not None:
-            self._arena.close()
-        self.run_dir.release()
-        self._failures.clear()  # logged when they happened; the files are gone now, the values were given back
-
-    @property
-    def bytes_read(self) -> int:
-        return self.io.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.io.bytes_written

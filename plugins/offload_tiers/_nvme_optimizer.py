@@ -1,14 +1,14 @@
-"""Tier ``nvme``, optimizer role: fp32 masters and optimizer state in swap files, streamed through the step.
+"""Tier ``nvme``, optimizer role: the swap files fp32 masters and optimizer state live in, streamed through the step.
 
-Algorithm (ZeRO-Infinity's optimizer swapping). Gradients land exactly as in
-the ``cpu`` tier (this tier is a `CpuTier`: pinned host landing buffers,
-host-side accumulation, the norm), but each trainable group's fp32 master and
-declared optimizer state live in one swap file of the engine's run directory
-(see [Note: run directories]), laid out as the image of a host block:
+Algorithm (ZeRO-Infinity's optimizer swapping). `OptimizerSwap` is the part
+of `NvmeTier` (``nvme``) that keeps a trainable group's fp32 master and
+declared optimizer state in one swap file of the engine's run directory (see
+[Note: run directories]), laid out as the image of a host block:
 ``[master | state 1 | state 2 | ...]``, each tensor on O_DIRECT alignment.
-Between steps nothing of them is in memory. The step pipeline tells the tier
-the groups it will step, in order (`prepare`); the tier streams them through
-a bounded pool of page-locked blocks (`PinnedArena`, ``buffer_bytes``):
+Gradients land as in the ``cpu`` tier (the tier's `HostLanding`). Between
+steps nothing of the master and state is in memory. The step pipeline tells
+the tier the groups it will step, in order (`prepare`); they stream through a
+bounded pool of page-locked blocks (`PinnedArena`, ``buffer_bytes``):
 
 * `prepare` queues the group; as soon as the pool has room for its whole file
   image, its extents are read (``sub_group_size`` elements per request, each
@@ -26,29 +26,8 @@ So disk reads of later groups, the Adam step of this one and the writes of
 earlier ones overlap, and the pool bounds the host memory the optimizer
 state takes, however large the model. Nothing waits on a device-wide
 synchronise; the only host waits are a group's own reads (in `acquire`).
-Rounded updates go through the cpu tier's staging pool (lent at `acquire`,
-given back at `release`) or into a block the params tier lends.
-
-[Note: no speculation on disk] Steps whose coefficient is known before
-backward ends (no clipping, no fp16 scale) start during backward as with the
-cpu tier (`prepare` then comes from autograd's thread). A *speculative* step
-is declined (``speculate = "never"``): its state is written back at
-`release`, so a rollback would first read it back from disk, and a clipped
-window would move every group's state twice. `acquire` is idempotent while a
-group steps (the pipeline acquires again when it leaves a step untaken).
-
-[Note: spill] A box's capacity is its GPU, host memory and disk together: the
-optimizer of a model that fits in none of them alone may fit across all
-three. ``gpu_share`` and ``host_share`` split the trainable elements in module
-order (the next forward's order), group by group: the first ``gpu_share`` keep
-master, state and gradient on the GPU and step there (the cpu tier's [Note: GPU
-share], placed at `adopt`), the next ``host_share`` keep master and state in
-host memory and step on the host like the cpu tier's groups, and the rest,
-the last layers, live in swap files. That order is also the fast one: the
-step runs in the next forward's order, so the pool reads the first disk
-groups while the GPU and host groups step, and the disk groups, which the
-next forward needs last, are written back behind it. Only the disk part
-crosses the disk.
+Rounded updates go through the tier's staging pool (`HostUpdates`, lent at
+`acquire`, given back at `release`) or into a block the params tier lends.
 
 Outside a step, `read_master` / `read_state` (close, state dicts,
 checkpoints) read the newest image (the group's block while it has one, the
@@ -93,22 +72,16 @@ from concurrent.futures import Future
 import attrs
 import torch
 
-from zkernel.spec import hookimpl
 from zkernel.platform.aio import aligned_empty
 from zkernel.spec.config import ConfigError
-from zkernel.telemetry.log import get_logger
-from zkernel.spec.tiers import Resource, ShardState, StoredBytes
+from zkernel.spec.tiers import ShardState, StoredBytes
 from zkernel.telemetry.timeline import SpanKind
 
 from ._arena import Block, PinnedArena, aligned
-from ._io_queue import IoQueue, SwapFileTraffic
 from ._nvme_options import NvmeTierOptions
 from ._progress import Preallocation
-from ._swap_dir import RunDirectory
 from ._swap_file import Extent, SwapFile, extents_of
-from .cpu import CpuTier, CpuTierOptions
-
-log = get_logger()
+from ._swap_traffic import SwapTraffic
 
 # Pool size when ``buffer_bytes`` is not given: this, or two of the largest group's file image,
 # whichever is more, but never more than all files together.
@@ -166,65 +139,54 @@ class _SwapSlot:
         return self.file.nbytes
 
 
-class NvmeTier(SwapFileTraffic, CpuTier):
-    """Masters and optimizer state in swap files, streamed through a bounded pinned pool for each step."""
+class OptimizerSwap:
+    """Masters and optimizer state of the groups on disk, streamed through a bounded pinned pool for each step.
 
-    def __init__(self, context, role: str = "optimizer") -> None:
-        options = context.options or NvmeTierOptions()
-        # The gradient side is the cpu tier's, without speculation (a speculative step on
-        # disk-backed state would be written back before it is known); its numeric GPU share is
-        # this tier's too ([Note: spill]).
-        cpu_options = CpuTierOptions(
-            pin_memory=options.pin_memory,
-            speculate="never",
-            gpu_share=options.gpu_share,
-            staging_buffers=options.staging_buffers,
-            grad_dtype=options.grad_dtype,
-            device_accumulation=options.device_accumulation,
-        )
-        super().__init__(attrs.evolve(context, options=cpu_options))
+    Threads: `plan` and `adopt` on the main thread at `initialize`; `prepare`
+    on the main thread (autograd's for a step started during backward);
+    `acquire`, `release` and `end_window` on the host worker; the read and
+    write callbacks on the I/O queue's reaper; `read_master`, `read_state`,
+    `write_state` and `close` on the main thread between steps. ``_cv`` guards
+    every group's state, the queue and the pool.
+    """
+
+    def __init__(self, options: NvmeTierOptions, traffic: SwapTraffic, streams, cuda: bool) -> None:
         self.nvme_options = options
-        self.nvme_path = context.config.offload.nvme_path
-        self.run_dir = RunDirectory.acquire(self.nvme_path, context.host_worker)
-        self.io = IoQueue(
-            threads=options.aio_threads, block_size=options.aio_block_size, timeline=context.timeline, name="nvme-optimizer"
-        )
+        self.traffic = traffic
+        self.io = traffic.io
+        self.run_dir = traffic.run_dir
+        self.streams = streams
+        self.cuda = cuda
         self._cv = threading.Condition(threading.RLock())
         self._swap: dict[int, _SwapSlot] = {}
         self._queue: collections.deque[_SwapSlot] = collections.deque()
         self._arena: PinnedArena | None = None
-        self._failures: list[BaseException] = []
         self._layout = Preallocation("optimizer state")
-        self._closed = False
-        self.host_share_numel = 0
-        self._placement_logged = False
+
+    def _pin(self) -> bool | None:
+        return self.nvme_options.pin_memory
 
     # -- placement ------------------------------------------------------------------------------
 
-    def demand(self, numel, state, compute_dtype):
-        self._planned_numel = numel
-        gpu, host = self._adopt_time_share(), self.nvme_options.host_share
-        image = 4 * numel + sum(s.nbytes for s in state)  # master and state of every group
-        disk = int(image * max(0.0, 1.0 - gpu - host))
-        pool = (self.nvme_options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)) if disk else 0
-        self._layout.plan(disk)
-        landing = torch.empty((), dtype=self._landing_dtype).element_size()
-        need = {Resource.HOST: int(numel * (1 - gpu)) * landing + int(image * host) + pool, Resource.DISK: disk}
-        if gpu:
-            need[Resource.DEVICE] = int(numel * gpu) * 16  # master, two moments and the gradient
-        return need
+    def plan(self, nbytes: int) -> None:
+        """The bytes of swap files `adopt` will lay out (from the tier's `demand`)."""
+        self._layout.plan(nbytes)
+
+    def holds(self, group) -> bool:
+        return group.index in self._swap
+
+    def numel(self) -> int:
+        """Master elements on disk."""
+        return sum(s.segments[0].numel for s in self._swap.values())
+
+    def nbytes(self) -> int:
+        """Bytes of every swap file."""
+        return sum(s.footprint for s in self._swap.values())
 
     def adopt(self, group, master, state):
+        """Lay out ``group``'s file and write the initial ``master`` (the state starts as zeros);
+        ``group.master`` and ``group.optim_state`` are then empty until the group steps."""
         numel = master.numel()
-        if self._takes_gpu_share(group, numel):
-            self._adopt_on_device(group, master, state)
-            return
-        host = self.nvme_options.host_share
-        everything = host > 0 and self._adopt_time_share() + host >= 1.0 - 1e-9  # shares summing to 1: no disk
-        if everything or numel <= int(host * self._planned_numel) - self.host_share_numel:
-            self.host_share_numel += numel
-            self._adopt_on_host(group, master, state)
-            return
         segments, offset = [], 0
         for name, dtype, shape in (("master", torch.float32, (numel,)), *((s.name, s.dtype, s.shape) for s in state)):
             segment = _Segment(name, offset, dtype, tuple(shape))
@@ -242,7 +204,6 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         self._swap[group.index] = slot
         self._write_master(slot, master)
         self._layout.advance(file.nbytes)
-        self._adopt_gradient(group, numel)  # (reads the initial ``group.master``)
         group.master = None  # in memory only while the group steps
         group.optim_state = {}
 
@@ -279,20 +240,12 @@ class NvmeTier(SwapFileTraffic, CpuTier):
 
     # -- the step: prepare (main/autograd thread), acquire and release (host worker) -------------
 
-    def prepare(self, group):
+    def finish_layout(self) -> None:
+        """Every file is laid out (ends the progress bar); idempotent."""
         self._layout.finish()
-        self._raise_failures()  # [Note: write failures]: before any update of the next step
-        if not self._placement_logged:
-            self._placement_logged = True
-            log.info(
-                "zkernel.nvme_tier.placement",
-                gpu_numel=self.gpu_share_numel,
-                host_numel=self.host_share_numel,
-                disk_numel=sum(s.segments[0].numel for s in self._swap.values()),
-                disk_bytes=sum(s.footprint for s in self._swap.values()),
-            )
-        if group.index not in self._swap:
-            return
+
+    def prepare(self, group):
+        """Queue ``group`` for a block and start its reads as soon as the pool has room."""
         with self._cv:
             self._pool()  # pinned here, on a thread bound to the device, not on the I/O reaper
             self._enqueue(self._swap[group.index])
@@ -354,13 +307,10 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         self._cv.notify_all()
 
     def acquire(self, group):
-        if group.index not in self._swap:
-            super().acquire(group)
-            return
+        """Wait for ``group``'s reads and point ``group.master`` and ``group.optim_state`` at its block."""
         with self._cv:
             slot = self._swap[group.index]
             if slot.state is _State.STEPPING:  # acquired again before its release (a step not taken)
-                super().acquire(group)
                 return
             self._fence()
             self._enqueue(slot)
@@ -380,12 +330,9 @@ class NvmeTier(SwapFileTraffic, CpuTier):
             block.data[extent.offset : extent.offset + extent.nbytes].zero_()
         group.master = block.view(torch.float32, 0, slot.segments[0].numel)
         group.optim_state = {s.name: block.view(s.dtype, s.offset, s.numel).view(s.shape) for s in slot.segments[1:]}
-        super().acquire(group)  # the gradient, and a staging buffer for the update (reads ``group.master``)
 
     def release(self, group):
-        if group.index not in self._swap:
-            super().release(group)
-            return
+        """Start writing ``group``'s block back (before the tier takes back the update's buffer)."""
         with self._cv:
             slot = self._swap[group.index]
             slot.state = _State.WRITING
@@ -396,7 +343,6 @@ class NvmeTier(SwapFileTraffic, CpuTier):
             for i in range(len(slot.file.extents)):
                 slot.file.write(self.io, i, slot.block.data, kind=SpanKind.NVME_WRITE, label=slot.name,
                                 done=lambda f, slot=slot: self._on_write(slot, f))
-        super().release(group)  # the staging buffer goes back once its upload is queued
 
     def _on_write(self, slot: _SwapSlot, future: Future) -> None:
         with self._cv:
@@ -408,7 +354,7 @@ class NvmeTier(SwapFileTraffic, CpuTier):
                 return
             if slot.write_error is not None:
                 slot.rescue = slot.block.data[: slot.footprint].clone()  # [Note: write failures]
-                self._write_failed(
+                self.traffic.write_failed(
                     slot.write_error, slot.name, slot.file.path,
                     f"writing the optimizer state of group {slot.name!r} to its swap file; the newest state is "
                     "kept in host memory and written again at the group's next step",
@@ -451,7 +397,6 @@ class NvmeTier(SwapFileTraffic, CpuTier):
             group.optim_state = {}
 
     def end_window(self, group):
-        super().end_window(group)
         with self._cv:
             slot = self._swap.get(group.index)
             if slot is None:
@@ -466,11 +411,6 @@ class NvmeTier(SwapFileTraffic, CpuTier):
                 self._free_block(slot)
                 slot.state = _State.ON_DISK
             self._pump()
-
-    def after_first_step(self, order):
-        # The GPU share was placed at adoption ([Note: spill]); only the accumulation room is left.
-        if self.cuda:
-            self._place_device_accumulation(order, int(0.8 * self._unused_device_bytes()))
 
     # -- reading and replacing state outside a step (close, state dicts, checkpoints) -------------
 
@@ -495,15 +435,11 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         return image
 
     def read_master(self, group):
-        if group.index not in self._swap:
-            return super().read_master(group)
         slot = self._swap[group.index]
         master = slot.segments[0]
         return self._current_image(slot, master.nbytes)[: master.nbytes].view(torch.float32)
 
     def read_state(self, group):
-        if group.index not in self._swap:
-            return super().read_state(group)
         slot = self._swap[group.index]
         image = self._current_image(slot, slot.footprint)
         views = {s.name: image[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slot.segments}
@@ -511,9 +447,6 @@ class NvmeTier(SwapFileTraffic, CpuTier):
         return ShardState(master=master, state=views)
 
     def write_state(self, group, state):
-        if group.index not in self._swap:
-            super().write_state(group, state)
-            return
         slot = self._swap[group.index]
         missing = sorted({s.name for s in slot.segments[1:]} - set(state.state))
         unknown = sorted(set(state.state) - {s.name for s in slot.segments})
@@ -546,12 +479,8 @@ class NvmeTier(SwapFileTraffic, CpuTier):
     # -- shutdown and accounting -----------------------------------------------------------------
 
     def close(self):
-        if self._closed:
-            return
-        self._closed = True
-        self._layout.finish()
+        """Wait for the I/O in flight, give every block back, then end the traffic (`SwapTraffic.close`)."""
         try:
-            super().close()
             self.io.wait_idle()
             with self._cv:
                 self._fence()
@@ -563,21 +492,14 @@ class NvmeTier(SwapFileTraffic, CpuTier):
                         group.grad = None
                 self._queue.clear()
         finally:
-            self._release_io()
+            self.traffic.close(self._arena)
 
-    @hookimpl
-    def zkernel_memory_tensors(self, group):
-        slot = self._swap.get(group.index)
-        landing = self._slots.get(group.index)
-        if slot is None:
-            return super().zkernel_memory_tensors(group)
-        if landing is None:
-            return None
+    def tensors(self, group) -> dict[str, list]:
+        """The master and state of ``group`` on disk, under `zkernel_memory_tensors`'s categories."""
+        slot = self._swap[group.index]
         path = str(slot.file.path)
         stored = {s.name: StoredBytes("nvme", (path, s.name), s.nbytes) for s in slot.segments}
         return {
-            "params": self._update_buffers(landing),
-            "grads": [landing.landing],
             "master_weights": [stored["master"]],
             "optimizer_state": [stored[s.name] for s in slot.segments[1:]],
         }

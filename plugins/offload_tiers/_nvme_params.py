@@ -61,11 +61,10 @@ from zkernel.spec.tiers import ParamsTier, Resource, StoredBytes
 from zkernel.telemetry.timeline import SpanKind
 
 from ._arena import Block, PinnedArena, aligned
-from ._io_queue import IoQueue, SwapFileTraffic
 from ._nvme_options import NvmeParamsOptions
 from ._progress import Preallocation
-from ._swap_dir import RunDirectory
 from ._swap_file import SwapFile, extents_of
+from ._swap_traffic import SwapTraffic
 
 log = get_logger()
 
@@ -109,7 +108,7 @@ class _ParamSlot:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-class NvmeParamsTier(SwapFileTraffic, ParamsTier):
+class NvmeParamsTier(ParamsTier):
     """Compute-dtype parameter shards in swap files, staged through a bounded pinned pool."""
 
     on_compute_device = False
@@ -123,16 +122,15 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
         self.streams = context.streams
         self.timeline = context.timeline
         self.compute_dtype = context.compute_dtype
-        self.run_dir = RunDirectory.acquire(context.config.offload.nvme_path, context.host_worker)
-        self.io = IoQueue(
-            threads=self.options.aio_threads, block_size=self.options.aio_block_size, timeline=context.timeline,
-            name="nvme-params",
+        self._traffic = SwapTraffic(
+            context.config.offload.nvme_path, context.host_worker, threads=self.options.aio_threads,
+            block_size=self.options.aio_block_size, timeline=context.timeline, name="nvme-params",
         )
+        self.run_dir, self.io = self._traffic.run_dir, self._traffic.io
         self._cv = threading.Condition(threading.RLock())
         self._slots: dict[int, _ParamSlot] = {}
         self._arena: PinnedArena | None = None
         self._retired: list[_HostCopy] = []  # not current, still read or written
-        self._failures: list[BaseException] = []
         self._layout = Preallocation("parameter")
         self._ahead = 0
         self._warned_overflow = False
@@ -140,6 +138,18 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
 
     def _pin(self) -> bool | None:
         return self.options.pin_memory
+
+    def wait_writes(self) -> None:
+        """See `SwapTraffic.wait_writes`."""
+        self._traffic.wait_writes()
+
+    @property
+    def bytes_read(self) -> int:
+        return self._traffic.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self._traffic.bytes_written
 
     # -- placement ---------------------------------------------------------------------------------
 
@@ -290,7 +300,7 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
     def prefetch_host(self, group):
         self._layout.finish()
         with self._cv:
-            self._raise_failures()
+            self._traffic.raise_failures()
             slot = self._slots[group.index]
             self._collect_uploads()
             if slot.host is None and slot.device is None:
@@ -300,7 +310,7 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
         self._layout.finish()
         with self._cv:
             if not block:
-                self._raise_failures()
+                self._traffic.raise_failures()
             slot = self._slots[group.index]
             self._collect_uploads()
             while not (self.cuda and slot.device is not None):
@@ -413,7 +423,7 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
                 slot.file.write(self.io, i, copy.block.data, kind=SpanKind.NVME_WRITE, label=f"params {slot.name}",
                                 done=lambda f, copy=copy, slot=slot: self._on_write(slot, copy, f))
             if group.module is not None:  # [Note: write failures]: this group's update is complete
-                self._raise_failures()
+                self._traffic.raise_failures()
         return None
 
     def _fill(self, copy: _HostCopy, slot: _ParamSlot, source: torch.Tensor) -> None:
@@ -439,7 +449,7 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
                 return
             if copy.write_error is not None:
                 slot.rescue = copy.block.data[: aligned(slot.nbytes)].clone()  # [Note: write failures]
-                self._write_failed(
+                self._traffic.write_failed(
                     copy.write_error, slot.name, slot.file.path,
                     f"writing the parameter shard of group {slot.name!r} to its swap file; the newest values are "
                     "kept in host memory and written again after the group's next step",
@@ -518,7 +528,7 @@ class NvmeParamsTier(SwapFileTraffic, ParamsTier):
                     copy.uploads, copy.in_use, copy.waiters = [], False, 0
                 self._collect_uploads()
         finally:
-            self._release_io()
+            self._traffic.close(self._arena)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

@@ -1,23 +1,244 @@
 """Tier ``nvme``: optimizer state (fp32 masters and declared state) and parameter shards in swap files.
 
-The optimizer role is `NvmeTier` (``_nvme_optimizer``), the params role
-`NvmeParamsTier` (``_nvme_params``); both keep their files in one run
-directory per engine under ``offload.nvme_path`` (``_swap_dir``), move them
-through the native async I/O engine with a reaper thread (``_io_queue``),
-stage them in a bounded pool of page-locked blocks (``_arena``) and check
+The optimizer role is `NvmeTier` (below), the params role `NvmeParamsTier`
+(``_nvme_params``); each holds a `SwapTraffic` (``_swap_traffic``): one run
+directory per engine and role under ``offload.nvme_path`` (``_swap_dir``),
+the native async I/O engine with a reaper thread (``_io_queue``); both stage
+their files in a bounded pool of page-locked blocks (``_arena``) and check
 every read against the CRC32C of what was written (``_swap_file``). Each role
 has its own options (``_nvme_options``).
+
+`NvmeTier` is a composition: the gradient side is the ``cpu`` tier's parts
+(`HostLanding`, `HostUpdates`, `GpuShare`, `HostPlacement`), without
+speculation, and the groups on disk are `OptimizerSwap`'s
+(``_nvme_optimizer``: the swap files and the pipeline of reads, step and
+writes through the pool). Each per-group call goes to the part that holds the
+group: the GPU share's inner device tier, the host placement, or the disk.
+
+[Note: no speculation on disk] Steps whose coefficient is known before
+backward ends (no clipping, no fp16 scale) start during backward as with the
+cpu tier (`prepare` then comes from autograd's thread). A *speculative* step
+is declined (``speculate = "never"``): its state is written back at
+`release`, so a rollback would first read it back from disk, and a clipped
+window would move every group's state twice. `acquire` is idempotent while a
+group steps (the pipeline acquires again when it leaves a step untaken).
+
+[Note: spill] A box's capacity is its GPU, host memory and disk together: the
+optimizer of a model that fits in none of them alone may fit across all
+three. ``gpu_share`` and ``host_share`` split the trainable elements in module
+order (the next forward's order), group by group: the first ``gpu_share`` keep
+master, state and gradient on the GPU and step there (the cpu tier's [Note: GPU
+share], placed at `adopt`), the next ``host_share`` keep master and state in
+host memory and step on the host like the cpu tier's groups, and the rest,
+the last layers, live in swap files. That order is also the fast one: the
+step runs in the next forward's order, so the pool reads the first disk
+groups while the GPU and host groups step, and the disk groups, which the
+next forward needs last, are written back behind it. Only the disk part
+crosses the disk.
 """
 
 from __future__ import annotations
 
 from zkernel.spec import ConfigError, hookimpl
+from zkernel.spec.tiers import OptimizerTier, Resource
+from zkernel.telemetry.log import get_logger
 
-from ._nvme_optimizer import NvmeTier
+from ._gpu_share import SHARE_BYTES, GpuShare, unused_device_bytes
+from ._host_home import HostPlacement
+from ._host_landing import HostLanding
+from ._nvme_optimizer import DEFAULT_BUFFER_BYTES, OptimizerSwap
 from ._nvme_options import NvmeParamsOptions, NvmeTierOptions
 from ._nvme_params import NvmeParamsTier
+from ._staging import HostUpdates
+from ._swap_traffic import SwapTraffic
 
 __all__ = ["NvmeParamsOptions", "NvmeParamsTier", "NvmeTier", "NvmeTierOptions", "nvme_tier"]
+
+log = get_logger()
+
+
+class NvmeTier(OptimizerTier):
+    """Masters and optimizer state in swap files, streamed through a bounded pinned pool for each step.
+
+    Every call runs on the thread [Note: tier threads] names; `prepare` on the
+    main thread (autograd's for a step started during backward).
+    """
+
+    masters_on_compute_device = False
+    speculate = "never"  # [Note: no speculation on disk]
+
+    def __init__(self, context, role: str = "optimizer") -> None:
+        self.options = options = context.options or NvmeTierOptions()
+        self.cuda = context.device.type == "cuda"
+        self.device = context.device
+        self._traffic = SwapTraffic(
+            context.config.offload.nvme_path, context.host_worker, threads=options.aio_threads,
+            block_size=options.aio_block_size, timeline=context.timeline, name="nvme-optimizer",
+        )
+        self.run_dir = self._traffic.run_dir
+        self._disk = OptimizerSwap(options, self._traffic, context.streams, self.cuda)
+        self._home = HostPlacement(options.pin_memory)
+        self._landing = HostLanding(
+            context,
+            pin=options.pin_memory,
+            grad_dtype=options.grad_dtype,
+            staging_buffers=options.staging_buffers,
+            device_accumulation=options.device_accumulation,
+        )
+        self._updates = HostUpdates(options.staging_buffers, context.compute_dtype, options.pin_memory, context.streams)
+        self._share = GpuShare(context, options.gpu_share)  # placed at adopt ([Note: spill])
+        self.host_share_numel = 0
+        self._placement_logged = False
+        self._closed = False
+
+    @property
+    def gpu_share_numel(self) -> int:
+        return self._share.numel
+
+    def wait_writes(self) -> None:
+        """See `SwapTraffic.wait_writes`."""
+        self._traffic.wait_writes()
+
+    @property
+    def bytes_read(self) -> int:
+        return self._traffic.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self._traffic.bytes_written
+
+    # -- placement (main thread) ------------------------------------------------------------------
+
+    def demand(self, numel, state, compute_dtype):
+        self._share.planned_numel = numel
+        gpu, host = self._share.adopt_time_fraction(), self.options.host_share
+        image = 4 * numel + sum(s.nbytes for s in state)  # master and state of every group
+        disk = int(image * max(0.0, 1.0 - gpu - host))
+        pool = (self.options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)) if disk else 0
+        self._disk.plan(disk)
+        landing = self._landing.element_size
+        need = {Resource.HOST: int(numel * (1 - gpu)) * landing + int(image * host) + pool, Resource.DISK: disk}
+        if gpu:
+            need[Resource.DEVICE] = int(numel * gpu) * SHARE_BYTES  # master, two moments and the gradient
+        return need
+
+    def adopt(self, group, master, state):
+        numel = master.numel()
+        if self._share.takes(group, numel):
+            self._share.adopt(group, master, state)
+            return
+        host = self.options.host_share
+        everything = host > 0 and self._share.adopt_time_fraction() + host >= 1.0 - 1e-9  # shares summing to 1: no disk
+        on_host = everything or numel <= int(host * self._share.planned_numel) - self.host_share_numel
+        if on_host:
+            self.host_share_numel += numel
+            self._home.adopt(group, master, state)
+        self._updates.adopt(group)  # (reads the initial ``group.master``)
+        self._landing.adopt(group, numel)
+        if not on_host:
+            self._disk.adopt(group, master, state)  # (empties ``group.master`` until the group steps)
+
+    def after_first_step(self, order):
+        # The GPU share was placed at adoption ([Note: spill]); only the accumulation room is left.
+        if self.cuda:
+            self._landing.place_device_accumulation(order, int(0.8 * unused_device_bytes(self.device)))
+
+    # -- gradients (autograd's thread; flush and norms on the main thread) --------------------------
+
+    def land(self, group, reduced, final):
+        if self._share.holds(group):
+            return self._share.tier.land(group, reduced, final)
+        self._landing.land(group, reduced, final)
+
+    def flush(self):
+        self._landing.flush()
+        self._share.tier.flush()
+
+    def grad_sq_norm(self, groups):
+        out = self._share.tier.grad_sq_norm([g for g in groups if self._share.holds(g)])
+        return self._landing.sq_norms(groups, out)
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def steps_on_host(self, group):
+        return not self._share.holds(group)
+
+    def prepare(self, group):
+        self._disk.finish_layout()
+        self._traffic.raise_failures()  # [Note: write failures]: before any update of the next step
+        if not self._placement_logged:
+            self._placement_logged = True
+            log.info(
+                "zkernel.nvme_tier.placement",
+                gpu_numel=self.gpu_share_numel,
+                host_numel=self.host_share_numel,
+                disk_numel=self._disk.numel(),
+                disk_bytes=self._disk.nbytes(),
+            )
+        if self._disk.holds(group):
+            self._disk.prepare(group)
+
+    def acquire(self, group):
+        if self._share.holds(group):
+            return self._share.tier.acquire(group)
+        if self._disk.holds(group):
+            self._disk.acquire(group)
+        self._landing.acquire(group)
+        self._updates.lend(group)  # (reads ``group.master``)
+
+    def release(self, group):
+        if self._share.holds(group):
+            return self._share.tier.release(group)
+        if self._disk.holds(group):
+            self._disk.release(group)
+        self._updates.take_back(group)  # once its upload is queued
+
+    def end_window(self, group):
+        if self._share.holds(group):
+            return self._share.tier.end_window(group)
+        self._landing.end_window(group)
+        if self._disk.holds(group):
+            self._disk.end_window(group)
+
+    # -- state outside a step (main thread) -------------------------------------------------------
+
+    def read_master(self, group):
+        return self._disk.read_master(group) if self._disk.holds(group) else group.master
+
+    def read_state(self, group):
+        if self._share.holds(group):
+            return self._share.tier.read_state(group)
+        return self._disk.read_state(group) if self._disk.holds(group) else self._home.read_state(group)
+
+    def write_state(self, group, state):
+        if self._share.holds(group):
+            return self._share.tier.write_state(group, state)
+        if self._disk.holds(group):
+            return self._disk.write_state(group, state)
+        self._home.write_state(group, state)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._disk.finish_layout()
+        try:
+            self._landing.close()
+            self._share.close()
+            self._updates.close()
+        finally:
+            self._disk.close()
+
+    @hookimpl
+    def zkernel_memory_tensors(self, group):
+        if self._share.holds(group):
+            return self._share.tier.zkernel_memory_tensors(group)
+        disk = self._disk.holds(group)
+        grads = self._landing.tensors(group, device_sum=not disk)
+        if grads is None:
+            return None
+        stored = self._disk.tensors(group) if disk else self._home.tensors(group)
+        return {"params": self._updates.buffers(group), "grads": grads, **stored}
 
 
 def check_nvme_config(config, slot) -> None:
