@@ -29,10 +29,8 @@ memory; an update computed on the device (or an fp32 master) is first copied
 into a block. While that write is in flight the block is the group's host
 copy: a fetch uploads from it and never reads a file that is being written.
 
-A blocking fetch finds room by giving back blocks read ahead but not used
-yet (the furthest ahead first); if all room is taken by transfers in flight
-it waits for them, and where nothing can free room (every block handed to a
-gather that has not ended) it takes a block outside the pool, with a warning.
+A blocking fetch finds room in the pool as `ParamBlocks` (``_param_blocks``)
+says.
 
 [Note: write failures] apply as for the optimizer role: a failed write
 leaves the newest shard in host memory (the rescue copy), the file's extents
@@ -55,38 +53,16 @@ import torch
 
 from zkernel.spec import hookimpl
 from zkernel.platform.aio import aligned_empty
-from zkernel.telemetry.log import get_logger
 from zkernel.platform.streams import record_event
 from zkernel.spec.tiers import ParamsTier, Resource, StoredBytes
 from zkernel.telemetry.timeline import SpanKind
 
-from ._arena import Block, PinnedArena, aligned
+from ._arena import aligned
 from ._nvme_options import NvmeParamsOptions
+from ._param_blocks import HostCopy, ParamBlocks
 from ._progress import Preallocation
 from ._swap_file import SwapFile, extents_of
 from ._swap_traffic import SwapTraffic
-
-log = get_logger()
-
-
-@attrs.define(eq=False)
-class _HostCopy:
-    """A block holding one shard image, and who still reads or writes it."""
-
-    block: Block
-    reading: int = 0  # reads in flight into it
-    error: BaseException | None = None  # a read's failure
-    writing: int = 0  # writes in flight from it
-    write_error: BaseException | None = None
-    in_use: bool = False  # without CUDA: handed to a gather as ``device_shard``
-    waiters: int = 0  # fetches waiting for its reads (it is not given back meanwhile)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.reading or self.writing or self.in_use or self.uploads or self.waiters)
-    uploads: list = attrs.field(factory=list)  # CUDA events of uploads reading it
-    current: bool = True  # the group's host copy (else freed once nobody uses it)
-    overflow: bool = False  # allocated outside the pool
 
 
 @attrs.define(eq=False)
@@ -96,10 +72,10 @@ class _ParamSlot:
     file: SwapFile
     numel: int
     dtype: torch.dtype
-    host: _HostCopy | None = None
+    host: HostCopy | None = None
     device: tuple | None = None  # (device tensor, upload event) with CUDA
-    lent: _HostCopy | None = None  # the block lent as ``copy_out`` for a step
-    given: _HostCopy | None = None  # without CUDA: the copy handed to a gather as ``device_shard``
+    lent: HostCopy | None = None  # the block lent as ``copy_out`` for a step
+    given: HostCopy | None = None  # without CUDA: the copy handed to a gather as ``device_shard``
     rescue: torch.Tensor | None = None  # the newest image, when its last write failed
     ahead: int = 0  # read-ahead order (larger = asked later), for giving room back
 
@@ -129,15 +105,10 @@ class NvmeParamsTier(ParamsTier):
         self.run_dir, self.io = self._traffic.run_dir, self._traffic.io
         self._cv = threading.Condition(threading.RLock())
         self._slots: dict[int, _ParamSlot] = {}
-        self._arena: PinnedArena | None = None
-        self._retired: list[_HostCopy] = []  # not current, still read or written
+        self._blocks = ParamBlocks(self.options, self._slots, self._cv)
         self._layout = Preallocation("parameter")
         self._ahead = 0
-        self._warned_overflow = False
         self._closed = False
-
-    def _pin(self) -> bool | None:
-        return self.options.pin_memory
 
     def wait_writes(self) -> None:
         """See `SwapTraffic.wait_writes`."""
@@ -184,91 +155,10 @@ class NvmeParamsTier(ParamsTier):
             raise
         slot.rescue = None
 
-    def _pool(self) -> PinnedArena:
-        if self._arena is None:
-            sizes = [aligned(s.nbytes) for s in self._slots.values()]
-            size = self.options.buffer_bytes or min(
-                2 * sum(sizes), self.options.lookahead_host_bytes + 4 * max(sizes, default=0)
-            )
-            self._arena = PinnedArena(size, pin=self._pin(), name="params")
-        return self._arena
-
-    # -- blocks ----------------------------------------------------------------------------------------
-
-    def _allocate(self, nbytes: int, *, wait: bool) -> _HostCopy | None:
-        """A block for ``nbytes`` (``_cv`` held); with ``wait``, room is made (see the module docstring)."""
-        while True:
-            self._collect_uploads()
-            block = self._pool().allocate(nbytes)
-            if block is not None:
-                return _HostCopy(block)
-            if not wait:
-                return None
-            if self._give_back_read_ahead():
-                continue
-            if self._transfers_in_flight():
-                self._cv.wait(timeout=0.005 if self._uploads_pending() else None)
-                continue
-            if not self._warned_overflow:
-                self._warned_overflow = True
-                log.warning(
-                    "zkernel.nvme.params_pool_full", buffer_bytes=self._pool().capacity, nbytes=nbytes,
-                    hint="every block is in use by a gather; raise offload.params_options.buffer_bytes",
-                )
-            data = aligned_empty(aligned(nbytes), torch.uint8, pin=self._pin())
-            return _HostCopy(Block(-1, data.numel(), data), overflow=True)
-
-    def _give_back_read_ahead(self) -> bool:
-        """Free the idle read-ahead copy asked for last; whether one was found."""
-        idle = [s for s in self._slots.values() if s.host is not None and not s.host.busy and s.host.error is None]
-        if not idle:
-            return False
-        slot = max(idle, key=lambda s: s.ahead)
-        self._retire(slot.host)
-        slot.host = None
-        return True
-
-    def _transfers_in_flight(self) -> bool:
-        copies = [s.host for s in self._slots.values() if s.host is not None] + self._retired
-        return any(c.reading or c.writing or c.uploads for c in copies)
-
-    def _uploads_pending(self) -> bool:
-        copies = [s.host for s in self._slots.values() if s.host is not None] + self._retired
-        return any(c.uploads for c in copies)
-
-    def _collect_uploads(self, *, query: bool = True) -> None:
-        """Forget finished uploads and free retired copies nobody uses any more (``_cv`` held).
-        ``query=False`` on the reaper thread, which makes no CUDA calls (it has no device bound)."""
-        if query:
-            for copy in [s.host for s in self._slots.values() if s.host is not None] + self._retired:
-                if copy.uploads:
-                    copy.uploads = [e for e in copy.uploads if not e.query()]
-        still = []
-        for copy in self._retired:
-            if copy.busy:
-                still.append(copy)
-            else:
-                self._free(copy)
-        self._retired = still
-
-    def _retire(self, copy: _HostCopy) -> None:
-        copy.current = False
-        if copy.busy:
-            self._retired.append(copy)
-        else:
-            self._free(copy)
-
-    def _free(self, copy: _HostCopy) -> None:
-        if copy.overflow:
-            copy.block.data = copy.block.data[:0]
-        elif self._arena is not None:
-            self._arena.free(copy.block)
-        self._cv.notify_all()
-
     # -- reads ----------------------------------------------------------------------------------------
 
     def _read(self, slot: _ParamSlot, *, wait: bool) -> bool:
-        copy = self._allocate(slot.nbytes, wait=wait)
+        copy = self._blocks.allocate(slot.nbytes, wait=wait)
         if copy is None:
             return False
         slot.host = copy
@@ -286,7 +176,7 @@ class NvmeParamsTier(ParamsTier):
                            done=lambda f, copy=copy, slot=slot: self._on_read(slot, copy, f))
         return True
 
-    def _on_read(self, slot: _ParamSlot, copy: _HostCopy, future: Future) -> None:
+    def _on_read(self, slot: _ParamSlot, copy: HostCopy, future: Future) -> None:
         with self._cv:
             error = future.exception()
             if error is not None and copy.error is None:
@@ -294,7 +184,7 @@ class NvmeParamsTier(ParamsTier):
                 copy.error = error
             copy.reading -= 1
             if copy.reading == 0 and not copy.current:
-                self._collect_uploads(query=False)
+                self._blocks.collect_uploads(query=False)
             self._cv.notify_all()
 
     def prefetch_host(self, group):
@@ -302,7 +192,7 @@ class NvmeParamsTier(ParamsTier):
         with self._cv:
             self._traffic.raise_failures()
             slot = self._slots[group.index]
-            self._collect_uploads()
+            self._blocks.collect_uploads()
             if slot.host is None and slot.device is None:
                 self._read(slot, wait=False)
 
@@ -312,7 +202,7 @@ class NvmeParamsTier(ParamsTier):
             if not block:
                 self._traffic.raise_failures()
             slot = self._slots[group.index]
-            self._collect_uploads()
+            self._blocks.collect_uploads()
             while not (self.cuda and slot.device is not None):
                 if slot.host is None and not self._read(slot, wait=block):
                     return False
@@ -326,12 +216,12 @@ class NvmeParamsTier(ParamsTier):
                             self._cv.wait()
                     finally:
                         copy.waiters -= 1
-                    self._collect_uploads()
+                    self._blocks.collect_uploads()
                     continue  # a step's commit may have replaced it meanwhile: look again
                 if copy.error is not None:
                     error = copy.error
                     slot.host = None
-                    self._retire(copy)
+                    self._blocks.retire(copy)
                     raise error
                 view = copy.block.view(slot.dtype, 0, slot.numel)
                 if not self.cuda:
@@ -346,7 +236,7 @@ class NvmeParamsTier(ParamsTier):
                 group.device_shard = tensor
             return True
 
-    def _give(self, slot: _ParamSlot, copy: _HostCopy) -> None:
+    def _give(self, slot: _ParamSlot, copy: HostCopy) -> None:
         """Without CUDA: ``copy`` is what a gather reads, until `drop_device`."""
         if slot.given is not copy:
             self._take_back(slot)
@@ -360,10 +250,10 @@ class NvmeParamsTier(ParamsTier):
         copy.in_use = False
         if copy is slot.host and copy.writing == 0:  # gathered: read it again when it is needed again
             slot.host = None
-            self._retire(copy)
-        self._collect_uploads()
+            self._blocks.retire(copy)
+        self._blocks.collect_uploads()
 
-    def _upload(self, slot: _ParamSlot, copy: _HostCopy, view: torch.Tensor) -> None:
+    def _upload(self, slot: _ParamSlot, copy: HostCopy, view: torch.Tensor) -> None:
         h2d = self.streams.h2d
         with torch.cuda.stream(h2d), self.timeline.span(SpanKind.PARAM_H2D, stream=h2d, label=slot.name, nbytes=slot.nbytes):
             tensor = torch.empty(view.shape, dtype=view.dtype, device=self.device)
@@ -373,7 +263,7 @@ class NvmeParamsTier(ParamsTier):
         copy.uploads.append(event)
         if copy.writing == 0:  # the device has it now; a copy being written stays until it is on disk
             slot.host = None
-            self._retire(copy)
+            self._blocks.retire(copy)
 
     def drop_device(self, group):
         with self._cv:
@@ -401,7 +291,7 @@ class NvmeParamsTier(ParamsTier):
             if group.copy_out is not None and slot.lent is None:
                 return  # the optimizer tier writes the update elsewhere
             if slot.lent is None:
-                slot.lent = self._allocate(slot.nbytes, wait=True)
+                slot.lent = self._blocks.allocate(slot.nbytes, wait=True)
             group.copy_out = slot.lent.block.view(slot.dtype, 0, slot.numel)
 
     def commit(self, group):
@@ -412,7 +302,7 @@ class NvmeParamsTier(ParamsTier):
             if copy is not None:
                 group.copy_out = None
             else:
-                copy = self._allocate(slot.nbytes, wait=True)
+                copy = self._blocks.allocate(slot.nbytes, wait=True)
                 self._fill(copy, slot, group.copy_out if group.copy_out is not None else group.master)
             slot.host = copy
             self._ahead += 1
@@ -426,7 +316,7 @@ class NvmeParamsTier(ParamsTier):
                 self._traffic.raise_failures()
         return None
 
-    def _fill(self, copy: _HostCopy, slot: _ParamSlot, source: torch.Tensor) -> None:
+    def _fill(self, copy: HostCopy, slot: _ParamSlot, source: torch.Tensor) -> None:
         """The update computed elsewhere (the device, or an fp32 master) into ``copy``'s block."""
         view = copy.block.view(slot.dtype, 0, slot.numel)
         if source.device.type == "cpu" or not self.cuda:
@@ -439,7 +329,7 @@ class NvmeParamsTier(ParamsTier):
             source.record_stream(d2h)
         record_event(d2h).synchronize()
 
-    def _on_write(self, slot: _ParamSlot, copy: _HostCopy, future: Future) -> None:
+    def _on_write(self, slot: _ParamSlot, copy: HostCopy, future: Future) -> None:
         with self._cv:
             error = future.exception()
             if error is not None and copy.write_error is None:
@@ -458,8 +348,8 @@ class NvmeParamsTier(ParamsTier):
                 slot.rescue = None
             if slot.host is copy and not copy.in_use:
                 slot.host = None  # on disk now: read again when it is needed (the pool stays free)
-                self._retire(copy)
-            self._collect_uploads(query=False)
+                self._blocks.retire(copy)
+            self._blocks.collect_uploads(query=False)
             self._cv.notify_all()
 
     # -- checkpoints (between steps) ----------------------------------------------------------------------
@@ -492,7 +382,7 @@ class NvmeParamsTier(ParamsTier):
         """New values are coming: the host and device copies of the old ones are not used again (``_cv`` held)."""
         old, slot.host = slot.host, None
         if old is not None:
-            self._retire(old)
+            self._blocks.retire(old)
         if slot.device is not None:
             tensor, _ = slot.device
             slot.device = None
@@ -518,17 +408,17 @@ class NvmeParamsTier(ParamsTier):
                     for copy in (slot.host, slot.lent):
                         if copy is not None:
                             copy.uploads, copy.in_use = [], False
-                            self._retire(copy)
+                            self._blocks.retire(copy)
                     slot.host = slot.lent = None
                     group = slot.group()
                     if group is not None:
                         group.device_shard = None
                         group.copy_out = None
-                for copy in self._retired:
+                for copy in self._blocks.retired:
                     copy.uploads, copy.in_use, copy.waiters = [], False, 0
-                self._collect_uploads()
+                self._blocks.collect_uploads()
         finally:
-            self._traffic.close(self._arena)
+            self._traffic.close(self._blocks.arena)
 
     @hookimpl
     def zkernel_memory_tensors(self, group):
