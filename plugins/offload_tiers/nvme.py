@@ -1,9 +1,10 @@
 """Tier ``nvme``: optimizer state (fp32 masters and declared state) and parameter shards in swap files.
 
 The optimizer role is `NvmeTier` (below), the params role `NvmeParamsTier`
-(``_nvme_params``); each holds a `SwapTraffic` (``_swap_traffic``): one run
-directory per engine and role under ``offload.nvme_path`` (``_swap_dir``),
-the native async I/O engine with a reaper thread (``_io_queue``); both stage
+(``_nvme_params``); each holds a `SwapTraffic` (``_swap_traffic``): the
+engine's one run directory under ``offload.nvme_path``, which both roles
+share (``_swap_dir``), and its own native async I/O engine with a reaper
+thread (``_io_queue``); both stage
 their files in a bounded pool of page-locked blocks (``_arena``) and check
 every read against the CRC32C of what was written (``_swap_file``). Each role
 has its own options (``_nvme_options``).
