@@ -12,13 +12,13 @@ holds the answers to ``memory_report()``):
   the compute-dtype shard in host memory. Host steps round their updates into
   buffers lent per step from one pool of ``staging_buffers`` (each as large
   as the largest group). ``gpu_share`` keeps the optimizer of the first groups
-  on the GPU ([Note: GPU share] in `cpu`): module-bound groups as they are
+  on the GPU ([Note: GPU share] in `_gpu_share`): module-bound groups as they are
   adopted, the others moved after the first step (their master then a copy);
   ``"auto"`` is sized at run time from free GPU memory and is answered as 0.
 * ``nvme``: master and optimizer state in swap files, the gradient landing
   buffer and staging copy in host memory; ``gpu_share`` (placed at adopt) and
   ``host_share`` keep the first groups' optimizer on the GPU and in host
-  memory ([Note: spill] in `_nvme_optimizer`). Files stream through a
+  memory ([Note: spill] in `nvme`). Files stream through a
   page-locked pool (``buffer_bytes``, else `DEFAULT_BUFFER_BYTES` or two of
   the largest group's file image, capped at all of them). As the params tier,
   the shard in swap files, read through its own pool (``buffer_bytes``, else
