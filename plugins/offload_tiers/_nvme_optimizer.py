@@ -41,11 +41,13 @@ is copied to plain host memory (the *rescue copy*) before it returns to the
 pool, so the newest master and state of every group are always either in its
 file (all extents written and checksummed) or in memory, never lost and never
 read back half-written. The step during which the write failed completes for
-every group (a write failure of one group does not stop another's step); the
-error, naming the file and offset, is raised by the next `prepare`, that is
-before any group of the next step is updated (from `Engine.step`, or from
-`Engine.backward` when steps start during backward), so every group has been
-stepped the same number of times. The next step of that group starts from its
+every group (a write failure of one group does not stop another's step, and
+no `prepare` raises); the error, naming the file and offset, is taken by the
+step pipeline at the end of the next boundary backward (`take_write_failures`),
+which then takes that step on no group and no rank and raises it from
+`Engine.step` on every rank ([Note: a step is all-or-nothing] in
+`zkernel.kernel.step_outcome`): every group has been stepped the same number
+of times. The next step of that group starts from its
 rescue copy and writes it again, so once the disk has room training can go
 on; `read_master` (and so `Engine.close`, which gives the model back) reads
 the rescue copy. `close` removes the files and does not raise a failure that
@@ -314,9 +316,10 @@ class OptimizerSwap:
                 return
             self._fence()
             self._enqueue(slot)
-            while slot.state is not _State.RESIDENT:
-                self._pump()
+            self._pump()
+            while slot.state is not _State.RESIDENT:  # (a rescue copy is resident as `_pump` returns)
                 self._cv.wait()
+                self._pump()
             if slot.error is not None:
                 error, slot.error = slot.error, None
                 self._free_block(slot)
@@ -407,7 +410,7 @@ class OptimizerSwap:
                 slot.state = _State.ON_DISK
             elif slot.state is _State.READING:
                 slot.discard = True
-            elif slot.state is _State.RESIDENT:
+            elif slot.state in (_State.RESIDENT, _State.STEPPING):  # STEPPING: acquired, its step not taken
                 self._free_block(slot)
                 slot.state = _State.ON_DISK
             self._pump()

@@ -48,6 +48,12 @@ class SwapTraffic:
             self._failures.append(error)
         log.error("zkernel.nvme.write_failed", group=name, path=str(path), error=str(error))
 
+    def take_failures(self) -> list[BaseException]:
+        """The write failures kept since the last call (or `raise_failures`), taken."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
+
     def raise_failures(self) -> None:
         """Raise the write failures kept since the last call, the first with the others as notes."""
         with self._lock:

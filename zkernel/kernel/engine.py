@@ -14,6 +14,18 @@ step one by one (on the host worker thread where the tier keeps them on the
 host), the step's coefficient folding the loss unscale and the clip factor.
 An fp16 overflow anywhere shows up as a non-finite global norm on every rank,
 so all ranks skip together.
+
+[Note: non-finite gradients] A NaN or inf gradient is never applied, in any
+precision, with clipping or without: the global norm is computed at every
+boundary (with clipping off too; its all-reduce is the one clipping makes, so
+a non-finite gradient on one rank makes the norm inf on every rank), and a
+non-finite norm skips the step on every rank, counted in ``skipped_steps`` and
+logged as ``zkernel.step.nonfinite`` (WARNING; fp16's overflow at INFO, as the
+loss scale expects them). Host steps started during backward with a known
+coefficient are checked first against their own group's norm (a host value
+by then) and rolled back when another group or rank was not finite, so they
+are taken only for an optimizer that can roll back. The cost with clipping off
+is that one scalar read per step (the one clipping has anyway).
 """
 
 from __future__ import annotations
@@ -152,6 +164,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
+        self._redo_window = False  # the last step was not taken: its window must run again
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
         # hook handles hold their hooks weakly, and tiers keep no reference to groups
@@ -296,14 +309,16 @@ class Engine:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
-            norm = self.pipeline.end_backward(boundary, self._needs_norm(), self.scheduler.readiness.window_used)
+            # The norm at every boundary, clipping or not ([Note: non-finite gradients]).
+            norm = self.pipeline.end_backward(boundary, True, self.scheduler.readiness.window_used)
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
             self._exit_guard()
         self._backward_done = True
+        self._redo_window = False
         if boundary:
-            self._coefficient = (self._coefficient_from(norm),)
+            self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
 
     @requires_open("step()")
     def step(self) -> None:
@@ -314,6 +329,12 @@ class Engine:
         schedule stay), as DeepSpeed applies no step then; what a forward kept for its backward is
         released.
         """
+        if self._redo_window and not self._backward_done:
+            raise RuntimeError(
+                f"step {self.global_steps} was not taken (a write of the optimizer's state failed, "
+                "see the OSError step() raised), and no backward ran since: run this accumulation "
+                "window's micro-batches again (forward, backward, step) on every rank"
+            )
         if not self._backward_done:
             self.scheduler.release_kept()  # a forward whose backward never came: its values change now
             log.warning(
@@ -332,9 +353,11 @@ class Engine:
         self.scheduler.release_kept()  # a forward whose backward never came: its values change now
         if self._coefficient is None:  # no backward ended this window: step what got gradients
             self.pipeline.begin_backward(True, known=None, speculative=None)
-            norm = self.pipeline.end_backward(True, self._needs_norm(), self.scheduler.readiness.window_used)
-            self._coefficient = (self._coefficient_from(norm),)
+            norm = self.pipeline.end_backward(True, True, self.scheduler.readiness.window_used)
+            self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
         (coefficient,), self._coefficient = self._coefficient, None
+        if self.pipeline.outcome.failed:
+            self._not_taken()
         with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
             if coefficient is None:
                 self.skipped_steps += 1
@@ -348,6 +371,19 @@ class Engine:
         self._apply_lr_schedule()
         if self.loss_scaler is not None:  # last: it may raise, with the skipped step recorded
             self.loss_scaler.update(coefficient is None)
+
+    def _not_taken(self) -> None:
+        """This window's step is taken on no rank: a write failed ([Note: a step is all-or-nothing]
+        in `zkernel.kernel.step_outcome`). Undo what stepped early, rewind to the window's start, raise."""
+        try:
+            with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
+                self.pipeline.step(None, self.scheduler)  # early steps rolled back, every window ended
+            self.pipeline.wait_all()
+        finally:
+            self.scheduler.readiness.window_used.clear()
+            self.micro_steps -= self.config.gradient_accumulation_steps
+            self._redo_window = True
+        self.pipeline.outcome.raise_failure(self.optimizer_tier, self.global_steps)
 
     @requires_open("memory_report()")
     def memory_report(self) -> dict[str, dict[str, int]]:

@@ -61,6 +61,7 @@ from zkernel.telemetry.profiling import profiler_range
 from zkernel.platform.streams import current_stream
 from zkernel.spec.tiers import SPECULATE_POLICIES, OptimizerTier, ParamsTier
 from zkernel.telemetry.timeline import SpanKind, Timeline
+from zkernel.kernel.step_outcome import StepOutcome
 from zkernel.kernel.unused_params import UnusedParams, keep_elements
 from zkernel.kernel.wiring import Publisher
 
@@ -152,6 +153,7 @@ class StepPipeline:
         self._updates: dict[int, Future] = {}
         self._last_clean = False  # the last boundary step applied no clip factor and no skip
         self._rebalanced = False
+        self.outcome = StepOutcome(distributed)  # [Note: a step is all-or-nothing]
         self.rollbacks = 0
         self.early_steps = 0
         self.aborted_speculations = 0  # windows whose speculation a group's own gradient stopped
@@ -173,7 +175,10 @@ class StepPipeline:
         if not boundary:
             return
         if known is not None:
-            self._early_coefficient, self._early_exact = known, True
+            # Known, but not yet whether every gradient is finite: an early step may still be
+            # undone ([Note: non-finite gradients]), so only an optimizer that can roll back takes it.
+            if self.can_rollback:
+                self._early_coefficient, self._early_exact = known, True
         elif speculative is not None and self.can_rollback and self._want_speculation():
             self._early_coefficient = speculative
 
@@ -226,26 +231,32 @@ class StepPipeline:
                 self._skip[group.index] = positions
 
     def _global_norm(self) -> float:
+        """The global gradient norm (inf where any gradient is not finite), and, in the same
+        all-reduce, whether a write of the optimizer's state failed on any rank
+        (`failed_writes`, see [Note: a step is all-or-nothing] in `zkernel.kernel.step_outcome`)."""
         sharded = [g for g in self.trainable if g.grad_is_shard]
         whole = [g for g in self.trainable if not g.grad_is_shard]
-        total = 0.0
-        for groups, reduce in ((sharded, True), (whole, False)):
-            if not groups:
-                continue
-            device_parts, host_parts = [], 0.0
-            for sq in self.tier.grad_sq_norm(groups):
-                if isinstance(sq, Future):
-                    host_parts += sq.result()
-                elif isinstance(sq, torch.Tensor):
-                    device_parts.append(sq.reshape(()).float())
-                else:
-                    host_parts += float(sq)
-            part = torch.stack(device_parts).sum() if device_parts else torch.zeros(())
-            part = part + host_parts
-            if reduce and self.distributed:
-                part = self._all_reduce_scalar(part)
-            total += float(part)
+        self.outcome.collect(self.tier)
+        sharded_sq = self._sq_sum(sharded)
+        if self.distributed and (sharded or self.tier.may_fail_writes):
+            sharded_sq = self.outcome.agree(sharded_sq, self._all_reduce_scalar)
+        total = float(sharded_sq) if sharded else 0.0
+        if whole:
+            total += float(self._sq_sum(whole))
         return math.sqrt(total) if total >= 0 and math.isfinite(total) else float("inf")
+
+    def _sq_sum(self, groups: list[ParamGroup]) -> torch.Tensor:
+        """The sum of ``groups``' squared gradient norms (device scalars and host floats)."""
+        device_parts, host_parts = [], 0.0
+        for sq in self.tier.grad_sq_norm(groups) if groups else ():
+            if isinstance(sq, Future):
+                host_parts += sq.result()
+            elif isinstance(sq, torch.Tensor):
+                device_parts.append(sq.reshape(()).float())
+            else:
+                host_parts += float(sq)
+        part = torch.stack(device_parts).sum() if device_parts else torch.zeros(())
+        return part + host_parts
 
     @staticmethod
     def _all_reduce_scalar(value: torch.Tensor) -> torch.Tensor:
@@ -283,7 +294,9 @@ class StepPipeline:
         lazy = [g for g in order if g.module is not None]
         host = [g for g in (*eager, *lazy) if self.tier.steps_on_host(g)]
         for group in host:  # the tier starts bringing state in, in this order, as far as it has room
-            if group.index not in self._early:
+            # Not for a skipped step: only rollbacks acquire then, and a tier with bounded room must
+            # not hold it for groups that will not step ahead of them.
+            if group.index not in self._early and coefficient is not None:
                 self.tier.prepare(group)
         for group in host:
             self._updates[group.index] = self._submit_host(group, coefficient)
@@ -354,18 +367,19 @@ class StepPipeline:
         return event
 
     def _early_step(self, group: ParamGroup, options: StepOptions, exact: bool):
-        """A step during backward. A speculative one is not taken when the group's own gradient
-        already shows the window will clip or skip (a non-finite step cannot be undone, and a
-        rollback after a large spike loses precision); the window then stops speculating."""
+        """A step during backward. It is not taken when the group's own gradient already shows the
+        window will clip or skip (a non-finite step cannot be undone, and a rollback after a large
+        spike loses precision); the window then stops stepping early."""
         self.tier.acquire(group)
-        if not exact:
-            if self._abort_speculation or self._will_clip_or_skip(group, options.grad_scale):
-                if not self._abort_speculation:
-                    self.aborted_speculations += 1
-                self._abort_speculation = True
-                return _NOT_STEPPED
-            if self.hook.zkernel_can_rollback_step(group=group, options=options) is False:
-                return _NOT_STEPPED  # stepped once the coefficient is known, like a group that lands late
+        # Even an exact coefficient's step is undone when a gradient of the window is not finite
+        # ([Note: non-finite gradients]): it is checked as a speculative one is.
+        if self._abort_speculation or self._will_clip_or_skip(group, options.grad_scale):
+            if not self._abort_speculation and not exact:
+                self.aborted_speculations += 1
+            self._abort_speculation = True
+            return _NOT_STEPPED
+        if self.hook.zkernel_can_rollback_step(group=group, options=options) is False:
+            return _NOT_STEPPED  # stepped once the coefficient is known, like a group that lands late
         self.early_steps += 1
         return self._host_step(group, options, acquired=True)
 

@@ -90,6 +90,9 @@ class OptimizerTier(abc.ABC):
     #: `SPECULATE_POLICIES` ("auto": where the tier steps off the compute device; "never" for a
     #: tier that steps on the device, where waiting for the norm costs nothing).
     speculate: str = "never"
+    #: Whether writes of master and state back to where they live can fail (a disk): then the
+    #: step pipeline asks `take_write_failures` at every boundary.
+    may_fail_writes: bool = False
 
     @abc.abstractmethod
     def demand(self, numel: int, state: Sequence[StateSpec], compute_dtype: torch.dtype) -> dict[Resource, int]:
@@ -189,6 +192,18 @@ class OptimizerTier(abc.ABC):
         raise NotImplementedError(
             f"offload tier {type(self).__name__} does not implement write_state, so checkpoints cannot be loaded with it"
         )
+
+    def take_write_failures(self, wait: bool = False) -> list[BaseException]:
+        """The failures of writes back (disk full, an I/O error) since the last call, taken.
+
+        Called by the step pipeline on the main thread (``may_fail_writes`` tiers only) at the
+        end of every boundary backward, and, with ``wait`` (first wait for every write started
+        so far), when that step is not taken ([Note: a step is all-or-nothing] in
+        `zkernel.kernel.step_outcome`). A write's failure must not be raised from `prepare`,
+        `acquire` or `release`: the tier keeps the group's newest values (in host memory) and
+        steps from them, so every group of a step steps and the step's outcome is decided once,
+        on every rank. Default: none."""
+        return []
 
     def close(self) -> None:
         """Free buffers and files. Called once by `Engine.close` (and at interpreter exit)."""
