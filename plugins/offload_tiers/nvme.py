@@ -18,7 +18,9 @@ group: the GPU share's inner device tier, the host placement, or the disk.
 
 [Note: no speculation on disk] Steps whose coefficient is known before
 backward ends (no clipping, no fp16 scale) start during backward as with the
-cpu tier (`prepare` then comes from autograd's thread). A *speculative* step
+cpu tier (`prepare` then comes from autograd's thread); such a step is rolled
+back (its state read back) only when the step is not taken after all (a
+gradient not finite, a write that failed). A *speculative* step
 is declined (``speculate = "never"``): its state is written back at
 `release`, so a rollback would first read it back from disk, and a clipped
 window would move every group's state twice. `acquire` is idempotent while a
