@@ -153,7 +153,7 @@ class StepPipeline:
         self._updates: dict[int, Future] = {}
         self._last_clean = False  # the last boundary step applied no clip factor and no skip
         self._rebalanced = False
-        self.outcome = StepOutcome(distributed)  # [Note: a step is all-or-nothing]
+        self.outcome = StepOutcome(policy.distributed)  # [Note: a step is all-or-nothing]
         self.rollbacks = 0
         self.early_steps = 0
         self.aborted_speculations = 0  # windows whose speculation a group's own gradient stopped
