@@ -375,15 +375,18 @@ class Engine:
     def _not_taken(self) -> None:
         """This window's step is taken on no rank: a write failed ([Note: a step is all-or-nothing]
         in `zkernel.kernel.step_outcome`). Undo what stepped early, rewind to the window's start, raise."""
+        also: list[BaseException] = []
         try:
             with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
                 self.pipeline.step(None, self.scheduler)  # early steps rolled back, every window ended
             self.pipeline.wait_all()
+        except Exception as exc:  # noqa: BLE001 - a rollback that failed here: raised with the agreed failure
+            also.append(exc)  # (every rank still reaches the agreement below, so none waits alone)
         finally:
             self.scheduler.readiness.window_used.clear()
             self.micro_steps -= self.config.gradient_accumulation_steps
             self._redo_window = True
-        self.pipeline.outcome.raise_failure(self.optimizer_tier, self.global_steps)
+        self.pipeline.outcome.raise_failure(self.optimizer_tier, self.global_steps, also)
 
     @requires_open("memory_report()")
     def memory_report(self) -> dict[str, dict[str, int]]:

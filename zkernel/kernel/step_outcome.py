@@ -36,6 +36,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zkernel.telemetry.log import get_logger
+
+log = get_logger()
+
 __all__ = ["StepOutcome"]
 
 
@@ -60,8 +64,9 @@ class StepOutcome:
         self.failed = failed > 0
         return total
 
-    def raise_failure(self, tier, step: int) -> None:
-        """Raise the agreed failure of step ``step`` on this rank (collective: every rank calls it)."""
+    def raise_failure(self, tier, step: int, also: list[BaseException] = ()) -> None:
+        """Raise the agreed failure of step ``step`` on this rank (collective: every rank calls it);
+        ``also``: what failed while the step was being undone, attached as notes."""
         local = self.local + (tier.take_write_failures(wait=True) if tier.may_fail_writes else [])
         self.local, self.failed = [], False
         described = None
@@ -78,9 +83,15 @@ class StepOutcome:
             error = local[0]
             for other in local[1:]:
                 error.add_note(f"also failed: {other}")
+        elif also:
+            error = also[0]
         else:
             errno, text, filename = ranks[failing[0]] if failing else (None, "a write failed", None)
             error = OSError(errno, f"{text} (a swap-file write on rank {failing[0] if failing else '?'})", filename)
+        log.error("zkernel.step.not_taken", step=step, failing_ranks=failing, error=str(error))
+        for other in also:
+            if other is not error:
+                error.add_note(f"also failed while the step was undone: {other!r}")
         error.add_note(
             f"step {step} was not taken on any rank (failed writes on rank(s) {failing}; this is rank {rank}): "
             "every group is at the previous step, its newest state kept in host memory where its write "
