@@ -73,13 +73,14 @@ def nonfinite_loss(precision: str, offload: str, poison_ranks: tuple[int, ...], 
     return {"poisoned": poisoned, "clean": clean}
 
 
-def write_failure_mid_step(nvme_path: str, clip: float, fail_rank: int, steps: int = 6, fail_step: int = 2) -> dict:
+def write_failure_mid_step(nvme_path: str, clip: float, fail_rank: int, steps: int = 6, fail_step: int = 2,
+                           accum: int = 1) -> dict:
     """Every rank trains on the nvme optimizer tier; on ``fail_rank`` the disk refuses writes
-    (RLIMIT_FSIZE) from the middle of step ``fail_step``'s backward until the error reaches the script,
-    which lifts the limit and runs the batch again, as the error says."""
+    (RLIMIT_FSIZE) from the middle of step ``fail_step``'s last backward until the error reaches the
+    script, which lifts the limit and runs the window's micro-batches again, as the error says."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
     world, rank = _world_rank()
-    cfg = nvme_config(nvme_path, stage="zero2", clip=clip)
+    cfg = nvme_config(nvme_path, stage="zero2", clip=clip, accum=accum)
     torch.manual_seed(0)
     model = TrickyNet()
     engine = zkernel.initialize(model, cfg)
@@ -93,19 +94,21 @@ def write_failure_mid_step(nvme_path: str, clip: float, fail_rank: int, steps: i
         return grad
 
     engine.module.block[0].weight.register_hook(refuse_writes)
-    data = batches(7, steps, 1, world, 2)
+    data = batches(7, steps, accum, world, 2)
     errors, refused, i, start = [], [], 0, time.monotonic()
     try:
         while i < steps:
-            tokens, targets = data[i][0][rank]
-            armed["on"] = i == fail_step and not errors
             try:
-                loss = engine(tokens, targets)
-                engine.backward(loss)
-                engine.step()
+                for m, micro in enumerate(data[i]):
+                    tokens, targets = micro[rank]
+                    armed["on"] = i == fail_step and m == accum - 1 and not errors
+                    loss = engine(tokens, targets)
+                    engine.backward(loss)
+                    engine.step()
             except OSError as exc:
-                errors.append({"batch": i, "global_steps": engine.global_steps, "errno": exc.errno,
-                               "filename": exc.filename, "notes": list(getattr(exc, "__notes__", []))})
+                errors.append({"batch": i, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                               "errno": exc.errno, "filename": exc.filename,
+                               "notes": list(getattr(exc, "__notes__", []))})
                 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space freed
                 try:  # step() again, without the window's backward, is refused on every rank alike
                     engine.step()
@@ -113,7 +116,7 @@ def write_failure_mid_step(nvme_path: str, clip: float, fail_rank: int, steps: i
                     refused.append(str(again))
                 if len(errors) > 2:
                     break
-                continue  # run the batch again
+                continue  # run the window again
             i += 1
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -64,15 +64,17 @@ def test_a_nonfinite_gradient_with_clipping_off_is_skipped_counted_and_logged(pr
         _assert_close(results[0]["poisoned"]["params"], _torch_params(data[:2] + data[3:], 0.0), label)
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize(("clip", "accum"), [(0.0, 1), (1.0, 1), (0.0, 2)])
 @pytest.mark.parametrize("fail_rank", [0, 1])
-def test_a_write_failure_mid_step_fails_that_step_on_every_rank_and_a_retry_continues_exactly(tmp_path, clip, fail_rank):
-    results = run_ranks(2, write_failure_mid_step, str(tmp_path), clip, fail_rank, timeout=90)
-    label = f"clip {clip}, the disk of rank {fail_rank} fails"
+def test_a_write_failure_mid_step_fails_that_step_on_every_rank_and_a_retry_continues_exactly(tmp_path, clip, accum, fail_rank):
+    results = run_ranks(2, write_failure_mid_step, str(tmp_path), clip, fail_rank, 6, 2, accum, timeout=90)
+    label = f"clip {clip}, accumulation {accum}, the disk of rank {fail_rank} fails"
     first = [r["errors"] for r in results]
     assert all(len(e) == 1 for e in first), (label, first)
     assert first[0][0]["batch"] == first[1][0]["batch"], (label, first)
     assert first[0][0]["global_steps"] == first[1][0]["global_steps"] == first[0][0]["batch"], (label, first)
+    # Back at the window's start: its micro-batches run again.
+    assert first[0][0]["micro_steps"] == first[1][0]["micro_steps"] == first[0][0]["batch"] * accum, (label, first)
     for rank, r in enumerate(results):
         error = r["errors"][0]
         assert error["errno"] == 27 and error["filename"].endswith(".swap"), (label, rank, error)
@@ -81,5 +83,5 @@ def test_a_write_failure_mid_step_fails_that_step_on_every_rank_and_a_retry_cont
         assert r["global_steps"] == 6, (label, rank)
         if clip == 0.0:
             assert r["early_steps"] > 0, (label, rank)
-    _assert_close(results[0]["params"], _torch_params(batches(7, 6, 1, 2, 2), clip), label)
+    _assert_close(results[0]["params"], _torch_params(batches(7, 6, accum, 2, 2), clip), label)
     _assert_close(results[1]["params"], results[0]["params"], label, rtol=0, atol=0)
