@@ -15,17 +15,25 @@ host), the step's coefficient folding the loss unscale and the clip factor.
 An fp16 overflow anywhere shows up as a non-finite global norm on every rank,
 so all ranks skip together.
 
-[Note: non-finite gradients] A NaN or inf gradient is never applied, in any
-precision, with clipping or without: the global norm is computed at every
-boundary (with clipping off too; its all-reduce is the one clipping makes, so
-a non-finite gradient on one rank makes the norm inf on every rank), and a
-non-finite norm skips the step on every rank, counted in ``skipped_steps`` and
-logged as ``zkernel.step.nonfinite`` (WARNING; fp16's overflow at INFO, as the
-loss scale expects them). Host steps started during backward with a known
-coefficient are checked first against their own group's norm (a host value
-by then) and rolled back when another group or rank was not finite, so they
-are taken only for an optimizer that can roll back. The cost with clipping off
-is that one scalar read per step (the one clipping has anyway).
+[Note: non-finite gradients] A NaN or inf gradient is not applied, in any
+precision, with clipping or without, wherever checking it costs no host sync
+of its own: the global norm is computed at every boundary (its all-reduce is
+the one clipping makes, so a non-finite gradient on one rank makes the norm inf
+on every rank), and a non-finite norm skips the step on every rank, counted in
+``skipped_steps`` and logged as ``zkernel.step.nonfinite`` (WARNING; fp16's
+overflow at INFO, as the loss scale expects them). Host steps started during
+backward with a known coefficient are checked first against their own group's
+norm (a host value by then) and rolled back when another group or rank was not
+finite, so they are taken only for an optimizer that can roll back.
+Reading the norm makes the host wait for the end of backward. With clipping or
+fp16 the step needs it anyway; on a CPU device, with an optimizer tier that
+steps groups on the host (which waits for their gradients) or whose writes can
+fail (the outcome travels in the norm's all-reduce), the wait is already there.
+Where every group steps on a GPU with clipping off, it would be a new sync per
+step (1-2% of GPT-1.3B's step on one H200: BENCHMARKS.md, issue 42's calls), so
+there the norm is not read and a non-finite gradient is applied as torch's
+optimizers apply it; skipping it without a sync needs the device optimizers to
+take a device flag (torch's ``found_inf``), which they do not yet.
 """
 
 from __future__ import annotations
@@ -164,6 +172,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
+        self._norm_is_free: bool | None = None  # see `_reads_norm`
         self._redo_window = False  # the last step was not taken: its window must run again
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
@@ -309,8 +318,8 @@ class Engine:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward()
                 self.scheduler.finish_backward()
-            # The norm at every boundary, clipping or not ([Note: non-finite gradients]).
-            norm = self.pipeline.end_backward(boundary, True, self.scheduler.readiness.window_used)
+            # The norm at every boundary where reading it adds no sync ([Note: non-finite gradients]).
+            norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
@@ -779,6 +788,18 @@ class Engine:
 
     def _needs_norm(self) -> bool:
         return self.config.gradient_clipping > 0 or self.loss_scaler is not None
+
+    def _reads_norm(self) -> bool:
+        """Whether a boundary reads the global norm: where the step needs it, or where the host waits
+        for the end of backward anyway ([Note: non-finite gradients])."""
+        if self._norm_is_free is None:
+            tier = self.pipeline.tier
+            self._norm_is_free = (
+                self.device.type == "cpu"
+                or tier.may_fail_writes
+                or any(tier.steps_on_host(group) for group in self.pipeline.trainable)
+            )
+        return self._needs_norm() or self._norm_is_free
 
     def _unscale(self) -> float:
         return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
