@@ -1,7 +1,7 @@
 """What the builtin tiers answer for their bytes (``zkernel_size_offload_tier``).
 
 Each answer says where the tier keeps the buffers of the role it serves, as
-its ``zkernel_memory_tensors`` names them after a step (tests/test_estimator.py
+its ``zkernel_memory_tensors`` names them after a step (tests/sizing/test_estimator.py
 holds the answers to ``memory_report()``):
 
 * ``none``: everything on the compute device. As the optimizer tier it adopts

@@ -5,7 +5,7 @@ helpers (`split_buckets`, `module_units`, `FlatLayout`: the alignment and the
 padding to a multiple of the world size live there only), computed from the
 parameters' shapes alone, so a model on the meta device is laid out without
 allocating it. The buffers per group are what each partitioner's
-``zkernel_memory_tensors`` and its tiers' name after a step (tests/test_estimator.py
+``zkernel_memory_tensors`` and its tiers' name after a step (tests/sizing/test_estimator.py
 holds them to ``memory_report()``, byte for byte).
 """
 

@@ -26,7 +26,7 @@ declares its state per group (``zkernel_declare_optimizer``, as at
 trainable group its optimizer placement ([Note: optimizer spill]), asks the
 partitioner for the group's buffers there, adds the optimizer's state and the
 tier's staging copy, and tallies bytes by category and place. The accuracy
-test (tests/test_estimator.py) holds the answers to what ``memory_report()``
+test (tests/sizing/test_estimator.py) holds the answers to what ``memory_report()``
 measures, byte for byte.
 
 The activations a forward saves are a separate, rough formula:

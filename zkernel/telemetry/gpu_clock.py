@@ -34,7 +34,7 @@ the slope). Measured on an H100 against fresh alignment brackets over 60 s of
 50 ms and of 200 ms steps (GPU busy, and idle between steps): within 2.3 µs. If
 every sample of a run were taken on an idle GPU, spans would land about the
 wake-up latency (50 µs) early, a constant rather than a growing error
-(simulated in tests/test_timeline.py).
+(simulated in tests/telemetry/test_timeline.py).
 
 Precision. ``Event.elapsed_time`` returns float32 milliseconds, whose resolution
 decays with the interval (0.25 ms after an hour). GPU time is therefore
