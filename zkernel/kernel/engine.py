@@ -52,22 +52,17 @@ from torch import nn
 from torch.utils._pytree import SequenceKey, MappingKey, tree_map_with_path
 from torch.utils.checkpoint import CheckpointError
 
-from zkernel.kernel import lifecycle
-from zkernel.params import param_writes
+from zkernel.kernel import closing, lifecycle
 from zkernel.spec.config import Config
 from zkernel.platform.distributed import DistInfo
 from zkernel.spec.groups import ParamGroup, Phase, StepOptions
 from zkernel.telemetry.log import get_logger
 from zkernel.kernel.loss_scale import DynamicLossScaler
-from zkernel.platform.machine import available_host_bytes
 from zkernel.params.param_writes import WriteFolder
 from zkernel.telemetry.profiling import profiler_range
-from zkernel.params.released import is_released, mark_gathered
 from zkernel.kernel.closed import closed_error, requires_open
-from zkernel.kernel.divergence import RankDivergenceError
 from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.kernel.scheduler import Scheduler, streams_device
-from zkernel.platform.sizes import format_bytes
 from zkernel.kernel.step_pipeline import StepPipeline, StepPolicy
 from zkernel.platform.streams import Streams
 from zkernel.spec.tiers import OptimizerTier, ParamsTier, StoredBytes
@@ -180,7 +175,7 @@ class Engine:
         # ([Note: weak links] in `zkernel.kernel.wiring`).
         self._finalizer = weakref.finalize(
             self,
-            _abandon,
+            closing.abandon,
             id(self),
             [weakref.ref(m) for m in module.modules()],
             list(self.scheduler.handles),
@@ -427,27 +422,6 @@ class Engine:
                     report[category][place] += nbytes
         return {c: dict(v) for c, v in report.items()}
 
-    def _restore_home(self) -> torch.device:
-        """Where `close` puts the whole parameters ([Note: where a closed model goes])."""
-        released = any(is_released(p) for p in self._module.parameters())  # held as shards (zero3)
-        missing = self._whole_bytes if released else 0
-        device = self.dist.device
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            if missing <= 0.9 * free:
-                return device
-        host = available_host_bytes()
-        if host is None or missing <= 0.9 * host:
-            return device if device.type == "cpu" else torch.device("cpu")
-        log.warning(
-            "zkernel.engine.params_released",
-            needed=format_bytes(missing),
-            host_available=format_bytes(host),
-            advice="the whole model fits neither the compute device nor host memory: its parameters are left "
-            "as meta tensors; save a checkpoint (engine.save_checkpoint) before close to keep the trained values",
-        )
-        return torch.device("meta")
-
     def close(self) -> None:
         """Give the model back and free everything the engine holds (collective: call on every rank).
 
@@ -455,164 +429,12 @@ class Engine:
         (the fp32 master for trainable ones) in storage of its own, in the dtype
         it had at `zkernel.initialize`; hooks come off the model; tiers free
         their memory and swap files; the host worker stops. The module can then
-        be trained on its own or wrapped by a new engine. Closing twice is a no-op.
-        A pending update that failed is raised after all that is done.
-
-        [Note: where a closed model goes] Whole parameters go to the compute
-        device if they fit in its free memory, else to host memory if they fit
-        there, else nowhere: a model that only trains spread over GPUs, host
-        memory and disk has no single place to be whole on every rank. Then the
-        parameters are released (meta tensors) with a WARNING; save a checkpoint
-        (`save_checkpoint`) before `close` to keep the trained values.
-
-        [Note: closing after a failure] A step that failed (a swap file that no
-        longer reads back, an optimizer that raised) leaves the engine open.
-        `close` then still gives every group back that it can (a trainable
-        group from its fp32 master even where its parameter shard cannot be
-        read; a group with no readable values as meta tensors of its shape,
-        with an ERROR), takes the hooks off, restores the classes, stops the
-        threads and removes the swap files, and marks the engine closed, then
-        raises the first error it met (or the failed update's), once; a later
-        `close` is a no-op.
+        be trained on its own or wrapped by a new engine. Closing twice is a
+        no-op. A pending update that failed is raised after all that is done
+        (`zkernel.kernel.closing`: [Note: where a closed model goes], [Note:
+        closing after a failure]).
         """
-        if self._closed:
-            return
-        self._exit_guard()
-        diverged = self._ranks_apart()
-        if diverged is not None:
-            self._close_locally(diverged)  # raises it
-        if self.unset.names:  # [Note: values left unset]: given back as the initialiser left them (NaN)
-            log.warning(
-                "zkernel.close.values_unset",
-                values=self.unset.names[:8],
-                count=len(self.unset.names),
-                advice="neither the initialiser nor a load wrote these values; the model gets them back as NaN",
-            )
-        failed: Exception | None = None
-        try:
-            self.pipeline.wait_all()
-        except Exception as exc:  # noqa: BLE001 - a failed update: give the model back, then raise it
-            failed = exc
-        try:
-            home = self._restore_home()
-            with self.scheduler.plugin_call():
-                if failed is None:
-                    self.scheduler.fold_writes()
-                for group in self.groups:
-                    error = self._give_back(group, home)  # every group, also after one failed
-                    failed = failed or error
-            param_writes.unwatch([p for group in self.groups for p in group.params])
-            with torch.no_grad():
-                for name, dtype in self._original_dtypes:
-                    param = self._module.get_parameter(name)
-                    if param.dtype != dtype:
-                        param.data = param.data.to(dtype)
-            self.hook.zkernel_restore_module(module=self._module)  # undo tiling, checkpointing
-        except Exception as exc:  # noqa: BLE001 - [Note: closing after a failure]
-            failed = failed or exc
-        finally:
-            error = self._teardown()
-            failed = failed or error
-        if failed is not None:
-            raise failed
-
-    def _teardown(self) -> Exception | None:
-        """The last of `close`: mark the engine closed, stop its threads, free its tiers; the first error."""
-        self._closed = True
-        self.timeline.close()
-        self.scheduler.paths.close()
-        self._finalizer.detach()
-        lifecycle.unregister_cleanup(id(self))
-        error = _free(self.scheduler.handles, self.optimizer_tier, self.params_tier, self._worker)
-        lifecycle.release(self._module)
-        log.debug("zkernel.engine.closed", rank=self.dist.rank)
-        return error
-
-    def _ranks_apart(self) -> Exception | None:
-        """Whether another rank is not closing with this one ([Note: ranks a step apart] in
-        `zkernel.kernel.divergence`): the error saying so (also the statement's own failure: a rank
-        that is gone), or None."""
-        paths = self.scheduler.paths
-        if paths.diverged is not None:
-            return RankDivergenceError(paths.diverged)
-        try:
-            paths.before_close(self.micro_steps)
-        except Exception as exc:  # noqa: BLE001 - no collective can follow: close locally, then raise it
-            return exc
-        return None
-
-    def _close_locally(self, error: Exception) -> None:
-        """`close` without a collective (the ranks diverged): whole parameters keep their values, released
-        ones (zero3 shards) become meta tensors; everything this rank holds is freed. Raises ``error``."""
-        try:
-            for group in self.groups:
-                if any(is_released(p) for p in group.params):
-                    self._lose(group)
-            param_writes.unwatch([p for group in self.groups for p in group.params])
-            with torch.no_grad():
-                for name, dtype in self._original_dtypes:
-                    param = self._module.get_parameter(name)
-                    if param.dtype != dtype:
-                        param.data = param.data.to(dtype)
-            self.hook.zkernel_restore_module(module=self._module)
-        finally:
-            self._teardown()
-        error.add_note(
-            "engine.close() issued no collective (the other ranks would not have met it): it freed this rank's "
-            "memory, threads and swap files; parameters kept whole on this rank keep their values, the others are "
-            "meta tensors. Let every rank run the same steps: a rank that catches an error from its forward or "
-            "backward must make the others skip that batch too (or end the job)"
-        )
-        raise error
-
-    def _give_back(self, group: ParamGroup, home: torch.device) -> Exception | None:
-        """Put ``group``'s whole values in its parameters ([Note: closing after a failure]); the first error met."""
-        error: Exception | None = None
-        master = None
-        if group.requires_grad:
-            try:
-                master = self.optimizer_tier.read_master(group)
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-        try:
-            self.params_tier.to_device(group, consume=True, block=True)
-            readable = True
-        except Exception as exc:  # noqa: BLE001 - the master alone can give a trainable group back
-            error, readable = error or exc, master is not None
-        restored = False
-        if readable:
-            try:
-                self.hook.zkernel_restore_params(group=group, master=master, home=home)
-                restored = True
-            except Exception as exc:  # noqa: BLE001
-                error = error or exc
-        try:
-            self.params_tier.drop_device(group)
-        except Exception as exc:  # noqa: BLE001
-            error = error or exc
-        if not restored:
-            self._lose(group)
-        if error is not None:
-            error.add_note(
-                f"while engine.close() gave back group {group.name!r}: "
-                + ("its parameters took their fp32 masters" if restored else "its values could not be read; its parameters are meta tensors now")
-            )
-        return error
-
-    def _lose(self, group: ParamGroup) -> None:
-        """``group``'s values could not be read back at close: its parameters become meta tensors of their shape."""
-        log.error(
-            "zkernel.close.values_lost",
-            group=group.name,
-            params=list(group.param_names[:8]),
-            advice="their values could not be read back (see the error close raises); load them again from a checkpoint",
-        )
-        param_writes.unwatch(group.params)
-        for name, p in zip(group.param_names, group.params):
-            mark_gathered(p)
-            shape, dtype = self.original_tensors.get(name, (p.shape, p.dtype))
-            meta = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-            torch.utils.swap_tensors(p, meta)
+        closing.close(self)
 
     @property
     def closed(self) -> bool:
@@ -841,24 +663,3 @@ def log_context(rank: int, step: int):
     return structlog.contextvars.bound_contextvars(rank=rank, step=step)
 
 
-def _free(handles, optimizer_tier, params_tier, worker) -> Exception | None:
-    """Take the hooks off, stop the host worker, close the tiers: each even if another failed; the first error."""
-    error: Exception | None = None
-    steps = [lambda: [handle.remove() for handle in handles], lambda: worker.shutdown(wait=True), optimizer_tier.close]
-    if params_tier is not optimizer_tier:
-        steps.append(params_tier.close)
-    for step in steps:
-        try:
-            step()
-        except Exception as exc:  # noqa: BLE001 - free the rest, report the first
-            log.warning("zkernel.engine.free_failed", error=str(exc))
-            error = error or exc
-    return error
-
-
-def _abandon(key, module_refs, handles, optimizer_tier, params_tier, worker, paths) -> None:
-    """Finalizer of an engine dropped without close (or alive at exit): local clean-up only."""
-    lifecycle.unregister_cleanup(key)
-    paths.close()
-    lifecycle.abandon(module_refs)
-    _free(handles, optimizer_tier, params_tier, worker)
