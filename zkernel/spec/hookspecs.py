@@ -521,10 +521,10 @@ def zkernel_size_partition(
 ) -> PartitionSizing | None:
     """Lay ``module`` out as partitioner ``name`` would on ``world_size`` ranks, without allocating.
 
-    Called on the *installed* manager by `zkernel.sizing.estimator` (for
-    `zkernel.estimate`, ``zkernel estimate`` and, through
-    `zkernel.spec.sizing.SizingService`, a planner), in one process, any number
-    of times, before or without any training. The plugin offering the
+    Called on the *installed* manager by `zkernel.kernel.sizing.Estimator` (for
+    `zkernel.estimate`, ``zkernel estimate``, a planner through
+    `zkernel.spec.sizing.SizingService`, and `initialize`'s capacity error), in
+    one process, any number of times, before or without any training. The plugin offering the
     partitioner ``name`` answers; every other plugin returns None.
 
     :param module: the model, read for parameter shapes, ``requires_grad``
@@ -544,7 +544,7 @@ def zkernel_size_partition(
 def zkernel_size_offload_tier(name: str, role: str, options: object, device: str) -> TierSizing | None:
     """Say where offload tier ``name`` keeps the buffers of ``role`` (``"optimizer"``, ``"params"``).
 
-    Called on the *installed* manager by `zkernel.sizing.estimator`, like
+    Called on the *installed* manager by `zkernel.kernel.sizing.Estimator`, like
     `zkernel_size_partition`, for the selected tier of each role and, for the
     ``zkernel estimate`` table and a planner, for every installed tier. The
     plugin offering the tier ``name`` answers; every other plugin, and a
