@@ -12,10 +12,14 @@ other key: each DeepSpeed key is either
 * a value zkernel cannot honour (static fp16 loss scaling, fp16/bf16 master
   weights, an optimizer other than Adam/AdamW): a `ConfigError` naming the key.
 
+A key DeepSpeed's own schema does not know (`zkernel.compat.deepspeed.schema`)
+is a typo: a `ConfigError` naming it and the closest valid key, before anything
+is mapped ([Note: unknown DeepSpeed keys]).
+
 ``"auto"`` values (as the Hugging Face Trainer writes them, to be filled in
 from its own arguments) are treated as absent: zkernel's default applies, and
-the warning says so. ``train_batch_size`` and ``train_micro_batch_size_per_gpu``
-give the accumulation steps where ``gradient_accumulation_steps`` is absent, as
+the warning says so.
+``train_batch_size`` and ``train_micro_batch_size_per_gpu`` give the accumulation steps where ``gradient_accumulation_steps`` is absent, as
 DeepSpeed derives them (``train_batch_size = micro-batch x steps x world
 size``, the world size being torchrun's ``WORLD_SIZE``), and a triple that
 disagrees is an error, as in DeepSpeed; otherwise they are reported in the
@@ -29,6 +33,7 @@ ds_config.json`` take a DeepSpeed config as is.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from zkernel.spec.config import Config, ConfigError, config_from_dict
+from zkernel.compat.deepspeed import schema
 from zkernel.compat.deepspeed.scheduler import map_scheduler
 from zkernel.telemetry.log import get_logger
 
@@ -165,6 +171,53 @@ class _Reader:
                 self.unmapped.append(f"{key}={value!r} (zkernel cannot change this: {built_in[1]})")
             else:
                 self.unmapped.append(f"{key} (no equivalent in zkernel)")
+
+
+def _suggest(section: str, key: str, known: frozenset[str]) -> str:
+    """``did you mean 'x'?`` for the synonym or closest spelling among ``known``, else what is valid."""
+    synonym = schema.SYNONYMS.get(section, {}).get(key)
+    if synonym is not None:
+        return f"did you mean {synonym!r}?"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else f"valid: {', '.join(sorted(known))}"
+
+
+def _check_keys(raw: Mapping[str, Any]) -> None:
+    """Reject every key DeepSpeed's own schema does not know ([Note: unknown DeepSpeed keys])."""
+    sections = dict(schema.SECTIONS)
+    optimizer = raw.get("optimizer")
+    if isinstance(optimizer, Mapping) and str(optimizer.get("type", "")).lower() in schema.ADAM_TYPES:
+        sections["optimizer.params"] = schema.ADAM_PARAMS
+    for section, known in sections.items():
+        node: Any = raw
+        for part in section.split(".") if section else ():
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if not isinstance(node, Mapping):
+            continue  # absent, or a value whose type the mapping checks
+        removed = schema.REMOVED.get(section, frozenset())
+        known = known | schema.LEGACY.get(section, frozenset())
+        for key in node:
+            dotted = f"{section}.{key}" if section else key
+            if key in removed:
+                raise ConfigError(
+                    f"DeepSpeed config key {dotted} was removed from DeepSpeed (its {schema.DEEPSPEED_VERSION} "
+                    "rejects it too); valid: remove the key"
+                )
+            if key not in known:
+                where = f"in {section}" if section else "at the top level"
+                raise ConfigError(
+                    f"DeepSpeed config key {dotted} is not a key DeepSpeed {schema.DEEPSPEED_VERSION} knows "
+                    f"{where}; {_suggest(section, key, known)}"
+                )
+
+
+# [Note: unknown DeepSpeed keys]
+# A key DeepSpeed knows and zkernel does not map is reported in the one warning: the config is a
+# valid DeepSpeed config, and the run differs from DeepSpeed's only where the warning says. A key
+# DeepSpeed does not know is a typo (DeepSpeed's pydantic sections forbid it too): accepting it would
+# train with a default the user did not ask for, or, for a misspelled zero_optimization, with no
+# partitioning at all. So it is an error naming the closest valid key. The tables are
+# `zkernel.compat.deepspeed.schema`, one DeepSpeed release's schema.
 
 
 def _walk(node: Mapping[str, Any], prefix: str = ""):
@@ -424,6 +477,7 @@ def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Conf
         raw = source
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a mapping, got {type(raw).__name__}")
+    _check_keys(raw)
     reader = _Reader(raw)
     out: dict[str, Any] = {}
     precision = _precision(reader, out)
@@ -460,3 +514,4 @@ def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Conf
             note="ignored keys have no zkernel equivalent; \"auto\" keys take zkernel's defaults",
         )
     return config
+

@@ -10,6 +10,7 @@ so an error names the DeepSpeed key.
 
 from __future__ import annotations
 
+import difflib
 from typing import TYPE_CHECKING, Any
 
 from zkernel.spec.config import ConfigError
@@ -87,8 +88,11 @@ def map_scheduler(reader: Reader, out: dict[str, Any]) -> None:
                 reader.unmapped.append(f"{key}={start} (the schedule follows the engine's applied steps, which a checkpoint restores)")
             continue
         if name not in kinds:
+            valid = [*kinds, "last_batch_iteration"]
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
             raise ConfigError(
-                f"DeepSpeed config key {key} is not a parameter of {kind}; valid: {', '.join([*kinds, 'last_batch_iteration'])}"
+                f"DeepSpeed config key {key} is not a parameter of {kind}; valid: {', '.join(valid)}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
             )
         value = _schedule_param(reader, key, kinds[name])
         if value is None and name == "warmup_num_steps" and reader.peek(key) == "auto":
