@@ -79,7 +79,9 @@ def mapped(raw):
 
 def test_zero1_example_maps():
     config, warning, logs = mapped(ZERO1)
-    assert config == config_from_dict({"partitioner": "zero1", "partitioner_options": {"bucket_size": 500_000_000}})
+    assert config == config_from_dict(
+        {"partitioner": "zero1", "partitioner_options": {"bucket_size": 500_000_000}, "gradient_clipping": 1.0}
+    ), "no gradient_clipping: DeepSpeed's default, 1.0"
     assert warning["ignored"] == [
         "optimizer (absent: DeepSpeed would step the optimizer passed in code; zkernel uses its default AdamW)"
     ]
@@ -269,7 +271,7 @@ def test_schedulers_map_to_the_schedule_of_the_same_definition(scheduler, schedu
     raw = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}}, "scheduler": scheduler}
     config, warning, _ = mapped(raw)
     assert config == config_from_dict(
-        {"precision": "bf16", "optimizer": {"name": "adamw", "lr": 2e-4}, "lr_schedule": schedule}
+        {"precision": "bf16", "optimizer": {"name": "adamw", "lr": 2e-4}, "lr_schedule": schedule, "gradient_clipping": 1.0}
     )
     assert (warning["ignored"] if warning else []) == ignored
     engine = zkernel.initialize(TrickyNet(), config)  # every mapped schedule builds

@@ -132,3 +132,11 @@ def test_a_key_deepspeed_knows_and_zkernel_does_not_map_warns_once_with_its_reas
     raw["bf16"] = {"enabled": True, "immediate_grad_updates": True}
     with pytest.raises(ConfigError, match="bf16.immediate_grad_updates .* did you mean 'immediate_grad_update'"):
         zkernel.from_deepspeed_config(raw)
+
+
+def test_gradient_clipping_defaults_to_deepspeeds():
+    # DeepSpeed's default since its PR #8068: 1.0 in 0.19.8 (GRADIENT_CLIPPING_DEFAULT).
+    assert mapped({"bf16": {"enabled": True}})[0].gradient_clipping == 1.0
+    assert mapped({"bf16": {"enabled": True}, "gradient_clipping": 0.0})[0].gradient_clipping == 0.0, "asked for: no clipping"
+    assert mapped({"bf16": {"enabled": True}, "gradient_clipping": 0.5})[0].gradient_clipping == 0.5
+    assert zkernel.Config().gradient_clipping == 0.0, "a zkernel config keeps zkernel's default"

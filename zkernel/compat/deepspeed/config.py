@@ -14,7 +14,8 @@ other key: each DeepSpeed key is either
 
 A key DeepSpeed's own schema does not know (`zkernel.compat.deepspeed.schema`)
 is a typo: a `ConfigError` naming it and the closest valid key, before anything
-is mapped ([Note: unknown DeepSpeed keys]).
+is mapped ([Note: unknown DeepSpeed keys]). A key left out takes DeepSpeed's
+default where it differs from zkernel's (``gradient_clipping``: 1.0).
 
 ``"auto"`` values (as the Hugging Face Trainer writes them, to be filled in
 from its own arguments) are treated as absent: zkernel's default applies, and
@@ -54,6 +55,9 @@ _MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per
 _PARTITIONERS = {0: "none", 1: "zero1", 2: "zero2", 3: "zero3"}
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# DeepSpeed's default gradient_clipping (GRADIENT_CLIPPING_DEFAULT in its runtime/constants.py, 1.0 since
+# its PR #8068 and in 0.19.8); zkernel's own default (0.0: no clipping) is for zkernel configs.
+_GRADIENT_CLIPPING_DEFAULT = 1.0
 
 # DeepSpeed keys whose value zkernel always has: (value that matches, what zkernel does).
 _BUILT_IN = {
@@ -487,6 +491,8 @@ def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Conf
     clipping = reader.number("gradient_clipping")
     if clipping is not None:
         out["gradient_clipping"] = clipping
+    elif reader.peek("gradient_clipping") is None:  # absent: DeepSpeed's default ("auto": zkernel's)
+        out["gradient_clipping"] = _GRADIENT_CLIPPING_DEFAULT
     map_scheduler(reader, out)
     reader.leftovers()
     try:
