@@ -134,6 +134,29 @@ def test_a_key_deepspeed_knows_and_zkernel_does_not_map_warns_once_with_its_reas
         zkernel.from_deepspeed_config(raw)
 
 
+def test_auto_values_outside_a_trainer_are_listed_with_the_value_each_took():
+    raw = {
+        "fp16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+    }
+    config, warning = mapped(raw)
+    assert warning["auto_values"] == {
+        "fp16.enabled": "precision=fp32",
+        "zero_optimization.reduce_bucket_size": "the zero2 partitioner's default",
+        "optimizer.params.lr": 1e-3,
+        "optimizer.params.betas": (0.9, 0.999),
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "scheduler.params.warmup_max_lr": "[optimizer] lr=0.001",
+        "scheduler.params.warmup_num_steps": 0,
+    }
+    assert config.optimizer.lr == 1e-3 and config.optimizer.weight_decay == 0.1 and config.gradient_clipping == 0.0
+
+
 def test_gradient_clipping_defaults_to_deepspeeds():
     # DeepSpeed's default since its PR #8068: 1.0 in 0.19.8 (GRADIENT_CLIPPING_DEFAULT).
     assert mapped({"bf16": {"enabled": True}})[0].gradient_clipping == 1.0

@@ -19,7 +19,7 @@ default where it differs from zkernel's (``gradient_clipping``: 1.0).
 
 ``"auto"`` values (as the Hugging Face Trainer writes them, to be filled in
 from its own arguments) are treated as absent: zkernel's default applies, and
-the warning says so.
+the warning lists each such key with the value it took (``auto_values``).
 ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` give the accumulation steps where ``gradient_accumulation_steps`` is absent, as
 DeepSpeed derives them (``train_batch_size = micro-batch x steps x world
 size``, the world size being torchrun's ``WORLD_SIZE``), and a triple that
@@ -517,7 +517,27 @@ def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Conf
             "zkernel.deepspeed.unmapped",
             ignored=reader.unmapped,
             auto_defaults=reader.auto,
-            note="ignored keys have no zkernel equivalent; \"auto\" keys take zkernel's defaults",
+            auto_values={key: _chosen(key, config) for key in reader.auto},
+            note="ignored keys have no zkernel equivalent; \"auto\" keys take zkernel's defaults (auto_values: "
+            "the value each took; a Trainer fills them in from its own arguments instead)",
         )
     return config
 
+
+def _chosen(key: str, config: Config) -> Any:
+    """The value zkernel chose for the DeepSpeed ``key`` that was "auto"."""
+    section, _, name = key.rpartition(".")
+    if key in ("fp16.enabled", "bf16.enabled"):
+        return f"precision={config.precision}"
+    if section == "optimizer.params":
+        return getattr(config.optimizer, name, config.optimizer.options.get(name, "the optimizer's default"))
+    if section == "scheduler.params" and config.lr_schedule is not None:
+        value = config.lr_schedule.options.get(name)
+        if value is None and name == "warmup_max_lr":
+            return f"[optimizer] lr={config.optimizer.lr}"
+        return "the schedule's default" if value is None else value
+    if key == "zero_optimization.reduce_bucket_size":
+        return config.partitioner_options.get("bucket_size", f"the {config.partitioner} partitioner's default")
+    if not section and hasattr(config, key):
+        return getattr(config, key)
+    return "zkernel's default"
