@@ -21,6 +21,7 @@ __all__ = [
     "EngineClosedError",
     "LateParameterError",
     "ParamAssignmentError",
+    "ParamWriteError",
     "Config",
     "ConfigError",
     "Engine",
@@ -45,6 +46,7 @@ _LAZY = {
     "CheckpointError": ("zkernel.checkpoint.format", "CheckpointError"),
     "LateParameterError": ("zkernel.kernel.late_params", "LateParameterError"),
     "ParamAssignmentError": ("zkernel.params.param_writes", "ParamAssignmentError"),
+    "ParamWriteError": ("zkernel.params.param_writes", "ParamWriteError"),
     "tiled_cross_entropy": ("zkernel.ops.tiled_loss", "tiled_cross_entropy"),
     "Engine": ("zkernel.kernel.engine", "Engine"),
 }

@@ -58,6 +58,7 @@ from zkernel.platform.distributed import DistInfo
 from zkernel.spec.groups import ParamGroup, Phase, StepOptions
 from zkernel.telemetry.log import get_logger
 from zkernel.kernel.loss_scale import DynamicLossScaler
+from zkernel.params import param_writes
 from zkernel.params.param_writes import WriteFolder
 from zkernel.telemetry.profiling import profiler_range
 from zkernel.kernel.closed import closed_error, requires_open
@@ -259,29 +260,41 @@ class Engine:
 
     @requires_open("gathered_parameters()")
     @contextlib.contextmanager
-    def gathered_parameters(self):
+    def gathered_parameters(self, *, modifier_rank: int | None = None):
         """Make every parameter whole inside the block (collective: call it on every rank).
 
         Between steps ZeRO-3 parameters are released (their ``.data`` is an
         empty tensor). Inside this block they hold their current values in
         storage of their own, so tensors taken from them stay valid after the
-        block; writes to them are kept, each rank's elements of its own shard
-        ([Note: writes to gathered parameters] in `zkernel.params.param_writes`), so
-        make the same write on every rank.
+        block; writes to them are kept ([Note: writes to gathered parameters] in
+        `zkernel.params.param_writes`). With ``modifier_rank=r``, rank r's values of
+        the parameters written on any rank are broadcast to all at the end of the
+        block (write on rank r only); without it, a parameter written with values
+        that differ between ranks is a `ParamWriteError` naming it ([Note: writes on
+        some ranks only]).
         """
         self.unset.require("engine.gathered_parameters()")
+        if modifier_rank is not None and not 0 <= modifier_rank < self.dist.world_size:
+            raise ValueError(f"modifier_rank {modifier_rank!r} is not a rank of this world size {self.dist.world_size}")
         self.pipeline.wait_all()
         groups = [g for g in self.scheduler.bound if not g.gathered]
         with self.scheduler.plugin_call():
             for group in groups:
                 self.scheduler.fetch_now(group, Phase.USER)
+        completed = False
         try:
             yield self._module
+            completed = True
         finally:
             with self.scheduler.plugin_call():
-                self.scheduler.fold_writes()
-                for group in groups:
-                    self.hook.zkernel_release_params(group=group, phase=Phase.USER)
+                try:
+                    if completed:  # a block that raised may have raised on some ranks only: no collective
+                        whole = [g for g in self.scheduler.groups if g.gathered]
+                        param_writes.settle(whole, modifier_rank, self.dist.world_size)
+                finally:
+                    self.scheduler.fold_writes()
+                    for group in groups:
+                        self.hook.zkernel_release_params(group=group, phase=Phase.USER)
 
     @requires_open("backward()")
     def backward(self, loss: torch.Tensor) -> None:

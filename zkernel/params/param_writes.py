@@ -276,3 +276,68 @@ class WriteFolder:
         if changed:
             write_shard_values(engine, group, target, kept)
         return changed
+
+
+# [Note: writes on some ranks only] Folding is local: each rank keeps the elements of its own shard, so a
+# write inside `Engine.gathered_parameters` made on some ranks but not on others (``if rank == 0:
+# p.fill_(...)``) reached only the shards of the ranks that made it. DeepSpeed keeps such a write only
+# inside ``GatheredParameters(modifier_rank=r)``, by broadcasting rank r's values, and drops it silently
+# otherwise. `settle` runs at the end of the block, before the fold: the ranks exchange the names of the
+# parameters each may have written (one small collective; an empty exchange ends it). With a modifier
+# rank, rank r's values of every parameter named by any rank are broadcast to all, so every rank folds
+# the same values (a write on another rank is replaced by rank r's, as in DeepSpeed). Without one, those
+# parameters' values are compared with rank 0's, and a parameter whose values differ between ranks is a
+# `ParamWriteError` naming it, never a write kept in part.
+
+
+class ParamWriteError(RuntimeError):
+    """A write inside ``gathered_parameters()`` was made on some ranks but not alike on all of them."""
+
+
+def settle(groups: Sequence[ParamGroup], modifier_rank: int | None, world_size: int) -> None:
+    """Make the writes to ``groups``' whole parameters alike on every rank ([Note: writes on some ranks
+    only]); collective, on every rank, before the groups are folded."""
+    if world_size <= 1:
+        return
+    import torch.distributed as dist
+
+    named = {}
+    for group in groups:
+        for i in written(group.params):
+            named[group.param_names[i]] = group.params[i]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, sorted(named))
+    names = sorted(set().union(*everyone))
+    if not names:
+        return
+    by_name = {n: p for g in groups for n, p in zip(g.param_names, g.params, strict=True)}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ParamWriteError(f"parameters {missing} were written inside gathered_parameters() on some ranks "
+                              "but are not whole on every rank")
+    params = [by_name[n] for n in names]
+    with torch.no_grad():
+        if modifier_rank is not None:
+            for p in params:
+                dist.broadcast(_DATA.__get__(p), src=modifier_rank)
+                note(p)
+            return
+        differs = torch.zeros(len(params), device=params[0].device)
+        for i, p in enumerate(params):
+            mine = _DATA.__get__(p)
+            theirs = mine.clone()
+            dist.broadcast(theirs, src=0)
+            differs[i] = float(not torch.equal(mine, theirs))
+            note(p)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    bad = [n for n, d in zip(names, differs.tolist(), strict=True) if d]
+    if bad:
+        for n in bad:  # not folded: no rank keeps a part of it
+            snapshot(by_name[n])
+        writers = [r for r, seen in enumerate(everyone) if set(seen) & set(bad)]
+        raise ParamWriteError(
+            f"parameter(s) {bad} were written inside engine.gathered_parameters() with values that differ "
+            f"between ranks (noted as written on ranks {writers}); each rank keeps only its own shard's "
+            "elements, so the write would be kept in part. Make the same write on every rank, or pass "
+            "modifier_rank=r to keep rank r's values on all ranks (as DeepSpeed's GatheredParameters does)"
+        )
