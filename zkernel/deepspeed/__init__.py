@@ -1,0 +1,40 @@
+"""DeepSpeed's user-facing API over zkernel: a DeepSpeed script runs with only its import changed.
+
+    import zkernel.deepspeed as deepspeed
+
+    deepspeed.init_distributed()
+    with deepspeed.zero.Init():                      # built on the meta device; zero3 materialises it
+        model = MyModel()
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=data, config="ds.json")
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(out, client_state={"epoch": epoch})
+    path, client_state = engine.load_checkpoint(out)   # (None, None) where out holds no checkpoint
+
+The config is read by `zkernel.from_deepspeed_config` (what maps and what is refused is
+listed in the README's "Coming from DeepSpeed"). A client optimizer is mapped into the
+config's ``optimizer`` section where zkernel has its equivalent (``torch.optim.AdamW`` and
+``torch.optim.Adam``, one set of hyperparameters); anything else is an error that says
+what to write instead. The objects returned for the optimizer and the scheduler are views
+of the engine (`ClientOptimizer`, `ConfigScheduler`): the engine steps, zeroes gradients and
+schedules the learning rate itself.
+"""
+
+from __future__ import annotations
+
+from zkernel.deepspeed import zero
+from zkernel.deepspeed.engine import ClientOptimizer, ConfigScheduler, DeepSpeedEngine
+from zkernel.deepspeed.initialize import add_config_arguments, init_distributed, initialize
+
+__all__ = [
+    "ClientOptimizer",
+    "ConfigScheduler",
+    "DeepSpeedEngine",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+    "zero",
+]
