@@ -3,6 +3,7 @@ and the optimizer and scheduler objects a script may touch."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,9 @@ class _ClientScheduler:
         engine.lr = optimizer.param_groups[0]["lr"]
 
     def advance(self) -> None:
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the torch optimizer never steps: the engine's does
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
         self._engine.lr = self._optimizer.param_groups[0]["lr"]
 
 

@@ -83,6 +83,13 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     if isinstance(params, nn.Parameter) or isinstance(params, torch.Tensor):
         params = [params]
     params = [p for p in (params if isinstance(params, Iterable) else [params]) if p is not None]
+    if enabled and any(p.is_meta for p in params):
+        raise ValueError(
+            "GatheredParameters over parameters on the meta device (built under zero.Init, before initialize): "
+            "a write to them would be lost, since initialize materialises them with the modules' own "
+            "reset_parameters(). Initialise them in the module's reset_parameters(), or call "
+            "GatheredParameters(..., modifier_rank=0) after initialize"
+        )
     engine = _owner(params) if enabled and params else None
     if engine is None:
         yield

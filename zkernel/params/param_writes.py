@@ -287,7 +287,9 @@ class WriteFolder:
 # rank, rank r's values of every parameter named by any rank are broadcast to all, so every rank folds
 # the same values (a write on another rank is replaced by rank r's, as in DeepSpeed). Without one, those
 # parameters' values are compared with rank 0's, and a parameter whose values differ between ranks is a
-# `ParamWriteError` naming it, never a write kept in part.
+# `ParamWriteError` naming it, never a write kept in part: its write is folded nowhere, and its whole
+# values are a rank's that did not write it. A read of ``p.data`` notes the parameter too, so a block
+# that reads parameters pays one broadcast of each read one; a block that touches none pays the exchange.
 
 
 class ParamWriteError(RuntimeError):
@@ -332,8 +334,12 @@ def settle(groups: Sequence[ParamGroup], modifier_rank: int | None, world_size: 
         dist.all_reduce(differs, op=dist.ReduceOp.MAX)
     bad = [n for n, d in zip(names, differs.tolist(), strict=True) if d]
     if bad:
-        for n in bad:  # not folded: no rank keeps a part of it
-            snapshot(by_name[n])
+        with torch.no_grad():
+            for n in bad:  # not folded, and whole again as gathered on every rank (from a rank that did not write)
+                source = next((r for r, seen in enumerate(everyone) if n not in seen), None)
+                if source is not None:
+                    dist.broadcast(_DATA.__get__(by_name[n]), src=source)
+                snapshot(by_name[n])
         writers = [r for r, seen in enumerate(everyone) if set(seen) & set(bad)]
         raise ParamWriteError(
             f"parameter(s) {bad} were written inside engine.gathered_parameters() with values that differ "
