@@ -235,3 +235,38 @@ def test_a_client_torch_scheduler_sets_the_rate_of_each_step():
         engine.close()
     assert sched is scheduler
     assert lrs == pytest.approx([1e-3, 1e-3 / 2, 1e-3 / 3])
+
+
+def test_a_client_torch_adam_keeps_its_coupled_weight_decay():
+    """torch.optim.Adam's weight_decay is an L2 term in the gradient, not AdamW's decay: mapped as such."""
+    import zkernel.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0})
+    oracle = torch.optim.Adam(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    try:
+        for step in range(3):
+            x, y = _batch(step, 0, 0)
+            engine.backward(engine(x, y))
+            engine.step()
+            reference(x, y).backward()
+            oracle.step()
+            oracle.zero_grad()
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    for key, expected in reference.state_dict().items():
+        torch.testing.assert_close(state[key], expected, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_model_parameters_with_per_group_settings_are_an_error():
+    import zkernel.deepspeed as deepspeed
+
+    model = Net()
+    groups = [{"params": [model.fc1.weight], "weight_decay": 0.0}, {"params": [model.fc2.weight]}]
+    with pytest.raises(ValueError, match="no_weight_decay"):
+        deepspeed.initialize(model=model, model_parameters=groups, config={"train_micro_batch_size_per_gpu": 1})
