@@ -293,6 +293,65 @@ def frozen_left_out(config: dict, directory: str, steps: int, save_at: int, accu
     return out
 
 
+def save_mid_window(config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int, seed: int) -> dict:
+    """Save after the first micro-batch of step ``save_at``'s window and train on; then a fresh engine loads
+    it and trains from that window's start. Also loads from directories holding no checkpoint."""
+    from structlog.testing import capture_logs
+
+    torch.manual_seed(seed)
+    engine = zkernel.initialize(TrickyNet(), config)
+    world, rank = world_rank()
+    data = batches(seed + 1, steps, accum, world, micro)
+    losses = run_steps(engine, data[:save_at], accum)
+    window = []
+    for i, (tokens, targets) in enumerate(mb[rank] for mb in data[save_at]):
+        window.append(engine(tokens, targets))
+        engine.backward(window[-1])
+        engine.step()
+        if i == 0:  # the window goes on in the running engine after the save
+            with capture_logs() as logs:
+                engine.save_checkpoint(directory)
+            warnings = [e for e in logs if e["log_level"] == "warning"]
+    total = sum(loss.detach().float() for loss in window) / accum
+    if world > 1:
+        dist.all_reduce(total)
+        total /= world
+    losses += [total.item()]
+    losses += run_steps(engine, data[save_at + 1 :], accum)
+    saved_counters = (engine.global_steps, engine.micro_steps)
+    engine.close()
+
+    torch.manual_seed(seed + 1000)
+    engine = zkernel.initialize(TrickyNet(), config)
+    before = engine.state_dict()
+    with capture_logs() as logs:
+        empty = Path(directory).parent / "empty"
+        if rank == 0:
+            empty.mkdir(exist_ok=True)
+        if world > 1:
+            dist.barrier()
+        nothing = [engine.load_checkpoint(empty), engine.load_checkpoint(Path(directory).parent / "never-made")]
+    nothing_warnings = [(e["event"], e["log_level"]) for e in logs]
+    unchanged = all(torch.equal(v, engine.state_dict()[k]) for k, v in before.items())
+    counters_after_nothing = (engine.global_steps, engine.micro_steps)
+    loaded = engine.load_checkpoint(directory)
+    counters = (engine.global_steps, engine.micro_steps)
+    resumed = run_steps(engine, data[save_at:], accum)
+    engine.close()
+    return {
+        "losses": losses,
+        "warnings": [(e["event"], e["micro_batches_done"], e["global_steps"]) for e in warnings],
+        "saved_counters": saved_counters,
+        "nothing": nothing,
+        "nothing_warnings": nothing_warnings,
+        "unchanged": unchanged,
+        "counters_after_nothing": counters_after_nothing,
+        "tag": loaded.tag,
+        "counters": counters,
+        "resumed": resumed,
+    }
+
+
 def job(tasks: list[tuple[str, tuple]]) -> list:
     """Run several scenarios of this module in one spawned job (one process start for all)."""
     return [globals()[name](*args) for name, args in tasks]

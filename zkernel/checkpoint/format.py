@@ -39,6 +39,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file and what is wrong."""
 
 
+class NoCheckpoint(CheckpointError):
+    """The directory holds no ``latest`` file (or is not there): nothing was saved to it yet.
+    `Engine.load_checkpoint` warns and returns None for it, as DeepSpeed's; `zkernel.consolidate` raises."""
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 

@@ -29,7 +29,7 @@ import torch
 from zkernel.checkpoint import client_state as client, extra_state, rng
 from zkernel.checkpoint.blockio import host_buffer
 from zkernel.checkpoint.collective import exchange_json
-from zkernel.checkpoint.format import REPLACED, CheckpointError, parse_dtype
+from zkernel.checkpoint.format import REPLACED, CheckpointError, NoCheckpoint, parse_dtype
 from zkernel.checkpoint.model import ModelView, view_of
 from zkernel.checkpoint.recompose import StoredParams
 from zkernel.checkpoint.reader import CheckpointIndex, ReadBatch, open_checkpoint
@@ -70,13 +70,18 @@ def load(
     *,
     load_optimizer_states: bool = True,
     load_module_only: bool = False,
-) -> LoadedCheckpoint:
+) -> LoadedCheckpoint | None:
     """Restore ``engine`` from ``directory`` (``tag``, or the latest); collective.
 
     ``load_optimizer_states=False`` keeps the engine's optimizer state (moments,
     step counts) and restores the rest; ``load_module_only=True`` restores the
     model's weights, buffers and extra state only (a fine-tuning start: the
     optimizer state, counters, loss scale and RNG states stay as they are).
+    Without ``tag``, a directory with no ``latest`` file (or none at all) holds
+    no checkpoint: every rank logs a WARNING and gets None, the engine as it
+    was, as DeepSpeed's ``load_checkpoint`` warns and loads nothing (a script
+    then starts from scratch). A named tag that is not there, or a damaged
+    checkpoint, raises `CheckpointError`.
     """
     check_between_steps(engine, "load_checkpoint")
     started = time.perf_counter()
@@ -90,7 +95,12 @@ def load(
         written = _read_everything(engine, index, touched, optimizer_states, saved_client)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait forever
         error = exc
-    statuses = exchange_json({"error": describe_error(error)} if error is not None else {}, engine.dist)
+    missing = isinstance(error, NoCheckpoint)
+    status = {"error": describe_error(error), "missing": missing} if error is not None else {}
+    statuses = exchange_json(status, engine.dist)
+    if all(s.get("missing") for s in statuses):  # no rank found one: nothing to load, nothing changed
+        log.warning("zkernel.checkpoint.none_to_load", rank=engine.dist.rank, path=str(directory), reason=str(error))
+        return None
     failures = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if "error" in s]
     if failures:
         where = index.dir if index is not None else Path(directory) / (tag or "latest")

@@ -46,6 +46,19 @@ shapes and keeps the loading engine's own values for them, which must be
 frozen there too (its base weights, loaded from wherever they came from the
 first time). `zkernel.consolidate` leaves them out of the state dict it
 gives, which then loads with ``strict=False`` over the base.
+
+[Note: a save inside an accumulation window] As DeepSpeed's, a save after
+the `Engine.step` of a micro-batch that does not end its window is taken: it
+holds the state of the last applied step (masters, optimizer state, counters
+with ``micro_steps`` at that step's boundary, lr, loss scale), not the
+window's partial gradients, and says so in a WARNING
+(``zkernel.checkpoint.mid_window``). Nothing of the window is lost to the
+running engine, whose gradients stay and keep accumulating; a run resumed
+from the checkpoint starts at that window's first micro-batch, so feed it
+those micro-batches again. The RNG states are those at the save (the
+window's micro-batches have drawn from them). Between a backward and its
+`Engine.step` a save is refused: at a boundary the optimizer may already be
+stepping.
 """
 
 from __future__ import annotations
@@ -99,13 +112,25 @@ def save(
     ([Note: client state] in `zkernel.checkpoint.client_state`); return that path. With
     ``exclude_frozen_parameters`` the parameters that do not require grad are left out ([Note: frozen
     parameters left out])."""
-    check_between_steps(engine, "save_checkpoint")
+    check_between_steps(engine, "save_checkpoint", boundary=False)
     root = Path(directory)
     tag = check_tag(tag if tag is not None else f"step{engine.global_steps}")
     info = engine.dist
     staging = root / f"{tag}{INCOMPLETE}"
     started = time.perf_counter()
 
+    done = engine.micro_steps % engine.config.gradient_accumulation_steps
+    if done:  # [Note: a save inside an accumulation window]
+        log.warning(
+            "zkernel.checkpoint.mid_window",
+            rank=info.rank,
+            path=str(root / tag),
+            global_steps=engine.global_steps,
+            micro_batches_done=done,
+            gradient_accumulation_steps=engine.config.gradient_accumulation_steps,
+            saved="the state of the last applied step; this window's partial gradients are not saved, "
+            "and a run resumed from it starts at this window's first micro-batch",
+        )
     view = view_of(engine.module)
     _agree(_attempt(info.rank == 0, _prepare, root, staging), info, "preparing", staging, cleanup=False)
     error, report = None, None
@@ -446,9 +471,17 @@ def _manifest(engine, view: ModelView, tag: str, reports: list[dict], exclude_fr
         "extra_state": {key: {"bytes": n} for key, n in reports[0]["extra"].items()},
         **({"client_state": {"bytes": reports[0]["client"]}} if reports[0]["client"] is not None else {}),
         "optimizer_state": state or {"per_element": {}, "scalar": {}},
-        "engine": engine.training_state(),
+        "engine": _last_step_state(engine),
         "ranks": [{"rng": rep["rng"]} for rep in reports],
     }
+
+
+def _last_step_state(engine) -> dict[str, Any]:
+    """The counters of the last applied step: ``micro_steps`` at its boundary ([Note: a save inside an
+    accumulation window])."""
+    state = engine.training_state()
+    state["micro_steps"] -= state["micro_steps"] % engine.config.gradient_accumulation_steps
+    return state
 
 
 def _check_coverage(name: str, fragments: list[list[int]], numel: int) -> None:

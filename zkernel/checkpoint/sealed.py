@@ -49,6 +49,7 @@ from zkernel.checkpoint.format import (
     TAG_PATTERN,
     UNSEALED_VERSIONS,
     CheckpointError,
+    NoCheckpoint,
     write_atomic,
 )
 from zkernel.telemetry.log import get_logger
@@ -171,7 +172,7 @@ def read_latest(root: Path, committed: list[str]) -> str:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise CheckpointError(
+        raise NoCheckpoint(
             f"{root} has no {LATEST!r} file, so there is no checkpoint to load by default; "
             f"committed checkpoints there: {committed or 'none'}"
         ) from None

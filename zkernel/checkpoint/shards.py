@@ -3,7 +3,7 @@
 Shared by saving, loading and `Engine.state_dict`: every group's `ShardLayout`
 from its partitioner, the parameters held whole, the optimizer state a group
 keeps (declared, or created lazily by the optimizer), and the quiescence check
-(a checkpoint is taken between steps, at an accumulation boundary).
+(a checkpoint is taken between steps; a load at an accumulation boundary).
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ def check_between_steps(engine, what: str, boundary: bool = True) -> None:
         raise CheckpointError(
             f"engine.{what} cannot run between a forward and its backward or inside "
             "engine.gathered_parameters(); call it after engine.step()"
+        )
+    if not boundary and engine._backward_done:
+        # At a boundary the optimizer may already be stepping groups (its steps start during backward).
+        raise CheckpointError(
+            f"engine.{what} cannot run between a backward and its engine.step(); call it after engine.step()"
         )
     engine.pipeline.wait_all()
 

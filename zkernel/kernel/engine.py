@@ -463,7 +463,9 @@ class Engine:
     ):
         """Write a checkpoint to ``directory/tag`` (default tag ``step<global steps>``); collective.
 
-        Call on every rank after `step` ended an accumulation window. Each rank
+        Call on every rank after a `step`; inside an accumulation window it saves
+        the last applied step's state, not the window's gradients, with a
+        WARNING ([Note: a save inside an accumulation window]). Each rank
         writes its own shards (masters, optimizer state, frozen values) from
         wherever its tiers keep them; rank 0 commits with ``manifest.json`` and
         points ``directory/latest`` at it. ``client_state``: a dict of the
@@ -499,7 +501,9 @@ class Engine:
         model's weights and buffers only, as a fine-tuning start. Returns
         ``(path, client_state)`` as DeepSpeed does (a `LoadedCheckpoint`, whose
         ``tag`` is the tag loaded): the checkpoint's directory and the
-        ``client_state`` saved with it ({} where none was).
+        ``client_state`` saved with it ({} where none was). Without ``tag``, a
+        directory with no ``latest`` (nothing saved there yet) logs a WARNING and
+        returns None on every rank, the engine unchanged, as DeepSpeed's does.
         """
         from zkernel.checkpoint.load import load
 
