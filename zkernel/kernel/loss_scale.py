@@ -5,11 +5,20 @@
 overflows before it halves: each overflow uses one up (its step is skipped
 all the same), and once one is left every further overflow halves the
 scale. The allowance is refilled when the scale grows, or, with
-``consecutive_hysteresis``, after every clean step. The scale grows after
-``window`` steps in a row without an overflow. This is DeepSpeed's
-`DynamicLossScaler.update_scale`, so a run ported with its config keeps its
-scales; with h = 1 (zkernel's default) every overflow halves the scale, as
-torch's `GradScaler` does.
+``consecutive_hysteresis``, after every clean step. The scale grows as
+[Note: when the scale grows] says. This is DeepSpeed's
+`DynamicLossScaler.update_scale` step for step, so a run ported with its
+config keeps its scales; with h = 1 (zkernel's default) every overflow halves
+the scale, as torch's `GradScaler` does.
+
+[Note: when the scale grows] DeepSpeed counts, at a clean step, the clean
+steps before it since the last overflow (or the start), and doubles the scale
+when that count is a positive multiple of ``window``: the first growth comes
+at the ``window + 1``-th clean step in a row, later ones every ``window``
+clean steps (a growth does not restart the count; an overflow does, even one
+the hysteresis absorbs). So with window 1000 the scale first doubles at the
+1001st clean step, then at the 2001st, and so on. ``clean_steps`` counts the
+clean steps since the last overflow, the current one included.
 
 [Note: overflow at the minimum scale] The scale never goes below
 ``min_scale``. An overflow that would halve it there (at the default minimum
@@ -74,14 +83,16 @@ class DynamicLossScaler:
             "scale": self.scale,
             "window": self.window,
             "min_scale": self.min_scale,
-            "clean_steps": self._clean_steps,
+            "clean_since_overflow": self._clean_steps,
             "hysteresis_left": self._allowance,
         }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         # The configured minimum holds (a resumed run may set another); the scale respects it.
         self.scale = max(float(state["scale"]), self.min_scale)
-        self._clean_steps = int(state["clean_steps"])
+        # Checkpoints from before [Note: when the scale grows] kept "clean_steps", the clean steps since
+        # the last overflow or growth; taken as since the last overflow, the next growth comes one step later.
+        self._clean_steps = int(state.get("clean_since_overflow", state.get("clean_steps", 0)))
         # A checkpoint from before hysteresis, or from a run with another setting, starts full.
         self._allowance = min(int(state.get("hysteresis_left", self.hysteresis)), self.hysteresis)
 
@@ -106,8 +117,8 @@ class DynamicLossScaler:
         if self.consecutive_hysteresis:
             self._allowance = self.hysteresis
         self._clean_steps += 1
-        if self._clean_steps >= self.window:
+        before = self._clean_steps - 1  # the clean steps before this one ([Note: when the scale grows])
+        if before > 0 and before % self.window == 0:
             self.scale *= 2.0
-            self._clean_steps = 0
             self._allowance = self.hysteresis
             log.debug("zkernel.loss_scale.grow", scale=self.scale)
