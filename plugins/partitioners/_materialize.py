@@ -17,11 +17,16 @@ meta tensors (one unit's parameters, or one module's buffers):
    one object, and references the user took before ``initialize`` stay valid.
    Where a swap is impossible (a weak reference to the tensor exists) a new
    object replaces the old one in every module that holds it.
-2. ``init_fn`` runs on the module that holds each tensor of T and on every
-   ancestor of those, children before parents (the order of Hugging Face's
-   ``initialize_weights``), under the job's seed: an ``init_fn`` may write a
-   module's own tensors and any descendant's (HF's GPT-2 init scales
-   ``attn.c_proj.weight`` from the attention module). Without ``init_fn``,
+2. Under the job's seed, ``reset_parameters()`` runs on each module that
+   holds a tensor of T and has one, children first, as the module's
+   constructor ran it in an eager build; then ``init_fn``, where given, runs
+   on those holders and on every ancestor of theirs, children before parents
+   (the order of Hugging Face's ``initialize_weights``): an ``init_fn`` may
+   write a module's own tensors and any descendant's (HF's GPT-2 init scales
+   ``attn.c_proj.weight`` from the attention module). So an ``init_fn`` that
+   writes only some modules (a parent's initialiser that knows some of its
+   children) leaves the others with their own initialisation, as eager
+   construction followed by that initialiser would, not unset.
    ``reset_parameters()`` runs on the holders only: by torch's convention it
    initialises a module's own tensors, and a root ``reset_parameters`` that
    re-initialises the whole model (the demo GPT has one) would otherwise run
@@ -116,8 +121,8 @@ def _unwritten(t: torch.Tensor) -> torch.Tensor:
 class MetaMaterializer:
     """Builds the meta tensors of ``root`` on ``device``, one job at a time (see [Note: materialising a unit]).
 
-    ``init_fn(module)`` initialises a module (Hugging Face: ``model._init_weights``);
-    None calls ``module.reset_parameters()`` where the module has one. The names
+    ``init_fn(module)`` initialises a module (Hugging Face: ``model._init_weights``)
+    after ``module.reset_parameters()``, which runs where the module has one. The names
     of parameters and persistent buffers left unset are added to ``unset`` as
     each job ends. Create it before any tensor of ``root`` is materialised: it
     records every tensor's original shape.
@@ -214,8 +219,13 @@ class MetaMaterializer:
             devices = [self.device] if self.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 torch.manual_seed(seed)
-                for module in scope:
-                    self._init(module)
+                holders = {id(self._holders[i][0]) for i in ids}
+                for module in scope:  # the module's own first, as its constructor ran it
+                    if id(module) in holders and hasattr(module, "reset_parameters"):
+                        self._init(module, module.reset_parameters, "reset_parameters()")
+                if self.init_fn is not None:
+                    for module in scope:
+                        self._init(module, lambda m=module: self._initializer[id(m)](m), "init_fn")
                 self._init_parametrized(real)
         finally:
             for slots, name, t in hidden:
@@ -268,14 +278,10 @@ class MetaMaterializer:
                     slots[name] = self._stand_in[i]
         return hidden
 
-    def _init(self, module: nn.Module) -> None:
+    def _init(self, module: nn.Module, initialise: Callable[[], object], label: str) -> None:
         try:
-            if self.init_fn is not None:
-                self._initializer[id(module)](module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            initialise()
         except Exception as err:
-            label = "reset_parameters()" if self.init_fn is None else "init_fn"
             raise RuntimeError(
                 f"zero3 could not initialise {_describe(self._path[id(module)], module)} while materialising "
                 f"a model built on the meta device: {label} raised {type(err).__name__}: {err}"

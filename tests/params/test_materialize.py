@@ -294,6 +294,31 @@ def test_init_fn_initialises_modules_without_reset_parameters():
         assert model[0].weight.abs().max() <= DIM**-0.5
 
 
+def test_init_fn_runs_after_each_modules_own_reset_parameters_so_modules_it_skips_are_not_unset():
+    """As eager construction (each layer's constructor runs its reset_parameters) followed by a
+    parent's initialiser that knows only its Linear layers: the LayerNorm and the Embedding keep their
+    own initialisation, the Linear layers take the initialiser's values."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), nn.LayerNorm(DIM), Gain())
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.fill_(0.25)
+            module.bias.zero_()
+        elif isinstance(module, Gain):
+            module.gain.fill_(2.0)
+
+    with capture_logs() as logs:
+        engine = zkernel.initialize(model, _zero3(), init_fn=init)
+    assert not [e for e in logs if e["event"] == "zkernel.initialize.values_unset"]
+    weights = engine.state_dict()
+    assert torch.all(weights["1.weight"] == 0.25) and torch.all(weights["1.bias"] == 0.0), "the init_fn's, after"
+    assert torch.all(weights["2.weight"] == 1.0) and torch.all(weights["2.bias"] == 0.0), "LayerNorm's own"
+    assert weights["0.weight"].isfinite().all() and weights["0.weight"].std() > 0.5, "Embedding's own N(0, 1)"
+    assert torch.all(weights["3.gain"] == 2.0)
+    engine.close()
+
+
 class Pretrained(nn.Module):
     """A model family with its own initialiser, as Hugging Face's ``PreTrainedModel``; ``value`` stands for
     a sub-model's config."""

@@ -155,9 +155,9 @@ def load_weights(
     """A fresh model (other values) given ``weights`` by `Engine.load_state_dict` in two halves (strict=False),
     then trained ``steps`` steps: its state dict right after, the losses, and what a bad dict does. With
     ``from_rank0`` only rank 0 passes the dicts (``broadcast_from_rank0``); the others pass {}. ``on_meta``
-    builds the model on the meta device with an initialiser that writes nothing, so every parameter and the
-    persistent buffer wait for the load ([Note: values left unset]): what a forward between the halves raised,
-    else None."""
+    builds the model on the meta device with an initialiser that writes nothing, so the layers have their own
+    reset_parameters() values and the root's parameter and persistent buffer (the root has none) wait for the
+    load ([Note: values left unset]): what a forward between the halves raised, else None."""
     torch.manual_seed(seed + 2000)
     if on_meta:
         with torch.device("meta"):

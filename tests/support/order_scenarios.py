@@ -150,6 +150,10 @@ CONFIGS = {
     ("forked", "zero3 leaf forks"): {
         "partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0, "leaf_modules": ["Fork"]},
     },
+    # The root named: the whole model one unit (the ranks' different branches inside it).
+    ("forked", "zero3 leaf root"): {
+        "partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0, "leaf_modules": ["Forked"]},
+    },
 }
 if importlib.util.find_spec("transformers") is not None:
     CONFIGS[("switch", "zero2")] = {"partitioner": "zero2", "partitioner_options": {"bucket_size": 2000}}

@@ -187,8 +187,9 @@ def initialize(
     ``plugins`` are extra plugin objects or modules with ``@zkernel.spec.hookimpl``
     functions; their components are selectable by name like the builtins.
     ``init_fn(module)`` initialises a module of a model built on the meta device
-    when the partitioner materialises it (default: ``module.reset_parameters()``; for a
-    Hugging Face model pass ``model._init_weights``). Every rank of a torchrun
+    when the partitioner materialises it, after the module's own ``reset_parameters()``
+    (as eager construction followed by that initialiser; for a Hugging Face model pass
+    ``model._init_weights``). Every rank of a torchrun
     job must call this with the same model and config. The model belongs to
     the engine until `Engine.close`.
     """

@@ -9,7 +9,8 @@ kept in a ``ModuleDict`` or a ``ModuleList`` and skipped when no token of this
 rank chose it) cannot be a unit of its own: the ranks would issue different
 gathers. ``leaf_modules`` (DeepSpeed's ``set_z3_leaf_modules``) names modules,
 by class name or by a pattern of their names, that are each one unit with
-their whole subtree, as FSDP2's users wrap the mixture-of-experts layer: the
+their whole subtree (the root too: then the whole model is one unit), as
+FSDP2's users wrap the mixture-of-experts layer: the
 layer runs on every rank, and an expert a rank did not use gets no gradient
 there, which the reduction order handles (see [Note: reduction order] in
 `zkernel.kernel.reduction_order`).
@@ -66,7 +67,8 @@ def unit_module_ids(
             if isinstance(m, (nn.ModuleList, nn.Sequential)):
                 unit_ids.update(id(child) for child in m.children())
     unit_ids = with_compiled_units(root, unit_ids)
-    leaves = [m for _, m in select_modules(root, leaf_modules, "partitioner_options.leaf_modules") if m is not root]
+    # The root too, when named (its class): the whole model is then one unit, gathered around its forward.
+    leaves = [m for _, m in select_modules(root, leaf_modules, "partitioner_options.leaf_modules")]
     if leaf_experts:
         leaves += [m for m in expert_layers(root) if m is not root]
     if not leaves:
