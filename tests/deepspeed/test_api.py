@@ -207,6 +207,26 @@ def test_warmup_lr_section_drives_get_lr(tmp_path):
     assert all(a <= b for a, b in zip(lrs, lrs[1:])) and len(set(lrs)) > 3
 
 
+def test_parameters_carry_their_whole_sizes_as_ds_numel():
+    """Under stage 3 a released parameter's numel() is 0; ds_numel/ds_shape say its whole size, as in DeepSpeed."""
+    import zkernel.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    model = Net()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    try:
+        params = dict(engine.module.named_parameters())
+        assert any(p.numel() == 0 for p in params.values())
+        assert {n: p.ds_shape for n, p in params.items()} == shapes
+        assert all(p.ds_numel == shapes[n].numel() for n, p in params.items())
+        assert engine.num_parameters() == sum(s.numel() for s in shapes.values())
+    finally:
+        engine.close()
+
+
 def test_a_client_optimizer_without_an_equivalent_is_an_error():
     import zkernel.deepspeed as deepspeed
 

@@ -70,3 +70,72 @@ def test_train_and_eval_switch_the_model_as_deepspeeds_engine_does():
     engine.backward(engine(x).sum())
     engine.step()
     engine.close()
+
+
+def _wide():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16, bias=False))
+
+
+class _LossNet(torch.nn.Module):
+    """A model whose forward returns its loss, as a training script's usually does."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _wide()
+
+    def forward(self, x):
+        return self.body(x).pow(2).mean()
+
+
+def test_num_parameters_counts_released_zero3_parameters_whole():
+    """Under zero3 a released parameter reports numel() == 0; num_parameters() counts the whole model."""
+    model = _wide()
+    whole = sum(p.numel() for p in model.parameters())
+    model[2].weight.requires_grad_(False)
+    engine = zkernel.initialize(model, {"partitioner": "zero3", "partitioner_options": {"persistence_threshold": 0}})
+    try:
+        assert sum(p.numel() for p in engine.module.parameters()) < whole  # released: the count a script sees
+        assert engine.num_parameters() == whole
+        assert engine.num_parameters(trainable_only=True) == whole - 32 * 16
+    finally:
+        engine.close()
+
+
+def test_a_loss_divided_by_the_accumulation_steps_warns_once():
+    from structlog.testing import capture_logs
+
+    engine = zkernel.initialize(_LossNet(), {"gradient_accumulation_steps": 2})
+    try:
+        with capture_logs() as logs:
+            for _ in range(2):  # the porting mistake, twice: one warning
+                engine.backward(engine(torch.randn(3, 16)) / 2)
+                engine.step()
+        scaled = [e for e in logs if e["event"] == "zkernel.backward.loss_scaled_twice"]
+        assert len(scaled) == 1 and scaled[0]["gradient_accumulation_steps"] == 2
+    finally:
+        engine.close()
+    engine = zkernel.initialize(_LossNet(), {"gradient_accumulation_steps": 2})
+    try:
+        with capture_logs() as logs:
+            engine.backward(engine(torch.randn(3, 16)) * 0.5)  # the same, as a product
+            engine.step()
+            engine.backward(engine(torch.randn(3, 16)))
+            engine.step()
+        assert [e["event"] for e in logs].count("zkernel.backward.loss_scaled_twice") == 1
+    finally:
+        engine.close()
+
+
+def test_an_unscaled_loss_or_another_divisor_does_not_warn():
+    from structlog.testing import capture_logs
+
+    engine = zkernel.initialize(_LossNet(), {"gradient_accumulation_steps": 2})
+    try:
+        with capture_logs() as logs:
+            for divisor in (1, 3, 4):
+                out = engine(torch.randn(3, 16))
+                engine.backward(out if divisor == 1 else out / divisor)
+                engine.step()
+        assert "zkernel.backward.loss_scaled_twice" not in [e["event"] for e in logs]
+    finally:
+        engine.close()

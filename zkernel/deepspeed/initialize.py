@@ -91,6 +91,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _check_model_parameters(model_parameters)
     engine = zkernel_initialize(model, from_deepspeed_config(raw))
     zero.track(engine)
+    _set_ds_sizes(engine)
     micro = _micro_batch(raw, engine.config.gradient_accumulation_steps, engine.dist.world_size)
     client = _ClientScheduler(engine, lr_scheduler, optimizer) if lr_scheduler is not None else None
     wrapped = DeepSpeedEngine(engine, micro, client_scheduler=client)
@@ -98,6 +99,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         loader = _dataloader(training_data, micro, collate_fn, raw, engine.dist)
     return wrapped, wrapped.optimizer, loader, wrapped.lr_scheduler
+
+
+def _set_ds_sizes(engine) -> None:
+    """``ds_numel`` and ``ds_shape`` on every parameter, the whole sizes DeepSpeed's ZeRO-3 parameters
+    carry (a released parameter's own ``numel()`` is 0): what scripts count parameters or FLOPs with."""
+    for name, param in engine.module.named_parameters():
+        shape = engine.original_tensors.get(name, (param.shape, param.dtype))[0]
+        param.ds_shape = torch.Size(shape)
+        param.ds_numel = torch.Size(shape).numel()
 
 
 def _read_config(args, config, config_params) -> dict[str, Any]:

@@ -169,6 +169,8 @@ class Engine:
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._norm_is_free: bool | None = None  # see `_reads_norm`
+        self._output_fn: Any = None  # the last forward's scalar output, to see a loss scaled twice
+        self._warned_scaled_twice = False
         self._redo_window = False  # the last step was not taken: its window must run again
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
@@ -253,10 +255,13 @@ class Engine:
         args, kwargs = tree_map_with_path(lambda path, v: self._prepare_input(v, _input_name(path)), (args, kwargs))
         try:
             with profiler_range("zkernel::forward"), self._compute_span("forward"):
-                return self._module(*args, **kwargs)
+                out = self._module(*args, **kwargs)
         except BaseException:  # also where the model's hooks did not run (KeyboardInterrupt)
             self.scheduler.abandon_forward()
             raise
+        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+        self._output_fn = loss.grad_fn if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        return out
 
     @requires_open("gathered_parameters()")
     @contextlib.contextmanager
@@ -304,6 +309,20 @@ class Engine:
                 f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
+        steps = self.config.gradient_accumulation_steps
+        if steps > 1 and not self._warned_scaled_twice and _scaled_by(loss, self._output_fn, steps):
+            # [Note: a loss scaled twice] The most common porting mistake from a plain loop: the loss
+            # divided by the accumulation steps before `backward`, which already averages over them.
+            # Seen only where it is cheap: the loss is the forward's own scalar output divided by
+            # (or multiplied by the inverse of) exactly that number, a constant held on the host.
+            self._warned_scaled_twice = True
+            log.warning(
+                "zkernel.backward.loss_scaled_twice",
+                gradient_accumulation_steps=steps,
+                advice="engine.backward already averages the gradients over gradient_accumulation_steps "
+                "micro-batches (as DeepSpeed's engine does); pass the forward's loss without dividing it",
+            )
+        self._output_fn = None  # its graph is gone after this backward; keep none of it
         if self._backward_done:
             # [Note: one backward per step] step() counts micro-batches; a second backward before it
             # would silently fold another micro-batch into this one (the window then spans more
@@ -404,6 +423,15 @@ class Engine:
             self.micro_steps -= self.config.gradient_accumulation_steps
             self._redo_window = True
         self.pipeline.outcome.raise_failure(self.optimizer_tier, self.global_steps, also)
+
+    def num_parameters(self, *, trainable_only: bool = False) -> int:
+        """Elements of the model's parameters as `initialize` saw them, whole (a released zero3
+        parameter reports ``numel() == 0``; its shape here is the whole one); tied parameters once."""
+        return sum(
+            self.original_tensors.get(name, (p.shape, p.dtype))[0].numel()
+            for name, p in self._module.named_parameters()
+            if p.requires_grad or not trainable_only
+        )
 
     @requires_open("memory_report()")
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -657,6 +685,21 @@ class Engine:
         max_norm = self.config.gradient_clipping
         clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
         return unscale * clip
+
+
+def _scaled_by(loss: torch.Tensor, output_fn: Any, steps: int) -> bool:
+    """Whether ``loss`` is the forward's scalar output (``output_fn``: its grad_fn) divided by
+    ``steps`` or multiplied by ``1 / steps`` ([Note: a loss scaled twice]); reads no device value."""
+    fn = loss.grad_fn
+    if output_fn is None or fn is None or fn.name() not in ("DivBackward0", "MulBackward0"):
+        return False
+    if not fn.next_functions or fn.next_functions[0][0] is not output_fn:
+        return False
+    other = getattr(fn, "_saved_other", None)
+    if not isinstance(other, torch.Tensor) or other.numel() != 1 or other.device.type != "cpu":
+        return False
+    expected = steps if fn.name() == "DivBackward0" else 1.0 / steps
+    return math.isclose(float(other), expected, rel_tol=1e-6)
 
 
 def _input_name(path) -> str:
