@@ -119,3 +119,36 @@ class GpuShare:
 
     def close(self) -> None:
         self._state.clear()
+
+
+class ShareRouting:
+    """The gradient side of a host tier with a GPU share, the same for the ``cpu`` and ``nvme`` tiers.
+
+    A tier that holds a `GpuShare` as ``_share`` and a `HostLanding` as
+    ``_landing`` takes these methods: a group the share holds is answered by
+    the share's inner device tier, every other one by the host landing. They
+    carry no state of their own (the parts do), so the tiers still compose
+    their parts; this only keeps the routing in one place. ``land`` runs on
+    autograd's thread, ``flush`` and ``grad_sq_norm`` on the main thread.
+    """
+
+    @property
+    def gpu_share_numel(self) -> int:
+        """Trainable elements whose optimizer is on the GPU ([Note: GPU share])."""
+        return self._share.numel
+
+    def land(self, group, reduced, final):
+        if self._share.holds(group):
+            return self._share.tier.land(group, reduced, final)
+        self._landing.land(group, reduced, final)
+
+    def flush(self):
+        self._landing.flush()
+        self._share.tier.flush()
+
+    def grad_sq_norm(self, groups):
+        out = self._share.tier.grad_sq_norm([g for g in groups if self._share.holds(g)])
+        return self._landing.sq_norms(groups, out)
+
+    def steps_on_host(self, group):
+        return not self._share.holds(group)

@@ -62,7 +62,7 @@ from ._nvme_options import NvmeParamsOptions
 from ._param_blocks import HostCopy, ParamBlocks
 from ._progress import Preallocation
 from ._swap_file import SwapFile, extents_of
-from ._swap_traffic import SwapTraffic
+from ._swap_traffic import SwapStats, SwapTraffic
 
 
 @attrs.define(eq=False)
@@ -84,7 +84,7 @@ class _ParamSlot:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-class NvmeParamsTier(ParamsTier):
+class NvmeParamsTier(SwapStats, ParamsTier):
     """Compute-dtype parameter shards in swap files, staged through a bounded pinned pool."""
 
     on_compute_device = False
@@ -109,18 +109,6 @@ class NvmeParamsTier(ParamsTier):
         self._layout = Preallocation("parameter")
         self._ahead = 0
         self._closed = False
-
-    def wait_writes(self) -> None:
-        """See `SwapTraffic.wait_writes`."""
-        self._traffic.wait_writes()
-
-    @property
-    def bytes_read(self) -> int:
-        return self._traffic.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self._traffic.bytes_written
 
     # -- placement ---------------------------------------------------------------------------------
 

@@ -81,3 +81,20 @@ class SwapTraffic:
     @property
     def bytes_written(self) -> int:
         return self.io.bytes_written
+
+
+class SwapStats:
+    """What a tier that holds a `SwapTraffic` as ``_traffic`` reports of it (both nvme roles):
+    waiting for its writes, and the bytes it moved (the bench and the timeline read them)."""
+
+    def wait_writes(self) -> None:
+        """See `SwapTraffic.wait_writes`."""
+        self._traffic.wait_writes()
+
+    @property
+    def bytes_read(self) -> int:
+        return self._traffic.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self._traffic.bytes_written

@@ -42,7 +42,7 @@ from zkernel.spec import hookimpl
 from zkernel.spec.tiers import SPECULATE_POLICIES, OptimizerTier, Resource
 
 from ._cpu_params import CpuParamsOptions, CpuParamsTier
-from ._gpu_share import SHARE_BYTES, GpuShare, unused_device_bytes
+from ._gpu_share import SHARE_BYTES, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
 from ._staging import HostUpdates
@@ -82,7 +82,7 @@ def _check_share(value, key: str) -> None:
         raise ValueError(f"offload.optimizer_options.{key} must be a number in [0, 1] or \"auto\", got {value!r}")
 
 
-class CpuTier(OptimizerTier):
+class CpuTier(ShareRouting, OptimizerTier):
     """Masters, optimizer state and gradients in host memory; the step runs on the host.
 
     A thin composition (see the module docstring): groups the GPU share holds
@@ -108,11 +108,6 @@ class CpuTier(OptimizerTier):
         )
         self._updates = HostUpdates(self.options.staging_buffers, context.compute_dtype, pin, context.streams)
         self._share = GpuShare(context, self.options.gpu_share)
-
-    @property
-    def gpu_share_numel(self) -> int:
-        """Trainable elements whose optimizer is on the GPU ([Note: GPU share])."""
-        return self._share.numel
 
     # -- placement (main thread) -----------------------------------------------------------
 
@@ -144,25 +139,9 @@ class CpuTier(OptimizerTier):
                 moved += group.master.numel()
         self._landing.place_device_accumulation(order, room - SHARE_BYTES * moved)
 
-    # -- gradients (autograd's thread; flush and norms on the main thread) -------------------
-
-    def land(self, group, reduced, final):
-        if self._share.holds(group):
-            return self._share.tier.land(group, reduced, final)
-        self._landing.land(group, reduced, final)
-
-    def flush(self):
-        self._landing.flush()
-        self._share.tier.flush()
-
-    def grad_sq_norm(self, groups):
-        out = self._share.tier.grad_sq_norm([g for g in groups if self._share.holds(g)])
-        return self._landing.sq_norms(groups, out)
+    # (gradients: `ShareRouting`, on autograd's thread and the main thread)
 
     # -- the step (the host worker for host groups) ------------------------------------------
-
-    def steps_on_host(self, group):
-        return not self._share.holds(group)
 
     def acquire(self, group):
         if self._share.holds(group):

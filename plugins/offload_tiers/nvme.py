@@ -46,21 +46,21 @@ from zkernel.spec import ConfigError, hookimpl
 from zkernel.spec.tiers import OptimizerTier, Resource
 from zkernel.telemetry.log import get_logger
 
-from ._gpu_share import SHARE_BYTES, GpuShare, unused_device_bytes
+from ._gpu_share import SHARE_BYTES, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
 from ._nvme_optimizer import DEFAULT_BUFFER_BYTES, OptimizerSwap
 from ._nvme_options import NvmeParamsOptions, NvmeTierOptions
 from ._nvme_params import NvmeParamsTier
 from ._staging import HostUpdates
-from ._swap_traffic import SwapTraffic
+from ._swap_traffic import SwapStats, SwapTraffic
 
 __all__ = ["NvmeParamsOptions", "NvmeParamsTier", "NvmeTier", "NvmeTierOptions", "nvme_tier"]
 
 log = get_logger()
 
 
-class NvmeTier(OptimizerTier):
+class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
     """Masters and optimizer state in swap files, streamed through a bounded pinned pool for each step.
 
     Every call runs on the thread [Note: tier threads] names; `prepare` on the
@@ -93,22 +93,6 @@ class NvmeTier(OptimizerTier):
         self.host_share_numel = 0
         self._placement_logged = False
         self._closed = False
-
-    @property
-    def gpu_share_numel(self) -> int:
-        return self._share.numel
-
-    def wait_writes(self) -> None:
-        """See `SwapTraffic.wait_writes`."""
-        self._traffic.wait_writes()
-
-    @property
-    def bytes_read(self) -> int:
-        return self._traffic.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self._traffic.bytes_written
 
     # -- placement (main thread) ------------------------------------------------------------------
 
@@ -146,25 +130,9 @@ class NvmeTier(OptimizerTier):
         if self.cuda:
             self._landing.place_device_accumulation(order, int(0.8 * unused_device_bytes(self.device)))
 
-    # -- gradients (autograd's thread; flush and norms on the main thread) --------------------------
-
-    def land(self, group, reduced, final):
-        if self._share.holds(group):
-            return self._share.tier.land(group, reduced, final)
-        self._landing.land(group, reduced, final)
-
-    def flush(self):
-        self._landing.flush()
-        self._share.tier.flush()
-
-    def grad_sq_norm(self, groups):
-        out = self._share.tier.grad_sq_norm([g for g in groups if self._share.holds(g)])
-        return self._landing.sq_norms(groups, out)
+    # (gradients: `ShareRouting`, on autograd's thread and the main thread)
 
     # -- the step ---------------------------------------------------------------------------------
-
-    def steps_on_host(self, group):
-        return not self._share.holds(group)
 
     may_fail_writes = True
 
