@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zkernel.compat.deepspeed.config import from_deepspeed_config
+from zkernel.compat.deepspeed.config import from_deepspeed_config, read_deepspeed_json
 from zkernel.deepspeed import zero
 from zkernel.deepspeed.engine import DeepSpeedEngine, _ClientScheduler
 from zkernel.errors import ConfigError
@@ -122,14 +120,7 @@ def _read_config(args, config, config_params) -> dict[str, Any]:
     if source is None:
         raise ValueError("zkernel.deepspeed.initialize needs a DeepSpeed config: config=dict or path, "
                          "config_params=..., or args.deepspeed_config")
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"DeepSpeed config file {str(path)!r} does not exist")
-        try:
-            source = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON: {exc}") from exc
+    source = read_deepspeed_json(source)
     if not isinstance(source, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a mapping or a path, got {type(source).__name__}")
     return copy.deepcopy(dict(source))

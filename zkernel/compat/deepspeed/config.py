@@ -463,22 +463,26 @@ def _batch_sizes(reader: _Reader, out: dict[str, Any]) -> tuple[int | None, int 
     return micro, batch, world
 
 
+def read_deepspeed_json(source: Mapping[str, Any] | str | os.PathLike) -> Any:
+    """The DeepSpeed config ``source`` names: a mapping as it is, or the JSON of a file path."""
+    if not isinstance(source, (str, os.PathLike)):
+        return source
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config file {str(path)!r} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON: {exc}") from exc
+
+
 def from_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> Config:
     """A `zkernel.Config` equivalent to a DeepSpeed config (a dict or a path to its .json file).
 
     Raises `ConfigError` naming the DeepSpeed key when a value cannot be
     honoured; keys without an equivalent are listed in one warning event.
     """
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"DeepSpeed config file {str(path)!r} does not exist")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON: {exc}") from exc
-    else:
-        raw = source
+    raw = read_deepspeed_json(source)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a mapping, got {type(raw).__name__}")
     _check_keys(raw)
