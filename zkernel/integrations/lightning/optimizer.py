@@ -200,7 +200,8 @@ def check_supported(optimizer: Any) -> None:
     supported = "torch.optim.AdamW or torch.optim.Adam (any parameter groups with their own lr, betas, eps, weight_decay)"
     if type(optimizer) not in SUPPORTED:
         raise ConfigError(
-            f"ZKernelStrategy cannot train with the optimizer {type(optimizer).__module__}.{type(optimizer).__name__} "
+            f"ZKernelStrategy cannot train with the optimizer {type(optimizer).__name__} "
+            f"({type(optimizer).__module__}.{type(optimizer).__qualname__}) "
             f"from configure_optimizers: zkernel steps its own Adam over the shards, so it supports {supported}"
         )
     for i, group in enumerate(optimizer.param_groups):

@@ -1,0 +1,87 @@
+"""ZKernelStrategy under the real Lightning Trainer on 2 gloo ranks, against strategy="ddp".
+
+One run of `tests.integrations.lightning.scenario` runs every configuration in the same two
+processes, forked after importing Lightning (which costs most of the time), once for the module;
+a slow test lets Lightning's own launcher start the second rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.paths import REPO
+
+pytest.importorskip("pytorch_lightning")
+
+MODES = ("ddp", "zero3", "named", "sgd")
+TOLERANCE = 1e-4
+
+
+def _scenario(out, *args: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.lightning.scenario", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [json.loads((out.parent / f"{out.name}.{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("lightning") / "run"
+    return _scenario(out, str(out), *MODES)
+
+
+def _close(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want), (len(got), len(want))
+    return max(abs(a - b) for a, b in zip(got, want))
+
+
+def test_reference_trains(runs):
+    for rank in runs:
+        ddp = rank["ddp"]
+        assert len(ddp["losses"]) == 16 and ddp["global_step"] == 8  # 2 epochs of 8 micro-batches, accumulating 2
+        first, second = ddp["val_losses"][:2], ddp["val_losses"][2:]  # each epoch's 2 validation batches
+        assert sum(second) < sum(first) - 0.2  # it learns: the comparisons below are not of a constant
+
+
+def test_zero3_offload_and_resume_match_ddp(runs):
+    # Epoch 1 by one Trainer, trainer.save_checkpoint, epoch 2 by a new Trainer, strategy and module
+    # resumed with fit(ckpt_path=...): every micro-batch and validation loss is DDP's uninterrupted run's.
+    for rank in runs:
+        ddp, zero3 = rank["ddp"], rank["zero3"]
+        assert zero3["strategy"] == "ZKernelStrategy" and zero3["partitioner"] == "zero3"
+        assert _close(zero3["losses"], ddp["losses"]) < TOLERANCE
+        assert _close(zero3["val_losses"], ddp["val_losses"]) < TOLERANCE
+        assert zero3["global_step"] == ddp["global_step"] and zero3["epoch"] == ddp["epoch"]
+        assert zero3["lr"] == pytest.approx(ddp["lr"])  # the restored scheduler drove the torch groups alike
+
+
+def test_registered_name_matches_ddp(runs):
+    for rank in runs:
+        named = rank["named"]
+        assert named["strategy"] == "ZKernelStrategy" and named["partitioner"] == "zero3"
+        assert _close(named["losses"], rank["ddp"]["losses"]) < TOLERANCE
+        assert _close(named["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE
+
+
+def test_unsupported_optimizer_is_an_error_before_training(runs):
+    for rank in runs:
+        sgd = rank["sgd"]
+        assert sgd["losses"] == []
+        assert sgd["error"].startswith("ConfigError") and "optimizer SGD" in sgd["error"]
+        assert "torch.optim.AdamW or torch.optim.Adam" in sgd["error"]
+
+
+@pytest.mark.slow
+def test_lightning_launcher_starts_the_second_rank(tmp_path):
+    # As `python train.py` runs it: one process, Lightning's launcher starts rank 1 at the first fit.
+    out = tmp_path / "run"
+    for rank in _scenario(out, "--launch", str(out), "ddp", "named"):
+        assert _close(rank["named"]["losses"], rank["ddp"]["losses"]) < TOLERANCE
