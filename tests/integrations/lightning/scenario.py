@@ -16,6 +16,7 @@ MODE:
            ``trainer.save_checkpoint``, then a new Trainer, strategy and module resume with
            ``fit(ckpt_path=...)`` for the second epoch.
   named    ``strategy="zkernel"``, two epochs.
+  bf16     ``strategy="zkernel_stage_3_offload"``, ``precision="bf16-mixed"``, two epochs.
   sgd      ``strategy="zkernel"`` with SGD(momentum=0.9): the error is written (last: it ends the run).
 """
 
@@ -104,9 +105,13 @@ def data(n: int) -> DataLoader:
     return DataLoader(TensorDataset(torch.randint(0, VOCAB, (n, CONTEXT + 1), generator=generator)), batch_size=2)
 
 
-def trainer(strategy, epochs: int) -> pl.Trainer:
+# ZKERNEL_SCENARIO_ACCELERATOR=gpu runs it on GPUs (tests/integrations/lightning, the cuda test).
+ACCELERATOR = os.environ.get("ZKERNEL_SCENARIO_ACCELERATOR", "cpu")
+
+
+def trainer(strategy, epochs: int, precision: str = "32-true") -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
+        accelerator=ACCELERATOR, devices=2, strategy=strategy, max_epochs=epochs, precision=precision,
         accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, num_sanity_val_steps=0,
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
     )
@@ -131,6 +136,10 @@ def run_mode(mode: str, out: str) -> dict:
         run = trainer(mode if mode == "ddp" else "zkernel", 2)
         run.fit(module, train, val)
         losses, val_losses = module.losses, module.val_losses
+    elif mode == "bf16":
+        run = trainer("zkernel_stage_3_offload", 2, precision="bf16-mixed")
+        run.fit(module, train, val)
+        losses, val_losses = module.losses, module.val_losses
     elif mode == "zero3":
         run = trainer(zero3_offload(), 1)
         run.fit(module, train, val)
@@ -149,6 +158,7 @@ def run_mode(mode: str, out: str) -> dict:
         "epoch": run.current_epoch,
         "strategy": type(run.strategy).__name__,
         "partitioner": getattr(config, "partitioner", None),
+        "precision": getattr(config, "precision", None),
         "lr": [g["lr"] for g in run.optimizers[0].param_groups],
     }
 

@@ -18,12 +18,12 @@ from tests.support.paths import REPO
 
 pytest.importorskip("pytorch_lightning")
 
-MODES = ("ddp", "zero3", "named", "sgd")
+MODES = ("ddp", "zero3", "named", "bf16", "sgd")
 TOLERANCE = 1e-4
 
 
-def _scenario(out, *args: str) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _scenario(out, *args: str, accelerator: str = "cpu") -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ZKERNEL_SCENARIO_ACCELERATOR": accelerator}
     done = subprocess.run(
         [sys.executable, "-m", "tests.integrations.lightning.scenario", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
@@ -71,6 +71,16 @@ def test_registered_name_matches_ddp(runs):
         assert _close(named["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE
 
 
+def test_bf16_mixed_trains_in_bf16(runs):
+    # Trainer(precision="bf16-mixed") reaches the engine as precision = "bf16": bf16 parameters and
+    # compute, fp32 masters; the losses stay near the fp32 run's (bf16 has 8 bits of mantissa).
+    for rank in runs:
+        bf16, ddp = rank["bf16"], rank["ddp"]
+        assert bf16["precision"] == "bf16" and bf16["partitioner"] == "zero3"
+        assert _close(bf16["losses"], ddp["losses"]) < 0.05
+        assert sum(bf16["val_losses"][2:]) < sum(bf16["val_losses"][:2]) - 0.2
+
+
 def test_unsupported_optimizer_is_an_error_before_training(runs):
     for rank in runs:
         sgd = rank["sgd"]
@@ -85,3 +95,18 @@ def test_lightning_launcher_starts_the_second_rank(tmp_path):
     out = tmp_path / "run"
     for rank in _scenario(out, "--launch", str(out), "ddp", "named"):
         assert _close(rank["named"]["losses"], rank["ddp"]["losses"]) < TOLERANCE
+
+
+@pytest.mark.cuda
+def test_on_two_gpus_zkernel_matches_ddp(tmp_path):
+    # Trainer(accelerator="gpu", devices=2): NCCL ranks, the engine's tiers on the GPU and pinned host memory.
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "run"
+    for rank in _scenario(out, str(out), "ddp", "zero3", "named", "bf16", accelerator="gpu"):
+        for mode in ("zero3", "named"):
+            assert _close(rank[mode]["losses"], rank["ddp"]["losses"]) < TOLERANCE, mode
+            assert _close(rank[mode]["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE, mode
+        assert _close(rank["bf16"]["losses"], rank["ddp"]["losses"]) < 0.05

@@ -51,6 +51,8 @@ from zkernel.integrations.lightning import settings
 from zkernel.integrations.lightning.optimizer import OptimizerMap, OptimizerSync
 from zkernel.kernel.bootstrap import initialize
 from zkernel.kernel.config_source import load_config
+from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, resolve_components
+from zkernel.spec.config import auto_keys
 from zkernel.telemetry.log import get_logger
 
 log = get_logger()
@@ -139,6 +141,8 @@ class _Strategy:
         base = load_config(dict(config) if isinstance(config, Mapping) else config)
         if nvme_path is not None:
             base = attrs.evolve(base, offload=attrs.evolve(base.offload, nvme_path=Path(nvme_path)))
+        # Component names and their options are checked now, not when the Trainer gets to setup.
+        resolve_components(collect_components(get_plugin_manager(config=base)), base, skip=auto_keys(base))
         self._base_config = base
         self._init_fn = init_fn
         self._engine: Any = None
