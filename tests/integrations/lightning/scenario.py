@@ -16,6 +16,9 @@ MODE:
            ``trainer.save_checkpoint``, then a new Trainer, strategy and module resume with
            ``fit(ckpt_path=...)`` for the second epoch.
   named    ``strategy="zkernel"``, two epochs.
+           A fresh Trainer then runs ``test(ckpt_path=...)`` from the epoch-1 checkpoint.
+  meta     ``strategy="zkernel"`` with the layers built in ``configure_model`` (on the meta device,
+           materialised by the engine), two epochs.
   bf16     ``strategy="zkernel_stage_3_offload"``, ``precision="bf16-mixed"``, two epochs.
   sgd      ``strategy="zkernel"`` with SGD(momentum=0.9): the error is written (last: it ends the run).
 """
@@ -56,15 +59,26 @@ class Block(nn.Module):
 
 
 class TinyGPT(pl.LightningModule):
-    def __init__(self, optimizer: str = "adamw") -> None:
+    def __init__(self, optimizer: str = "adamw", late: bool = False) -> None:
         super().__init__()
+        self.optimizer_name, self.late = optimizer, late
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.test_losses: list[float] = []
+        self.built_on_meta: bool | None = None
+        if not late:
+            self._build()
+
+    def _build(self) -> None:
         torch.manual_seed(0)
         self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(CONTEXT, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln_f, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-        self.optimizer_name = optimizer
-        self.losses: list[float] = []
-        self.val_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.late and not hasattr(self, "head"):
+            self._build()
+            self.built_on_meta = self.head.weight.is_meta
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
@@ -85,6 +99,11 @@ class TinyGPT(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         loss = self._loss(batch)
         self.val_losses.append(float(loss))
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.test_losses.append(float(loss))
         return loss
 
     def configure_optimizers(self):
@@ -131,7 +150,7 @@ def run_mode(mode: str, out: str) -> dict:
         except Exception as error:  # noqa: BLE001 - the error is the result
             return {"error": f"{type(error).__name__}: {error}", "losses": module.losses}
         return {"error": None, "losses": module.losses}
-    module = TinyGPT()
+    module, extra = TinyGPT(), {}
     if mode in ("ddp", "named"):
         run = trainer(mode if mode == "ddp" else "zkernel", 2)
         run.fit(module, train, val)
@@ -148,6 +167,15 @@ def run_mode(mode: str, out: str) -> dict:
         resumed, run = TinyGPT(), trainer(zero3_offload(), 2)
         run.fit(resumed, train, val, ckpt_path=checkpoint)
         losses, val_losses = module.losses + resumed.losses, module.val_losses + resumed.val_losses
+        tested = TinyGPT()
+        trainer(zero3_offload(), 1).test(tested, val, ckpt_path=checkpoint, verbose=False)
+        extra["test_losses"] = tested.test_losses
+    elif mode == "meta":
+        module = TinyGPT(late=True)
+        run = trainer("zkernel", 2)
+        run.fit(module, train, val)
+        losses, val_losses = module.losses, module.val_losses
+        extra["built_on_meta"] = module.built_on_meta
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     config = getattr(run.strategy, "config", None)
@@ -160,6 +188,7 @@ def run_mode(mode: str, out: str) -> dict:
         "partitioner": getattr(config, "partitioner", None),
         "precision": getattr(config, "precision", None),
         "lr": [g["lr"] for g in run.optimizers[0].param_groups],
+        **extra,
     }
 
 

@@ -18,7 +18,7 @@ from tests.support.paths import REPO
 
 pytest.importorskip("pytorch_lightning")
 
-MODES = ("ddp", "zero3", "named", "bf16", "sgd")
+MODES = ("ddp", "zero3", "named", "meta", "bf16", "sgd")
 TOLERANCE = 1e-4
 
 
@@ -61,6 +61,8 @@ def test_zero3_offload_and_resume_match_ddp(runs):
         assert _close(zero3["val_losses"], ddp["val_losses"]) < TOLERANCE
         assert zero3["global_step"] == ddp["global_step"] and zero3["epoch"] == ddp["epoch"]
         assert zero3["lr"] == pytest.approx(ddp["lr"])  # the restored scheduler drove the torch groups alike
+        # A fresh Trainer's test(ckpt_path=...) of the epoch-1 checkpoint sees DDP's epoch-1 validation losses.
+        assert _close(zero3["test_losses"], ddp["val_losses"][:2]) < TOLERANCE
 
 
 def test_registered_name_matches_ddp(runs):
@@ -69,6 +71,16 @@ def test_registered_name_matches_ddp(runs):
         assert named["strategy"] == "ZKernelStrategy" and named["partitioner"] == "zero3"
         assert _close(named["losses"], rank["ddp"]["losses"]) < TOLERANCE
         assert _close(named["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE
+
+
+def test_configure_model_builds_on_meta_under_zero3(runs):
+    # Layers made in configure_model are built on the meta device and materialised by the engine
+    # (each module's reset_parameters(), so not DDP's values): they train and validate.
+    for rank in runs:
+        meta = rank["meta"]
+        assert meta["built_on_meta"] is True and meta["partitioner"] == "zero3"
+        assert len(meta["losses"]) == 16 and meta["global_step"] == 8
+        assert sum(meta["val_losses"][2:]) < sum(meta["val_losses"][:2]) - 0.05
 
 
 def test_bf16_mixed_trains_in_bf16(runs):
