@@ -19,6 +19,8 @@ MODE:
            A fresh Trainer then runs ``test(ckpt_path=...)`` from the epoch-1 checkpoint.
   meta     ``strategy="zkernel"`` with the layers built in ``configure_model`` (on the meta device,
            materialised by the engine), two epochs.
+  short    7 micro-batches per rank, so Lightning steps a window of one at the epoch's end: "ddp"
+           and then "zkernel_stage_2" for two epochs each (losses under "ddp" and "zero2").
   bf16     ``strategy="zkernel_stage_3_offload"``, ``precision="bf16-mixed"``, two epochs.
   sgd      ``strategy="zkernel"`` with SGD(momentum=0.9): the error is written (last: it ends the run).
 """
@@ -170,6 +172,14 @@ def run_mode(mode: str, out: str) -> dict:
         tested = TinyGPT()
         trainer(zero3_offload(), 1).test(tested, val, ckpt_path=checkpoint, verbose=False)
         extra["test_losses"] = tested.test_losses
+    elif mode == "short":
+        short = data(28)
+        reference, run = TinyGPT(), trainer("ddp", 2)
+        run.fit(reference, short)
+        run = trainer("zkernel_stage_2", 2)
+        run.fit(module, short)
+        losses, val_losses = module.losses, []
+        extra["ddp"], extra["ddp_lr"] = reference.losses, [g["lr"] for g in reference.trainer.optimizers[0].param_groups]
     elif mode == "meta":
         module = TinyGPT(late=True)
         run = trainer("zkernel", 2)

@@ -18,7 +18,7 @@ from tests.support.paths import REPO
 
 pytest.importorskip("pytorch_lightning")
 
-MODES = ("ddp", "zero3", "named", "meta", "bf16", "sgd")
+MODES = ("ddp", "zero3", "named", "short", "meta", "bf16", "sgd")
 TOLERANCE = 1e-4
 
 
@@ -71,6 +71,16 @@ def test_registered_name_matches_ddp(runs):
         assert named["strategy"] == "ZKernelStrategy" and named["partitioner"] == "zero3"
         assert _close(named["losses"], rank["ddp"]["losses"]) < TOLERANCE
         assert _close(named["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE
+
+
+def test_a_short_last_window_steps_like_ddp(runs):
+    # 7 micro-batches an epoch with accumulate_grad_batches=2: Lightning steps the 7th alone (its loss
+    # still divided by 2); zero2 steps it there too, and epoch 2's losses are DDP's.
+    for rank in runs:
+        short = rank["short"]
+        assert short["global_step"] == 8 and len(short["losses"]) == 14
+        assert _close(short["losses"], short["ddp"]) < TOLERANCE
+        assert short["lr"] == pytest.approx(short["ddp_lr"])
 
 
 def test_configure_model_builds_on_meta_under_zero3(runs):

@@ -245,8 +245,10 @@ class _Strategy:
                     "norm at the step; use Trainer(gradient_clip_val=...)",
                 )
         engine = self._engine
-        if engine is not None and not engine.closed and fitting and config != self._engine_config:
-            engine.close()  # the module is whole again; a new engine takes it with the new config
+        if engine is not None and not engine.closed and (
+            engine.module is not module or (fitting and config != self._engine_config)
+        ):
+            engine.close()  # its module is whole again; a new engine takes this module with this config
             engine = None
         if engine is None or engine.closed:
             engine = initialize(module, config, init_fn=self._init_fn)
@@ -258,6 +260,8 @@ class _Strategy:
     def teardown(self) -> None:
         """Lightning's teardown, except that the module stays where the engine keeps it (the engine stays
         open for ``trainer.save_checkpoint`` and later runs of the same Trainer)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
