@@ -27,6 +27,7 @@ MODE:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -35,13 +36,16 @@ import time
 import traceback
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import zkernel.integrations.lightning as zl
+
+# ZKERNEL_SCENARIO_LIGHTNING=lightning.pytorch runs it on the unified package instead of pytorch_lightning.
+pl = importlib.import_module(os.environ.get("ZKERNEL_SCENARIO_LIGHTNING", "pytorch_lightning"))
+ZKernelStrategy = zl.strategy_class(pl.__name__)
 
 VOCAB, DIM, CONTEXT, LAYERS = 32, 16, 8, 2
 ACCUMULATE, CLIP = 2, 1.0
@@ -139,7 +143,7 @@ def trainer(strategy, epochs: int, precision: str = "32-true") -> pl.Trainer:
 
 
 def zero3_offload():
-    return zl.ZKernelStrategy(config={"partitioner": "zero3", "offload": {"optimizer": "cpu", "params": "cpu"}})
+    return ZKernelStrategy(config={"partitioner": "zero3", "offload": {"optimizer": "cpu", "params": "cpu"}})
 
 
 def run_mode(mode: str, out: str) -> dict:
@@ -195,6 +199,7 @@ def run_mode(mode: str, out: str) -> dict:
         "global_step": run.global_step,
         "epoch": run.current_epoch,
         "strategy": type(run.strategy).__name__,
+        "strategy_package": type(run.strategy).__mro__[2].__module__.split(".strategies")[0],
         "partitioner": getattr(config, "partitioner", None),
         "precision": getattr(config, "precision", None),
         "lr": [g["lr"] for g in run.optimizers[0].param_groups],

@@ -22,8 +22,9 @@ MODES = ("ddp", "zero3", "named", "short", "meta", "bf16", "sgd")
 TOLERANCE = 1e-4
 
 
-def _scenario(out, *args: str, accelerator: str = "cpu") -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ZKERNEL_SCENARIO_ACCELERATOR": accelerator}
+def _scenario(out, *args: str, accelerator: str = "cpu", package: str = "pytorch_lightning") -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ZKERNEL_SCENARIO_ACCELERATOR": accelerator,
+           "ZKERNEL_SCENARIO_LIGHTNING": package}
     done = subprocess.run(
         [sys.executable, "-m", "tests.integrations.lightning.scenario", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
@@ -69,6 +70,7 @@ def test_registered_name_matches_ddp(runs):
     for rank in runs:
         named = rank["named"]
         assert named["strategy"] == "ZKernelStrategy" and named["partitioner"] == "zero3"
+        assert named["strategy_package"] == "pytorch_lightning"
         assert _close(named["losses"], rank["ddp"]["losses"]) < TOLERANCE
         assert _close(named["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE
 
@@ -117,6 +119,17 @@ def test_lightning_launcher_starts_the_second_rank(tmp_path):
     out = tmp_path / "run"
     for rank in _scenario(out, "--launch", str(out), "ddp", "named"):
         assert _close(rank["named"]["losses"], rank["ddp"]["losses"]) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_the_unified_lightning_package(tmp_path):
+    # `lightning.pytorch` (pip install lightning): its own strategy class and registry entries.
+    pytest.importorskip("lightning")
+    out = tmp_path / "run"
+    for rank in _scenario(out, str(out), "ddp", "zero3", "named", package="lightning.pytorch"):
+        for mode in ("zero3", "named"):
+            assert rank[mode]["strategy_package"] == "lightning.pytorch"
+            assert _close(rank[mode]["losses"], rank["ddp"]["losses"]) < TOLERANCE, mode
 
 
 @pytest.mark.cuda
