@@ -3,6 +3,8 @@ the names registered in Lightning's StrategyRegistry."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from zkernel.errors import ConfigError
@@ -56,6 +58,20 @@ def test_the_trainer_settings_fill_the_config_and_a_contradiction_names_both():
                                        clipping=0.0)
     with pytest.raises(ConfigError, match=r"precision = 'bf16' contradicts the Trainer's Trainer\(precision=...\)"):
         settings.with_trainer_settings(Config(precision="bf16"), precision="fp32", accumulation=1, clipping=0.0)
+
+
+def test_a_deepspeed_config_leaves_clipping_to_the_trainer(tmp_path):
+    deepspeed = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(deepspeed))
+    for source in (deepspeed, str(path)):
+        strategy = ZKernelStrategy(config=source)
+        assert strategy.config.partitioner == "zero3" and strategy.config.offload.optimizer == "cpu"
+        config = settings.with_trainer_settings(strategy.config, precision="fp32", accumulation=2, clipping=0.0)
+        assert config.gradient_clipping == 0.0 and config.gradient_accumulation_steps == 2
+    with pytest.raises(ConfigError, match=r"gradient_clipping = 0.5 contradicts"):
+        settings.with_trainer_settings(ZKernelStrategy(config={**deepspeed, "gradient_clipping": 0.5}).config,
+                                       precision="fp32", accumulation=1, clipping=1.0)
 
 
 def test_names_are_registered_with_their_configs():

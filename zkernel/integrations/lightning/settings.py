@@ -6,16 +6,23 @@ gradient_clip_val=...)`` is where a Lightning user says these, so they fill the 
 ``precision``, ``gradient_accumulation_steps`` and ``gradient_clipping``. A config that sets one of
 them to something else than its default and than the Trainer's is a `ConfigError` naming both,
 never one of the two silently lost (the same rule as Lightning's DeepSpeed strategy for
-``gradient_accumulation_steps``).
+``gradient_accumulation_steps``). A DeepSpeed config without ``gradient_clipping`` reads
+as ``"auto"`` here (DeepSpeed's own default, 1.0, would otherwise contradict a Trainer
+that does not clip): the Trainer's ``gradient_clip_val`` decides, as under Lightning's
+DeepSpeed strategy.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from zkernel.compat.deepspeed.config import is_deepspeed_config, read_deepspeed_json
 from zkernel.errors import ConfigError
+from zkernel.kernel.config_source import load_config
 from zkernel.spec.config import Config
 
 # Lightning's precision flags and the config's precision for each. "-mixed" and "-true" both
@@ -49,6 +56,20 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         {"partitioner": "zero3", "offload": {"optimizer": "nvme", "params": "nvme", "nvme_path": "/local_nvme"}},
     ),
 }
+
+
+def load_base_config(source: Any) -> Config:
+    """The `Config` a strategy's ``config=`` names (what `zkernel.initialize` takes), before the Trainer's
+    settings; a DeepSpeed config's absent ``gradient_clipping`` is left to the Trainer."""
+    if isinstance(source, (str, os.PathLike)) and str(source).lower().endswith(".json"):
+        raw = read_deepspeed_json(source)
+        if is_deepspeed_config(raw):
+            source = raw
+    if isinstance(source, Mapping):
+        source = dict(source)
+        if is_deepspeed_config(source):
+            source.setdefault("gradient_clipping", "auto")
+    return load_config(source)
 
 
 def precision_of(flag: Any) -> str:

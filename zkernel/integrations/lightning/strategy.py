@@ -50,7 +50,6 @@ from zkernel.errors import ConfigError
 from zkernel.integrations.lightning import settings
 from zkernel.integrations.lightning.optimizer import OptimizerMap, OptimizerSync
 from zkernel.kernel.bootstrap import initialize
-from zkernel.kernel.config_source import load_config
 from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, resolve_components
 from zkernel.spec.config import auto_keys
 from zkernel.telemetry.log import get_logger
@@ -138,7 +137,7 @@ class _Strategy:
             process_group_backend=process_group_backend,
             **kwargs,
         )
-        base = load_config(dict(config) if isinstance(config, Mapping) else config)
+        base = settings.load_base_config(config)
         if nvme_path is not None:
             base = attrs.evolve(base, offload=attrs.evolve(base.offload, nvme_path=Path(nvme_path)))
         # Component names and their options are checked now, not when the Trainer gets to setup.
