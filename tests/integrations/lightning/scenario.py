@@ -183,7 +183,8 @@ def run_mode(mode: str, out: str) -> dict:
         run = trainer("zkernel_stage_2", 2)
         run.fit(module, short)
         losses, val_losses = module.losses, []
-        extra["ddp"], extra["ddp_lr"] = reference.losses, [g["lr"] for g in reference.trainer.optimizers[0].param_groups]
+        extra["ddp"] = reference.losses
+        extra["ddp_lr"] = [g["lr"] for g in reference.trainer.optimizers[0].param_groups]
     elif mode == "meta":
         module = TinyGPT(late=True)
         run = trainer("zkernel", 2)

@@ -103,7 +103,7 @@ class OptimizerMap:
                 listed.add(id(param))
                 own.extend(names[id(param)])
             self.group_names.append(tuple(own))
-        left_out = [n[0] for p, n in ((p, names[id(p)]) for p in module.parameters()) if p.requires_grad and id(p) not in listed]
+        left_out = [names[id(p)][0] for p in module.parameters() if p.requires_grad and id(p) not in listed]
         if left_out:
             raise ConfigError(
                 f"parameters {left_out[:5]}{' ...' if len(left_out) > 5 else ''} require grad but are in no "
@@ -197,7 +197,9 @@ class OptimizerSync:
 
 def check_supported(optimizer: Any) -> None:
     """A `ConfigError` naming what is supported unless ``optimizer`` is a torch Adam or AdamW zkernel can step."""
-    supported = "torch.optim.AdamW or torch.optim.Adam (any parameter groups with their own lr, betas, eps, weight_decay)"
+    supported = (
+        "torch.optim.AdamW or torch.optim.Adam (any parameter groups with their own lr, betas, eps, weight_decay)"
+    )
     if type(optimizer) not in SUPPORTED:
         raise ConfigError(
             f"ZKernelStrategy cannot train with the optimizer {type(optimizer).__name__} "

@@ -39,7 +39,7 @@ _DEFAULTS = Config()
 
 # name -> (description, config). `ZKernelStrategy.register_strategies` registers each.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "zkernel": ("zkernel, ZeRO-3 (the config's partitioner, offload and options where given)", {"partitioner": "zero3"}),
+    "zkernel": ("zkernel ZeRO-3, zkernel_stage_3's config", {"partitioner": "zero3"}),
     "zkernel_stage_1": ("zkernel ZeRO-1: optimizer state partitioned", {"partitioner": "zero1"}),
     "zkernel_stage_2": ("zkernel ZeRO-2: optimizer state and gradients partitioned", {"partitioner": "zero2"}),
     "zkernel_stage_2_offload": (
