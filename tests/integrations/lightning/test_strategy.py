@@ -139,8 +139,8 @@ def test_on_two_gpus_zkernel_matches_ddp(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    out = tmp_path / "run"
-    for rank in _scenario(out, str(out), "ddp", "zero3", "named", "bf16", accelerator="gpu"):
+    out = tmp_path / "run"  # Lightning's launcher starts rank 1 (no fork of a process that may have touched CUDA)
+    for rank in _scenario(out, "--launch", str(out), "ddp", "zero3", "named", "bf16", accelerator="gpu"):
         for mode in ("zero3", "named"):
             assert _close(rank[mode]["losses"], rank["ddp"]["losses"]) < TOLERANCE, mode
             assert _close(rank[mode]["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE, mode
