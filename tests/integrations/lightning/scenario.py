@@ -15,7 +15,7 @@ MODE:
   zero3    ``ZKernelStrategy`` (zero3, optimizer and parameters on the CPU) for one epoch,
            ``trainer.save_checkpoint``, then a new Trainer, strategy and module resume with
            ``fit(ckpt_path=...)`` for the second epoch.
-  named    ``strategy="zkernel"``, two epochs.
+  named    ``strategy="zkernel"``, two epochs, then ``validate`` with the same Trainer.
            A fresh Trainer then runs ``test(ckpt_path=...)`` from the epoch-1 checkpoint.
   meta     ``strategy="zkernel"`` with the layers built in ``configure_model`` (on the meta device,
            materialised by the engine), two epochs.
@@ -160,7 +160,9 @@ def run_mode(mode: str, out: str) -> dict:
     if mode in ("ddp", "named"):
         run = trainer(mode if mode == "ddp" else "zkernel", 2)
         run.fit(module, train, val)
-        losses, val_losses = module.losses, module.val_losses
+        losses, val_losses = module.losses, list(module.val_losses)
+        run.validate(module, val, verbose=False)  # the same Trainer again, after fit: the engine kept
+        extra["validated"] = module.val_losses[len(val_losses):]
     elif mode == "bf16":
         run = trainer("zkernel_stage_3_offload", 2, precision="bf16-mixed")
         run.fit(module, train, val)

@@ -71,6 +71,7 @@ def test_registered_name_matches_ddp(runs):
         named = rank["named"]
         assert named["strategy"] == "ZKernelStrategy" and named["partitioner"] == "zero3"
         assert named["strategy_package"] == "pytorch_lightning"
+        assert named["validated"] == named["val_losses"][-2:]  # trainer.validate after fit: the trained weights
         assert _close(named["losses"], rank["ddp"]["losses"]) < TOLERANCE
         assert _close(named["val_losses"], rank["ddp"]["val_losses"]) < TOLERANCE
 
