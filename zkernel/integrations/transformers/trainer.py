@@ -80,6 +80,12 @@ class ZKernelTrainer(Trainer):
                     f"TrainingArguments({name}=...) and ZKernelTrainer both partition the model; valid: "
                     f"no {name} argument (a DeepSpeed config goes in zkernel_config=)"
                 )
+        if self.args.load_best_model_at_end:
+            raise ConfigError(
+                "TrainingArguments(load_best_model_at_end=True) is not supported by ZKernelTrainer yet (the Trainer "
+                "loads the best weights into the unpartitioned model); valid: False, then from_pretrained the "
+                "checkpoint-N that trainer.state.best_model_checkpoint names"
+            )
         check_against_arguments(zkernel_config, self.args, self.args.world_size)
 
     # -- the accelerator and the model's placement ------------------------------------------------
