@@ -146,3 +146,55 @@ def test_a_short_last_window_steps_as_the_trainer_does(tmp_path):
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses["plain"]) == 4
     assert losses["zkernel"] == pytest.approx(losses["plain"], rel=1e-4)
+
+
+def test_zero1_zero2_and_parameter_offload_train_as_the_plain_trainer(tmp_path):
+    """One process (each partitioner's own collectives degenerate): the same losses through every partitioner
+    and offload placement as the plain Trainer's."""
+    from transformers import Trainer
+
+    data = scenarios.dataset()
+
+    def losses(trainer) -> list[float]:
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    def args(name: str):
+        return scenarios.arguments(str(tmp_path / name), max_steps=2, save_strategy="no")
+
+    plain = losses(Trainer(model=scenarios.tiny_llama(), args=args("plain"), train_dataset=data))
+    for config in (
+        {"partitioner": "zero1"},
+        {"partitioner": "zero2", "offload": {"optimizer": "cpu"}},
+        {"partitioner": "zero3", "offload": {"optimizer": "cpu", "params": "cpu"}},
+    ):
+        name = config["partitioner"]
+        zk = losses(ZKernelTrainer(model=scenarios.tiny_llama(), args=args(name), train_dataset=data,
+                                   zkernel_config=config))
+        assert zk == pytest.approx(plain, rel=1e-4), config
+
+
+def test_a_config_schedule_sets_the_rate_and_resumes(tmp_path):
+    """A DeepSpeed scheduler section: the engine's schedule sets each step's rate (filled from the arguments),
+    the Trainer logs the rate each step used, and a resumed run continues the schedule."""
+    import attrs
+
+    deepspeed = {"zero_optimization": {"stage": 2},
+                 "scheduler": {"type": "WarmupDecayLR", "params": {
+                     "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                     "total_num_steps": "auto", "warmup_type": "linear"}}}
+    data = scenarios.dataset()
+    runs = []
+    for resume in (None, str(tmp_path / f"checkpoint-{scenarios.SAVE_AT}")):
+        trainer = ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path), warmup_steps=2),
+                                 train_dataset=data, zkernel_config=deepspeed)
+        trainer.train(resume_from_checkpoint=resume)
+        runs.append([(e["learning_rate"], e["loss"]) for e in trainer.state.log_history if "loss" in e])
+    engine = trainer.engine
+    options = engine.config.lr_schedule.options
+    assert (options["total_num_steps"], options["warmup_num_steps"]) == (scenarios.STEPS, 2)
+    base = attrs.evolve(engine.pipeline.hyper, lr=engine.config.optimizer.lr)
+    expected = [engine.lr_schedule.hyper(step, base).lr for step in range(scenarios.STEPS)]
+    assert [rate for rate, _ in runs[0]] == pytest.approx(expected, rel=1e-12)
+    assert max(expected) == pytest.approx(scenarios.LR)
+    assert runs[1] == runs[0]

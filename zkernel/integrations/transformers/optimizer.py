@@ -18,7 +18,7 @@ the engine moves the rate itself and the Trainer holds `ConfigScheduleView`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -60,17 +60,16 @@ class EngineOptimizer(torch.optim.Optimizer):
 class ConfigScheduleView:
     """``trainer.lr_scheduler`` where the config's schedule sets the rate: ``step`` does nothing (the engine
     moves the schedule at each applied step) and ``get_last_lr`` is the rate of the last step taken, as a
-    torch scheduler's is when the Trainer logs it."""
+    torch scheduler's is when the Trainer logs it. ``rates``: called for those rates (the trainer's)."""
 
-    def __init__(self, engine, last_lr: list[float]) -> None:
-        self._engine = engine
-        self._last_lr = last_lr  # [rate of the last applied step], kept by the trainer's engine binding
+    def __init__(self, rates: Callable[[], list[float]]) -> None:
+        self._rates = rates
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Nothing: the engine moved the schedule in its step."""
 
     def get_last_lr(self) -> list[float]:
-        return [self._last_lr[0] if self._last_lr else self._engine.lr]
+        return self._rates()
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # the schedule's position is the engine's (its checkpoint keeps it)
