@@ -94,6 +94,8 @@ def test_contradicting_values_are_an_error_before_training(tmp_path):
     assert "optimizer.params.lr=0.01 vs TrainingArguments learning_rate=0.003" in message
     with pytest.raises(ConfigError, match=r"precision='bf16' vs TrainingArguments bf16\|fp16='fp32'"):
         ZKernelTrainer(model=scenarios.tiny_llama(), args=args, zkernel_config={"precision": "bf16"})
+    with pytest.raises(ConfigError, match="unknown config key 'partitoner'"):
+        ZKernelTrainer(model=scenarios.tiny_llama(), args=args, zkernel_config={"partitoner": "zero3"})
 
 
 def test_an_optimizer_zkernel_cannot_step_is_an_error_before_training(tmp_path):
@@ -150,10 +152,12 @@ def test_a_short_last_window_steps_as_the_trainer_does(tmp_path):
 
 def test_zero1_zero2_and_parameter_offload_train_as_the_plain_trainer(tmp_path):
     """One process (each partitioner's own collectives degenerate): the same losses through every partitioner
-    and offload placement as the plain Trainer's."""
+    and offload placement as the plain Trainer's; the zero3 one built on the meta device, the initial
+    weights loaded into it from a save_pretrained directory."""
     from transformers import Trainer
 
     data = scenarios.dataset()
+    scenarios.tiny_llama().save_pretrained(tmp_path / "initial")
 
     def losses(trainer) -> list[float]:
         trainer.train()
@@ -169,8 +173,13 @@ def test_zero1_zero2_and_parameter_offload_train_as_the_plain_trainer(tmp_path):
         {"partitioner": "zero3", "offload": {"optimizer": "cpu", "params": "cpu"}},
     ):
         name = config["partitioner"]
-        zk = losses(ZKernelTrainer(model=scenarios.tiny_llama(), args=args(name), train_dataset=data,
-                                   zkernel_config=config))
+        if name == "zero3":
+            with torch.device("meta"):
+                model = scenarios.tiny_llama()
+            extra = {"zkernel_pretrained": str(tmp_path / "initial")}
+        else:
+            model, extra = scenarios.tiny_llama(), {}
+        zk = losses(ZKernelTrainer(model=model, args=args(name), train_dataset=data, zkernel_config=config, **extra))
         assert zk == pytest.approx(plain, rel=1e-4), config
 
 

@@ -182,10 +182,13 @@ def _filled(source: Any, args, world_size: int) -> tuple[dict[str, Any], _Filler
 
 
 def check_against_arguments(source: Any, args, world_size: int) -> None:
-    """Raise the `ConfigError` `resolve` would for values that contradict ``args``; called by
-    `ZKernelTrainer.__init__`, so a contradiction stops the run before anything is built."""
-    _, filler, _ = _filled(source, args, world_size)
+    """Raise the `ConfigError` `resolve` would for values that contradict ``args`` (and, for a zkernel
+    config, for its structure: unknown keys, invalid values); called by `ZKernelTrainer.__init__`, so
+    these stop the run before anything is built."""
+    raw, filler, deepspeed = _filled(source, args, world_size)
     filler.raise_mismatches()
+    if not deepspeed:
+        config_from_dict(raw)
 
 
 def has_lr_schedule(raw: Mapping[str, Any], deepspeed: bool) -> bool:
