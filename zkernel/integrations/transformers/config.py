@@ -145,7 +145,8 @@ def _fill_deepspeed(filler: _Filler, args, world_size: int) -> None:
     micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
     filler.fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
     filler.fill("gradient_accumulation_steps", steps, "gradient_accumulation_steps", when_absent=True)
-    filler.fill("train_batch_size", world_size * micro * steps, "train_batch_size (world size x per_device_train_batch_size x gradient_accumulation_steps)")
+    filler.fill("train_batch_size", world_size * micro * steps,
+                "train_batch_size (world size x per_device_train_batch_size x gradient_accumulation_steps)")
     filler.fill("gradient_clipping", float(args.max_grad_norm or 0.0), "max_grad_norm", when_absent=True)
     filler.fill("optimizer.params.lr", args.learning_rate, "learning_rate")
     filler.fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")

@@ -88,7 +88,9 @@ def _check_supported(optimizer: torch.optim.Optimizer) -> None:
         )
     for flag in ("amsgrad", "maximize"):
         if any(group.get(flag) for group in optimizer.param_groups):
-            raise ConfigError(f"the Trainer's optimizer has {flag}=True, which zkernel's Adam does not have; valid: {flag}=False")
+            raise ConfigError(
+                f"the Trainer's optimizer has {flag}=True, which zkernel's Adam does not have; valid: {flag}=False"
+            )
 
 
 def _base_group(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

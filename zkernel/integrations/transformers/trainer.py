@@ -142,7 +142,8 @@ class ZKernelTrainer(Trainer):
         model = self.model
         if not isinstance(self.optimizer, EngineOptimizer):
             self.create_optimizer()
-        steps = self._zkernel_steps or self.state.max_steps or (self.args.max_steps if self.args.max_steps > 0 else None)
+        # The step count: create_scheduler's (transformers 4.x calls it first), the state's in train(), the arguments'.
+        steps = self._zkernel_steps or self.state.max_steps or max(self.args.max_steps, 0)
         config = resolve(
             self.zkernel_config,
             self.args,
