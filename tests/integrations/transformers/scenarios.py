@@ -74,6 +74,12 @@ def _logged(trainer) -> list[dict[str, float]]:
             if "loss" in e]
 
 
+def _logits(prediction) -> torch.Tensor:
+    """The logits ``trainer.predict`` gathered from every rank."""
+    logits = prediction.predictions
+    return torch.as_tensor(logits[0] if isinstance(logits, tuple) else logits)
+
+
 def _weights(directory: str) -> dict[str, torch.Tensor]:
     model = LlamaForCausalLM.from_pretrained(directory)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
@@ -89,12 +95,14 @@ def trainer_against_ddp(root: str) -> dict:
     plain = Trainer(model=tiny_llama(), args=arguments(f"{root}/plain"), train_dataset=data, eval_dataset=data[:8])
     plain.train()
     plain_eval = plain.evaluate()["eval_loss"]
+    plain_logits = _logits(plain.predict(data[:4]))
     plain.save_model(f"{root}/plain/final")
 
     zk = ZKernelTrainer(model=tiny_llama(), args=arguments(f"{root}/zk"), train_dataset=data,
                         eval_dataset=data[:8], zkernel_config=DEEPSPEED_ZERO3_OFFLOAD)
     zk.train()
     evaluated = zk.evaluate()["eval_loss"]
+    logits_diff = (_logits(zk.predict(data[:4])) - plain_logits).abs().max().item()
     zk.save_model(f"{root}/zk/final")
 
     resumed = ZKernelTrainer(model=tiny_llama(), args=arguments(f"{root}/zk"), train_dataset=data,
@@ -112,9 +120,13 @@ def trainer_against_ddp(root: str) -> dict:
     out = {
         "plain": _logged(plain), "zkernel": _logged(zk), "resumed": _logged(resumed),
         "eval_loss": {"plain": plain_eval, "zkernel": evaluated, "from_meta": meta_eval},
+        "predicted_logits_diff": logits_diff, "predicted_logits_scale": plain_logits.abs().max().item(),
         "engine": {"partitioner": zk.engine.config.partitioner, "offload": zk.engine.config.offload.optimizer,
                    "optimizer": zk.engine.config.optimizer.name,
-                   "no_weight_decay": len(zk.engine.config.optimizer.no_weight_decay)},
+                   "no_weight_decay": sorted(zk.engine.config.optimizer.no_weight_decay)},
+        # The Trainer's own no-decay group (its rule differs between transformers releases).
+        "trainer_no_decay": sorted({n for n, _ in plain.model.named_parameters()}
+                                   - set(plain.get_decay_parameter_names(plain.model))),
         "checkpoint_files": sorted(os.listdir(f"{root}/zk/checkpoint-{SAVE_AT}")),
     }
     if dist.get_rank() == 0:

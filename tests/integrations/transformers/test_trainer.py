@@ -4,9 +4,11 @@ On 2 gloo ranks (one run, module-scoped): the plain Trainer under DDP and ZKerne
 DeepSpeed zero3 config whose optimizer state is on the CPU, on a random-init Llama with accumulation,
 warm-up and clipping, log the same ``loss``/``grad_norm``/``learning_rate``; a run resumed from the
 mid-run ``checkpoint-N`` logs the same later steps; ``save_model`` writes what ``from_pretrained`` loads,
-equal to the plain Trainer's; a model built on the meta device with those weights loaded evaluates as
-the plain one. In-process: contradictions between the config and the arguments, and an optimizer zkernel
-cannot step, are errors before training; "auto" values take the arguments'; a short last window steps.
+equal to the plain Trainer's; evaluate() and predict() under zero3 give the plain Trainer's loss and
+logits; a model built on the meta device with those weights loaded evaluates as the plain one.
+In-process: contradictions between the config and the arguments, and an optimizer zkernel cannot step,
+are errors before training; "auto" values take the arguments'; a short last window steps; zero1, zero2
+and offload placements train as the plain Trainer; a config's own schedule sets the rate and resumes.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def test_logs_the_plain_trainers_losses(against_ddp):
         assert max(e["grad_norm"] for e in plain) > scenarios.CLIP  # clipping changed the steps
         assert zk[-1]["loss"] < zk[0]["loss"] - 0.1  # it learned
         assert rank["engine"] == {"partitioner": "zero3", "offload": "cpu", "optimizer": "cpu_adam",
-                                  "no_weight_decay": 5}  # the Trainer's no-decay group: the norms' weights
+                                  "no_weight_decay": rank["trainer_no_decay"]}
+        assert rank["trainer_no_decay"]  # the norms' weights: the groups are part of what is compared
 
 
 def test_resumed_run_logs_the_same_later_steps(against_ddp):
@@ -70,11 +73,12 @@ def test_saved_model_loads_and_equals_the_plain_trainers(against_ddp):
         torch.testing.assert_close(zk[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_evaluation_under_zero3_and_from_meta(against_ddp):
+def test_evaluation_and_prediction_under_zero3_and_from_meta(against_ddp):
     for rank in against_ddp:
         evals = rank["eval_loss"]
         assert _close(evals["zkernel"], evals["plain"], 1e-4), evals
         assert _close(evals["from_meta"], evals["plain"], 1e-5), evals
+        assert rank["predicted_logits_diff"] <= 1e-4 * rank["predicted_logits_scale"]  # predict() under zero3
 
 
 # -- in one process -----------------------------------------------------------------------------------
