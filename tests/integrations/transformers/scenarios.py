@@ -12,12 +12,16 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from zkernel.integrations.transformers import ZKernelTrainer  # noqa: E402
 
 hf_logging.set_verbosity_error()
+
+# transformers 5's _init_weights computes Llama's rotary buffers, which a meta-built model needs (4.x's does not).
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 VOCAB, SEQ, SAMPLES = 64, 16, 32
 STEPS, SAVE_AT = 4, 2
@@ -111,7 +115,7 @@ def trainer_against_ddp(root: str) -> dict:
 
     # A model built on the meta device, materialised in shards by zero3, the plain run's weights loaded
     # into it file by file: it evaluates as the plain trained model does.
-    with torch.device("meta"):
+    with torch.device("meta" if TRANSFORMERS_5 else "cpu"):
         meta_model = tiny_llama()
     from_meta = ZKernelTrainer(model=meta_model, args=arguments(f"{root}/meta"), eval_dataset=data[:8],
                                zkernel_config={"partitioner": "zero3"}, zkernel_pretrained=f"{root}/plain/final")

@@ -141,7 +141,7 @@ def test_a_short_last_window_steps_as_the_trainer_does(tmp_path):
     from transformers import Trainer
 
     data = scenarios.dataset()[:12]
-    losses = {}
+    losses, steps = {}, {}
     for name in ("plain", "zkernel"):
         args = scenarios.arguments(str(tmp_path / name), gradient_accumulation_steps=4, max_steps=-1,
                                    num_train_epochs=2, save_strategy="no")
@@ -150,7 +150,10 @@ def test_a_short_last_window_steps_as_the_trainer_does(tmp_path):
             model=scenarios.tiny_llama(), args=args, train_dataset=data, **kwargs)
         trainer.train()
         losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    assert len(losses["plain"]) == 4
+        steps[name] = trainer.state.global_step
+    if scenarios.TRANSFORMERS_5:  # 4.x counts an epoch's windows differently (no short one here)
+        assert steps["plain"] == 4
+    assert steps["zkernel"] == steps["plain"]
     assert losses["zkernel"] == pytest.approx(losses["plain"], rel=1e-4)
 
 
@@ -177,7 +180,7 @@ def test_zero1_zero2_and_parameter_offload_train_as_the_plain_trainer(tmp_path):
         {"partitioner": "zero3", "offload": {"optimizer": "cpu", "params": "cpu"}},
     ):
         name = config["partitioner"]
-        if name == "zero3":
+        if name == "zero3" and scenarios.TRANSFORMERS_5:  # 4.x's _init_weights leaves rotary buffers unset
             with torch.device("meta"):
                 model = scenarios.tiny_llama()
             extra = {"zkernel_pretrained": str(tmp_path / "initial")}
