@@ -66,7 +66,8 @@ def arguments(output_dir: str, **overrides) -> TrainingArguments:
     values = dict(
         output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=LR, warmup_steps=1, weight_decay=WD, max_grad_norm=CLIP, logging_steps=1,
-        save_steps=SAVE_AT, save_strategy="steps", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        save_steps=SAVE_AT, save_strategy="steps", report_to=[], seed=0, disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),  # zkernel takes the GPU where one is visible: so does the Trainer
         dataloader_num_workers=0,
     )
     values.update(overrides)

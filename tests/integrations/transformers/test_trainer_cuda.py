@@ -22,11 +22,11 @@ def test_bf16_zero3_offload_trains_near_the_fp32_trainer(tmp_path):
     from zkernel.integrations.transformers import ZKernelTrainer
 
     data = scenarios.dataset()
-    plain = Trainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path / "plain"), use_cpu=False,
+    plain = Trainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path / "plain"),
                                                                           save_strategy="no"), train_dataset=data)
     plain.train()
     config = {**scenarios.DEEPSPEED_ZERO3_OFFLOAD, "bf16": {"enabled": "auto"}}
-    zk = ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path / "zk"), use_cpu=False,
+    zk = ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path / "zk"),
                                                                               bf16=True), train_dataset=data,
                         zkernel_config=config)
     zk.train()
@@ -39,7 +39,7 @@ def test_bf16_zero3_offload_trains_near_the_fp32_trainer(tmp_path):
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     assert all(torch.isfinite(p).all() for p in reloaded.parameters())
     resumed = ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path / "zk"),
-                                                                                   use_cpu=False, bf16=True),
+                                                                                   bf16=True),
                              train_dataset=data, zkernel_config=config)
     resumed.train(resume_from_checkpoint=str(tmp_path / "zk" / f"checkpoint-{scenarios.SAVE_AT}"))
     later = [e["loss"] for e in resumed.state.log_history if "loss" in e][scenarios.SAVE_AT:]

@@ -140,6 +140,13 @@ class ZKernelTrainer(Trainer):
 
     def _build_engine(self) -> EngineModule:
         model = self.model
+        engine_device = "cuda" if torch.cuda.is_available() else "cpu"  # zkernel computes on the GPU when it has one
+        if self.args.device.type != engine_device:
+            raise ConfigError(
+                f"the Trainer runs on {self.args.device} but zkernel computes on {engine_device} (it takes the GPU "
+                "whenever CUDA is visible); valid: no use_cpu=True where a GPU is visible, or "
+                "CUDA_VISIBLE_DEVICES= to train on the CPU"
+            )
         if not isinstance(self.optimizer, EngineOptimizer):
             self.create_optimizer()
         # The step count: create_scheduler's (transformers 4.x calls it first), the state's in train(), the arguments'.
