@@ -46,7 +46,7 @@ from zkernel.spec import ConfigError, hookimpl
 from zkernel.spec.tiers import OptimizerTier, Resource
 from zkernel.telemetry.log import get_logger
 
-from ._gpu_share import SHARE_BYTES, GpuShare, ShareRouting, unused_device_bytes
+from ._gpu_share import SHARE_BYTES, SIZED_FRACTION, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
 from ._nvme_optimizer import DEFAULT_BUFFER_BYTES, OptimizerSwap
@@ -128,7 +128,7 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
     def after_first_step(self, order):
         # The GPU share was placed at adoption ([Note: spill]); only the accumulation room is left.
         if self.cuda:
-            self._landing.place_device_accumulation(order, int(0.8 * unused_device_bytes(self.device)))
+            self._landing.place_device_accumulation(order, int(SIZED_FRACTION * unused_device_bytes(self.device)))
 
     # (gradients: `ShareRouting`, on autograd's thread and the main thread)
 
