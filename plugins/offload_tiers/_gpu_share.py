@@ -77,19 +77,20 @@ def auto_share_bytes(group, device: torch.device, compute_dtype: torch.dtype) ->
     return SHARE_BYTES + torch.empty((), dtype=compute_dtype).element_size()
 
 
-def auto_share(groups, room: int, *, host_numel: int, arena_fraction: float, bytes_per_element) -> list:
+def auto_share(groups, room: int, *, host_numel: int, arena_fraction: float, bytes_per_element, numel_of=None) -> list:
     """The groups of ``groups`` (in the next forward's order) that ``"auto"`` moves to the GPU within
     ``room`` bytes, beside the accumulation arena.
 
     The arena takes 4 bytes for ``arena_fraction`` of the ``host_numel`` host-stepped elements; a
     group moved costs ``bytes_per_element(group)`` per element and gives its 4 bytes of arena back.
     Groups are taken in order while they fit; one that does not is skipped (a later, smaller one
-    may fit), as a numeric share's are."""
+    may fit), as a numeric share's are. ``numel_of(group)``: its elements (default: its master's)."""
+    numel_of = numel_of or (lambda g: g.master.numel())
     arena = 4 * arena_fraction
     left = room - arena * host_numel
     chosen = []
     for group in groups:
-        cost = group.master.numel() * (bytes_per_element(group) - arena)
+        cost = numel_of(group) * (bytes_per_element(group) - arena)
         if cost <= left:
             chosen.append(group)
             left -= cost
@@ -115,6 +116,7 @@ class GpuShare:
         self.planned_numel = 0  # all trainable elements of this rank (`OptimizerTier.demand`)
         self._held: set[int] = set()
         self._state: dict[int, tuple] = {}  # declared optimizer state of host groups, to move them
+        self._numel: dict[int, int] = {}  # their elements (an nvme group's master is not in memory)
 
     def adopt_time_fraction(self) -> float:
         """A numeric share is placed as groups are adopted; "auto" (and no CUDA) places nothing then."""
@@ -137,33 +139,45 @@ class GpuShare:
     def remember(self, group, state) -> None:
         """``group`` steps on the host with this declared ``state``; `place` may move it later."""
         self._state[group.index] = tuple(state)
+        self._numel[group.index] = group.master.numel()
 
-    def place(self, order, room: int, *, host_numel: int, arena_fraction: float) -> list:
+    def numel_of(self, group) -> int:
+        """Elements of ``group``'s master, wherever it is."""
+        return self._numel[group.index] if group.index in self._numel else group.master.numel()
+
+    def place(self, order, room: int, *, host_numel: int, arena_fraction: float, load=None) -> list:
         """Move the first-needed host groups within the share to the GPU; returns those moved now.
 
         ``"auto"`` fits the share and the accumulation arena into ``room`` together (`auto_share`):
         an element moved costs 16 bytes and frees its 4 in the arena (``arena_fraction`` of the
         ``host_numel`` host-stepped elements), which pays more per byte (it saves 16 bytes of host
         traffic per element and micro-batch, the share 30 per step). A move that runs out of GPU
-        memory leaves that group and the rest on the host ([Note: a share by default])."""
-        total = sum(g.master.numel() for g in order)
+        memory leaves that group and the rest on the host ([Note: a share by default]). ``load(group)``,
+        when given, brings a group's master and state into host memory before it moves (the ``nvme``
+        tier's groups on disk)."""
+        total = sum(self.numel_of(g) for g in order)
         waiting = [g for g in order if not self.holds(g)]  # the next forward's order: first-needed first
         if self.option == "auto":
-            wanted = auto_share(waiting, room, host_numel=host_numel, arena_fraction=arena_fraction, bytes_per_element=self.bytes_per_element)
+            wanted = auto_share(
+                waiting, room, host_numel=host_numel, arena_fraction=arena_fraction,
+                bytes_per_element=self.bytes_per_element, numel_of=self.numel_of,
+            )
         else:
             left, wanted = int(self.option * total) - self.numel, []
             for group in waiting:
-                if group.master.numel() <= left:
+                if self.numel_of(group) <= left:
                     wanted.append(group)
-                    left -= group.master.numel()
+                    left -= self.numel_of(group)
         moved = []
         for group in wanted:
             try:
+                if load is not None:
+                    load(group)
                 self._move(group)
             except torch.OutOfMemoryError:
                 log.warning("zkernel.cpu_tier.gpu_share_stopped", group=group.index, moved=len(moved), reason="out of GPU memory")
                 break
-            self.numel += group.master.numel()
+            self.numel += self.numel_of(group)
             moved.append(group)
         log.info(
             "zkernel.cpu_tier.gpu_share",
@@ -196,6 +210,7 @@ class GpuShare:
 
     def close(self) -> None:
         self._state.clear()
+        self._numel.clear()
 
 
 class ShareRouting:

@@ -129,9 +129,12 @@ class CpuTier(ShareRouting, OptimizerTier):
         self._share.remember(group, state)
 
     def after_first_step(self, order):
-        if not self.cuda:
-            return
-        room = int(SIZED_FRACTION * unused_device_bytes(self.device))
+        if self.cuda:
+            self.rebalance(order, int(SIZED_FRACTION * unused_device_bytes(self.device)))
+
+    def rebalance(self, order, room: int) -> None:
+        """Place the GPU share and the accumulation arena within ``room`` bytes of the compute device
+        (`after_first_step` on CUDA: [Note: GPU share], [Note: device accumulation])."""
         taken = 0
         if self.options.gpu_share != 0.0:
             arena = self._landing.sums.fraction()

@@ -84,8 +84,7 @@ def test_gradient_download_waits_for_a_lagging_backward(offload, tmp_path):
     torch.manual_seed(SEED)
     model = LaggingNet().cuda()
     offload = dict(offload)
-    if offload["optimizer"] == "cpu":
-        offload["optimizer_options"] = {"gpu_share": 0.0}  # the host path, every step
+    offload["optimizer_options"] = {"gpu_share": 0.0}  # the host (and disk) path, every step
     if offload["optimizer"] == "nvme":
         offload["nvme_path"] = str(tmp_path)
     config = {

@@ -1,10 +1,13 @@
 """The host tiers' GPU share by default ([Note: a share by default] in ``_gpu_share``).
 
-On CPU: the option defaults, the arithmetic that sizes ``"auto"`` from a
-described GPU (free memory, the allocator's reserve and peak), and an engine
-with the default options stepping every group on the host as before, like
-torch. On CUDA: the default moves the first groups' optimizer to the GPU
-after the first step and still trains as torch does.
+On CPU: the option defaults of the ``cpu`` and ``nvme`` tiers, the
+arithmetic that sizes ``"auto"`` from a described GPU (free memory, the
+allocator's reserve and peak, a simulated H200 after a GPT-6.7B step), an
+engine with the default options stepping every group on the host as before,
+like torch, and the move itself (`rebalance`, which ``after_first_step`` runs
+on CUDA) onto the CPU as compute device mid-run, the nvme tier's groups read
+back from disk, still training as torch does. On CUDA: the default moves the
+optimizer to the GPU after the first step and trains as torch does.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ def test_the_cpu_tier_sizes_its_gpu_share_and_arena_by_default():
     assert CpuTierOptions(gpu_share=0).gpu_share == 0  # a number still fixes it; 0 keeps every group on the host
     with pytest.raises(ValueError, match=r'gpu_share must be a number in \[0, 1\] or "auto", got 1.5'):
         CpuTierOptions(gpu_share=1.5)
-    # The nvme tier places its shares as it adopts groups (the planner sizes them): numbers only.
-    assert NvmeTierOptions().gpu_share == 0.0 and NvmeTierOptions().device_accumulation == "auto"
+    nvme = NvmeTierOptions()
+    assert nvme.gpu_share == "auto" and nvme.host_share == 0.0 and nvme.device_accumulation == "auto"
+    assert NvmeTierOptions(host_share=1.0).gpu_share == "auto"  # "auto" takes what is left, from disk or host
+    with pytest.raises(zkernel.ConfigError, match=r"gpu_share \(0.6\) \+ host_share \(0.6\) is more than 1"):
+        NvmeTierOptions(gpu_share=0.6, host_share=0.6)
 
 
 def test_device_room_is_what_the_peak_step_would_leave():
@@ -105,21 +111,70 @@ def test_on_a_cpu_device_the_default_keeps_every_group_on_the_host_like_torch(st
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("stage", ["zero1", "zero3"])
-def test_on_cuda_the_default_moves_the_first_groups_after_the_first_step(stage):
+@pytest.mark.parametrize(("stage", "tier"), [("zero1", "cpu"), ("zero3", "cpu"), ("zero3", "nvme"), ("zero2", "nvme")])
+def test_on_cuda_the_default_moves_the_first_groups_after_the_first_step(stage, tier, tmp_path):
     """GPU machine: with the default options this small model's whole optimizer fits the room the
-    first step left, so it moves to the GPU and steps there from the second step, as torch does."""
+    first step left, so it moves to the GPU (the nvme tier's from disk) and steps there from the
+    second step, as torch does."""
     from tests.kernel import test_cuda
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = test_cuda._offload_config(stage, "cpu_adam")
-    cfg["offload"] = {"optimizer": "cpu"}  # the defaults
+    cfg["offload"] = {"optimizer": tier}  # the defaults
+    if tier == "nvme":
+        cfg["offload"]["nvme_path"] = str(tmp_path)
     torch.manual_seed(test_cuda.SEED)
     engine = zkernel.initialize(TrickyNet(), cfg)
     losses = _train_steps(engine, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)
-    tier = engine.optimizer_tier
-    assert tier.gpu_share_numel == sum(g.master.numel() for g in engine.groups if g.requires_grad)
-    assert not any(tier.steps_on_host(g) for g in engine.groups if g.requires_grad)
+    optimizer_tier = engine.optimizer_tier
+    trainable = [g for g in engine.groups if g.requires_grad]
+    assert not any(optimizer_tier.steps_on_host(g) for g in trainable)
+    assert optimizer_tier.gpu_share_numel == sum(g.master.numel() for g in trainable)
     engine.close()
     for i, (a, b) in enumerate(zip(losses, test_cuda._reference(1))):
         assert abs(a - b) <= 2e-5 * abs(b), f"{stage} step {i}: {a} vs {b}"
+
+
+def _rebalanced_run(stage: str, tier: str, tmp_path, optimizer: str) -> dict:
+    """Train with ``tier`` and its default options; after the first step, `rebalance` with room for
+    about half of the trainable elements (what `after_first_step` does on CUDA with the room the
+    step left; on the CPU the compute device is host memory, so the moved groups step there as the
+    ``none`` tier's do)."""
+    cfg = config(stage)
+    cfg["optimizer"] = {**cfg["optimizer"], "name": optimizer}
+    cfg["offload"] = {"optimizer": tier, "optimizer_options": {"device_accumulation": 0.0}}
+    if tier == "nvme":
+        cfg["offload"]["nvme_path"] = str(tmp_path)
+    torch.manual_seed(SEED)
+    engine = zkernel.initialize(TrickyNet(), cfg)
+    tier_obj = engine.optimizer_tier
+    trainable = [g for g in engine.groups if g.requires_grad]
+    total = sum(g.master.numel() if g.master is not None else tier_obj.read_master(g).numel() for g in trainable)
+    seen = {}
+
+    def after_step() -> None:
+        if seen:
+            return
+        engine.pipeline.wait_all()
+        seen["disk_before"] = tier_obj._disk.numel() if tier == "nvme" else 0
+        tier_obj.rebalance(trainable, room=SHARE_BYTES * total // 2)
+        seen["share"] = tier_obj.gpu_share_numel
+        seen["disk_after"] = tier_obj._disk.numel() if tier == "nvme" else 0
+
+    losses = _train_steps(engine, STEPS, ACCUM, MICRO, SEED, after_step=after_step)
+    seen["on_host"] = [tier_obj.steps_on_host(g) for g in trainable]
+    engine.close()
+    return {"losses": losses, "total": total, **seen}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="rebalances onto the CPU as the compute device")
+@pytest.mark.parametrize(("stage", "tier", "optimizer"), [("zero3", "cpu", "cpu_adam"), ("zero2", "cpu", "adamw"), ("zero3", "nvme", "cpu_adam"), ("zero1", "nvme", "adamw")])
+def test_auto_moves_the_first_groups_mid_run_and_training_matches_torch(stage, tier, optimizer, tmp_path):
+    """The move of "auto" (the nvme tier's from disk: read back, off the disk from then on) keeps the
+    masters' and moments' values: the run trains as torch does."""
+    run = _rebalanced_run(stage, tier, tmp_path, optimizer)
+    assert 0 < run["share"] <= run["total"] // 2 + 1
+    assert not run["on_host"][0] and any(run["on_host"])  # the first-needed group moved, not every one
+    if tier == "nvme":
+        assert run["disk_before"] == run["total"] and run["disk_after"] == run["total"] - run["share"]
+    assert_matches(run["losses"], reference(1), f"{stage} {tier} {optimizer}, gpu_share auto moved after step 1")
