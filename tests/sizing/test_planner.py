@@ -379,8 +379,10 @@ def test_cuda_measures_copies_and_the_gpu_share_lands_on_the_gpu():
     assert measured.measurements["host_to_device"].rate > 1e9 and measured.measurements["device_to_host"].rate > 1e9
     # Room for the offloaded placement plus half the optimizer at 16 bytes per element: gpu_share 0.5.
     offloaded = device_states(model, "zero1", "cpu", "none", world=1)
-    cfg = settings(gpu_memory=gpu_memory_for(offloaded + 8 * numel), partitioner_options={"bucket_size": 1024 * 1024 + 1024})
-    cfg["partitioner"] = "zero1"  # the share placed after the first step (on one rank zero3 comes first: [Note: one rank])
+    cfg = settings(gpu_memory=gpu_memory_for(offloaded + 8 * numel))
+    # The share placed after the first step (on one rank zero3 comes first: [Note: one rank]); zero1's own options.
+    cfg["partitioner"] = "zero1"
+    cfg["partitioner_options"] = {"bucket_size": 1024 * 1024 + 1024}
     cfg["planner"]["options"]["measure"] = True
     engine = zkernel.initialize(model, cfg)
     try:
