@@ -25,7 +25,8 @@ schedules the learning rate itself.
 
 from __future__ import annotations
 
-from zkernel.deepspeed import zero
+from zkernel.deepspeed import comm, zero
+from zkernel.deepspeed.accelerator import get_accelerator
 from zkernel.deepspeed.engine import ClientOptimizer, ConfigScheduler, DeepSpeedEngine
 from zkernel.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
@@ -34,6 +35,8 @@ __all__ = [
     "ConfigScheduler",
     "DeepSpeedEngine",
     "add_config_arguments",
+    "comm",
+    "get_accelerator",
     "init_distributed",
     "initialize",
     "zero",

@@ -159,6 +159,11 @@ class DeepSpeedEngine:
     def zero_grad(self) -> None:
         """Nothing to do: the engine zeroes gradients after each step."""
 
+    def destroy(self) -> None:
+        """Collective: free what the engine holds and give the model back its parameters (`Engine.close`),
+        as DeepSpeed's ``destroy()`` at the end of a script."""
+        self.engine.close()
+
     def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.engine.train(mode)
         return self
@@ -171,6 +176,21 @@ class DeepSpeedEngine:
     @property
     def module(self):
         return self.engine.module
+
+    def parameters(self, recurse: bool = True) -> Iterator:
+        """The model's parameters (DeepSpeed's engine is a module holding the model: the same tensors)."""
+        return self.engine.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        """The model's parameters named as in DeepSpeed's engine, under ``module.``."""
+        return self.engine.module.named_parameters(_under_module(prefix), recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator:
+        return self.engine.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        """The model's buffers named as in DeepSpeed's engine, under ``module.``."""
+        return self.engine.module.named_buffers(_under_module(prefix), recurse, remove_duplicate)
 
     @property
     def global_steps(self) -> int:
@@ -260,6 +280,10 @@ class DeepSpeedEngine:
         if loaded is None:  # an engine that answers an empty directory itself
             return None, None
         return str(loaded[0]), loaded[1]
+
+
+def _under_module(prefix: str) -> str:
+    return f"{prefix}.module" if prefix else "module"
 
 
 def _has_schedule(config) -> bool:
