@@ -124,3 +124,20 @@ def test_cpu_accelerator_names_the_cpu_whatever_the_index():
         cpu.memory_allocated()
     gpu = Accelerator("cuda")
     assert gpu.device_name(1) == "cuda:1" and gpu.device_name() == "cuda"
+
+
+def test_checkpoint_tags_are_named_as_deepspeed_names_them(tmp_path):
+    import zkernel.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    model = Model()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.backward(engine(torch.randn(2, DIM), torch.tensor([0, 1])))
+    engine.step()
+    engine.save_checkpoint(tmp_path)  # DeepSpeed's default tag: global_step<global steps>
+    engine.save_checkpoint(tmp_path, tag=7)  # an integer tag names its directory, as str(tag)
+    assert (tmp_path / "global_step1").is_dir() and (tmp_path / "7").is_dir()
+    path, _ = engine.load_checkpoint(tmp_path, tag="global_step1")
+    assert path == str(tmp_path / "global_step1")
+    engine.destroy()

@@ -250,10 +250,13 @@ class DeepSpeedEngine:
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
-        """Collective; ``save_latest=False`` is not offered (``latest`` always names the newest)."""
+        """Collective: write the checkpoint to ``save_dir/tag``, the tag DeepSpeed's default
+        ``global_step<global steps>`` where none is given (``str(tag)`` otherwise, as DeepSpeed names an
+        integer tag); ``save_latest=False`` is not offered (``latest`` always names the newest)."""
         if not save_latest:
             raise ValueError("save_checkpoint(save_latest=False) is not supported: zkernel points "
                              f"{Path(save_dir) / 'latest'} at each committed checkpoint")
+        tag = f"global_step{self.engine.global_steps}" if tag is None else str(tag)
         self.engine.save_checkpoint(save_dir, tag, client_state=dict(client_state or {}),
                                     exclude_frozen_parameters=exclude_frozen_parameters)
         return True
