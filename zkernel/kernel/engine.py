@@ -289,7 +289,8 @@ class Engine:
                 self.scheduler.fetch_now(group, Phase.USER)
         grouped = {id(p) for group in self.groups for p in group.params}
         loose = [(n, p) for n, p in self._module.named_parameters() if id(p) not in grouped]
-        param_writes.watch_loose([p for _, p in loose])  # [Note: parameters in no group] in `zkernel.params.param_writes`
+        # [Note: parameters in no group] in `zkernel.params.param_writes`
+        param_writes.watch_loose([p for _, p in loose])
         completed = False
         try:
             yield self._module
