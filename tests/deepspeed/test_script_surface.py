@@ -141,3 +141,22 @@ def test_checkpoint_tags_are_named_as_deepspeed_names_them(tmp_path):
     path, _ = engine.load_checkpoint(tmp_path, tag="global_step1")
     assert path == str(tmp_path / "global_step1")
     engine.destroy()
+
+
+@pytest.mark.cuda
+def test_gpu_accelerator_names_the_device_the_engine_computes_on():
+    import zkernel.deepspeed as deepspeed
+    from zkernel.deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    assert accelerator.device_name() == "cuda" and accelerator.communication_backend_name() == "nccl"
+    model = Model()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert torch.device(accelerator.current_device_name()) == engine.device
+    assert accelerator.memory_allocated() > 0  # torch.cuda's, on a GPU
+    x = torch.randn(2, DIM, device=accelerator.device_name(engine.device.index))
+    engine.backward(engine(x, torch.tensor([0, 1], device=x.device)))
+    engine.step()
+    accelerator.synchronize()
+    engine.destroy()
