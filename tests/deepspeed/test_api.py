@@ -152,7 +152,7 @@ def test_training_data_is_loaded_in_micro_batches_across_ranks(results):
 def test_save_and_load_return_the_client_state(results):
     for rank, out in enumerate(results):
         assert out["client"] == {"epoch": 3, "position": 0}  # rank 0's, as DeepSpeed saves it
-        assert out["path"].endswith(f"step{STEPS}")
+        assert out["path"].endswith(f"/global_step{STEPS}")  # DeepSpeed's default tag
         assert out["lr_set"] == [LR / 2]
 
 

@@ -21,11 +21,18 @@ config's ``optimizer`` section where zkernel has its equivalent (``torch.optim.A
 what to write instead. The objects returned for the optimizer and the scheduler are views
 of the engine (`ClientOptimizer`, `ConfigScheduler`): the engine steps, zeroes gradients and
 schedules the learning rate itself.
+
+Beside ``initialize``, scripts reach ``deepspeed.comm`` (`zkernel.deepspeed.comm`: rank,
+world size, barrier and the collectives, a group of one in a single process) and
+``deepspeed.accelerator.get_accelerator()`` (`zkernel.deepspeed.accelerator`: the device
+zkernel computes on); their imports change the same way
+(``from zkernel.deepspeed.accelerator import get_accelerator``).
 """
 
 from __future__ import annotations
 
-from zkernel.deepspeed import zero
+from zkernel.deepspeed import comm, zero
+from zkernel.deepspeed.accelerator import get_accelerator
 from zkernel.deepspeed.engine import ClientOptimizer, ConfigScheduler, DeepSpeedEngine
 from zkernel.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
@@ -34,6 +41,8 @@ __all__ = [
     "ConfigScheduler",
     "DeepSpeedEngine",
     "add_config_arguments",
+    "comm",
+    "get_accelerator",
     "init_distributed",
     "initialize",
     "zero",

@@ -159,6 +159,11 @@ class DeepSpeedEngine:
     def zero_grad(self) -> None:
         """Nothing to do: the engine zeroes gradients after each step."""
 
+    def destroy(self) -> None:
+        """Collective: free what the engine holds and give the model back its parameters (`Engine.close`),
+        as DeepSpeed's ``destroy()`` at the end of a script."""
+        self.engine.close()
+
     def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.engine.train(mode)
         return self
@@ -171,6 +176,21 @@ class DeepSpeedEngine:
     @property
     def module(self):
         return self.engine.module
+
+    def parameters(self, recurse: bool = True) -> Iterator:
+        """The model's parameters (DeepSpeed's engine is a module holding the model: the same tensors)."""
+        return self.engine.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        """The model's parameters named as in DeepSpeed's engine, under ``module.``."""
+        return self.engine.module.named_parameters(_under_module(prefix), recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator:
+        return self.engine.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        """The model's buffers named as in DeepSpeed's engine, under ``module.``."""
+        return self.engine.module.named_buffers(_under_module(prefix), recurse, remove_duplicate)
 
     @property
     def global_steps(self) -> int:
@@ -230,10 +250,13 @@ class DeepSpeedEngine:
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
-        """Collective; ``save_latest=False`` is not offered (``latest`` always names the newest)."""
+        """Collective: write the checkpoint to ``save_dir/tag``, the tag DeepSpeed's default
+        ``global_step<global steps>`` where none is given (``str(tag)`` otherwise, as DeepSpeed names an
+        integer tag); ``save_latest=False`` is not offered (``latest`` always names the newest)."""
         if not save_latest:
             raise ValueError("save_checkpoint(save_latest=False) is not supported: zkernel points "
                              f"{Path(save_dir) / 'latest'} at each committed checkpoint")
+        tag = f"global_step{self.engine.global_steps}" if tag is None else str(tag)
         self.engine.save_checkpoint(save_dir, tag, client_state=dict(client_state or {}),
                                     exclude_frozen_parameters=exclude_frozen_parameters)
         return True
@@ -260,6 +283,10 @@ class DeepSpeedEngine:
         if loaded is None:  # an engine that answers an empty directory itself
             return None, None
         return str(loaded[0]), loaded[1]
+
+
+def _under_module(prefix: str) -> str:
+    return f"{prefix}.module" if prefix else "module"
 
 
 def _has_schedule(config) -> bool:

@@ -276,7 +276,8 @@ class Engine:
         the parameters written on any rank are broadcast to all at the end of the
         block (write on rank r only); without it, a parameter written with values
         that differ between ranks is a `ParamWriteError` naming it ([Note: writes on
-        some ranks only]).
+        some ranks only]). Parameters in no group (the frozen ones of none, ZeRO-1
+        and ZeRO-2) are settled the same way ([Note: parameters in no group]).
         """
         self.unset.require("engine.gathered_parameters()")
         if modifier_rank is not None and not 0 <= modifier_rank < self.dist.world_size:
@@ -286,6 +287,10 @@ class Engine:
         with self.scheduler.plugin_call():
             for group in groups:
                 self.scheduler.fetch_now(group, Phase.USER)
+        grouped = {id(p) for group in self.groups for p in group.params}
+        loose = [(n, p) for n, p in self._module.named_parameters() if id(p) not in grouped]
+        # [Note: parameters in no group] in `zkernel.params.param_writes`
+        param_writes.watch_loose([p for _, p in loose])
         completed = False
         try:
             yield self._module
@@ -295,8 +300,9 @@ class Engine:
                 try:
                     if completed:  # a block that raised may have raised on some ranks only: no collective
                         whole = [g for g in self.scheduler.groups if g.gathered]
-                        param_writes.settle(whole, modifier_rank, self.dist.world_size)
+                        param_writes.settle(whole, modifier_rank, self.dist.world_size, loose)
                 finally:
+                    param_writes.unwatch([p for _, p in loose])
                     self.scheduler.fold_writes()
                     for group in groups:
                         self.hook.zkernel_release_params(group=group, phase=Phase.USER)

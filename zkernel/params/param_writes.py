@@ -179,14 +179,22 @@ def watch(param: nn.Parameter, view: torch.Tensor, name: str) -> None:
     assigned to it until `unbind` ([Note: assignments keep the storage]); ``name`` names it in errors.
     """
     param.__dict__[_BINDING] = _Binding(view, name)
-    cls = own_class(type(param))
-    twin = _watched.get(cls)
-    if twin is None:
-        twin = type(f"Watched{cls.__name__}", (_WatchedMixin, cls), {"__module__": __name__})
-        _watched[cls] = twin
-        _unwatched[twin] = cls
-    param.__class__ = twin
-    snapshot(param)
+    watch_loose([param])
+
+
+def watch_loose(params: Sequence[nn.Parameter]) -> None:
+    """Watch ``params``, parameters in no group of the engine's, until `unwatch` (`Engine.gathered_parameters`
+    calls it for the block; see [Note: parameters in no group]). They are bound to no storage: an assignment
+    points them elsewhere, as in plain torch."""
+    for param in params:
+        cls = own_class(type(param))
+        twin = _watched.get(cls)
+        if twin is None:
+            twin = type(f"Watched{cls.__name__}", (_WatchedMixin, cls), {"__module__": __name__})
+            _watched[cls] = twin
+            _unwatched[twin] = cls
+        param.__class__ = twin
+        snapshot(param)
 
 
 def snapshot(param: nn.Parameter) -> None:
@@ -296,9 +304,20 @@ class ParamWriteError(RuntimeError):
     """A write inside ``gathered_parameters()`` was made on some ranks but not alike on all of them."""
 
 
-def settle(groups: Sequence[ParamGroup], modifier_rank: int | None, world_size: int) -> None:
-    """Make the writes to ``groups``' whole parameters alike on every rank ([Note: writes on some ranks
-    only]); collective, on every rank, before the groups are folded."""
+# [Note: parameters in no group] A partitioner may leave some parameters out of its groups: none, ZeRO-1
+# and ZeRO-2 keep frozen parameters whole on every rank, a plain tensor each, with no master and nothing
+# to fold. A write to one of them on some ranks only stayed in those ranks' replicas: the ranks computed
+# with different weights from then on, without a word. `Engine.gathered_parameters` watches them for the
+# block (`watch_loose`, `unwatch` after) and `settle` treats them as the groups' parameters: rank r's
+# values with a modifier rank, or a `ParamWriteError` naming them where the ranks' values differ. Their
+# write, made alike on every rank or broadcast, is kept as it stands (it is the parameter's only copy).
+
+
+def settle(groups: Sequence[ParamGroup], modifier_rank: int | None, world_size: int,
+           loose: Sequence[tuple[str, nn.Parameter]] = ()) -> None:
+    """Make the writes to ``groups``' whole parameters, and to ``loose`` (named parameters in no group,
+    watched with `watch_loose`), alike on every rank ([Note: writes on some ranks only], [Note:
+    parameters in no group]); collective, on every rank, before the groups are folded."""
     if world_size <= 1:
         return
     import torch.distributed as dist
@@ -307,12 +326,16 @@ def settle(groups: Sequence[ParamGroup], modifier_rank: int | None, world_size: 
     for group in groups:
         for i in written(group.params):
             named[group.param_names[i]] = group.params[i]
+    loose_params = [p for _, p in loose]
+    for i in written(loose_params):
+        named[loose[i][0]] = loose_params[i]
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, sorted(named))
     names = sorted(set().union(*everyone))
     if not names:
         return
     by_name = {n: p for g in groups for n, p in zip(g.param_names, g.params, strict=True)}
+    by_name.update(loose)
     missing = [n for n in names if n not in by_name]
     if missing:
         raise ParamWriteError(f"parameters {missing} were written inside gathered_parameters() on some ranks "
