@@ -41,8 +41,8 @@ def test_python_example_runs(example, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(example.code)
     if example.mode == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(example.nproc),
-                   "--master-port", "0", str(script)]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(example.nproc), str(script)]
     else:
         command = [sys.executable, str(script)]
     result = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
