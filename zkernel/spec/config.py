@@ -132,7 +132,7 @@ def _with_sections(core: type) -> type:
     cls.__module__ = __name__
     cls.__qualname__ = "Config"
     cls.__doc__ = (
-        "The whole configuration of one engine (see README's config reference): the kernel's own keys\n"
+        "The whole configuration of one engine (see docs/guide/configuration.md): the kernel's own keys\n"
         "(`CoreConfig`) and one section per family that declares one (`zkernel.spec.registry.Family`)."
     )
     return cls
