@@ -12,6 +12,9 @@ page, and each marker line below is replaced by what it names:
 * ``<!-- generated: zkernel ARGS -->``: the output of the command ``zkernel ARGS``, run
   in a fresh process at build time, as a text block headed by the command.
 
+`on_files` also adds the repository's BENCHMARKS.md as the page ``benchmarks.md`` (the
+record every figure of the performance page comes from), so the site links it without a copy.
+
 [Note: descriptions from comments] The schema documents each field with the ``#``
 comment lines right above it (STYLE.md's attrs convention), not with metadata, so
 the reference reads those comments from the class's source. A field without such a
@@ -215,6 +218,15 @@ def render(marker: str) -> str:
     if marker.startswith("zkernel "):
         return command_output(marker[len("zkernel "):])
     raise ValueError(f"unknown generated marker {marker!r}; valid: config-reference, api-reference, zkernel ARGS")
+
+
+def on_files(files: Any, config: Any) -> Any:
+    """MkDocs hook: the repository's BENCHMARKS.md, served as the page ``benchmarks.md``."""
+    from mkdocs.structure.files import File
+
+    source = os.path.join(os.path.dirname(config["config_file_path"]), "BENCHMARKS.md")
+    files.append(File.generated(config, "benchmarks.md", abs_src_path=source))
+    return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

@@ -11,9 +11,10 @@ right before its fence, if any, says otherwise:
 * ``<!-- example: continues -->``: the page's previous python block is prepended, for a
   block that goes on with the same objects.
 
-```toml and ```json blocks that are zkernel configs (every key one `zkernel.Config`
-knows, or a DeepSpeed config) are loaded with zkernel's config loader, so a config the
-docs show and zkernel rejects fails the suite. ```bash, ```text and others are not run.
+```toml and ```json blocks are zkernel configs (every key one `zkernel.Config`
+knows, or a DeepSpeed config) and are loaded with zkernel's config loader, so a config the
+docs show and zkernel rejects fails the suite; one that is not a zkernel config (a
+pyproject.toml table) carries a skip marker. ```bash, ```text and others are not run.
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ class Example:
 
     @property
     def id(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
+        return f"{_name(self.path)}:{self.line}"
+
+
+def _name(path: Path) -> str:
+    """The path as a failure names it: relative to the repository where it is inside it."""
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def markdown_files() -> list[Path]:
@@ -64,7 +70,7 @@ def examples_of(path: Path) -> list[Example]:
         marker = MARKER.match(before)
         if ANY_MARKER.match(before) and not marker:
             raise ValueError(
-                f"{path.relative_to(REPO)}:{line - 1}: malformed example marker {before!r}; valid: "
+                f"{_name(path)}:{line - 1}: malformed example marker {before!r}; valid: "
                 "<!-- example: torchrun N -->, <!-- example: skip (reason) -->, <!-- example: continues -->"
             )
         if language == "python":
@@ -75,13 +81,16 @@ def examples_of(path: Path) -> list[Example]:
             full = code
             if marker and before.endswith("continues -->"):
                 if not previous_python:
-                    raise ValueError(f"{path.relative_to(REPO)}:{line}: 'continues' with no python block before it")
+                    raise ValueError(f"{_name(path)}:{line}: 'continues' with no python block before it")
                 full = previous_python + "\n" + code
             mode, nproc = ("torchrun", int(marker.group("nproc"))) if marker and marker.group("nproc") else ("python", 1)
             found.append(Example(path, line, language, full, mode, nproc))
             previous_python = full
         elif language in ("toml", "json"):
-            found.append(Example(path, line, language, code, "config"))
+            if marker and marker.group("reason"):
+                found.append(Example(path, line, language, code, "skip", reason=marker.group("reason").strip()))
+            else:
+                found.append(Example(path, line, language, code, "config"))
     return found
 
 
