@@ -184,16 +184,16 @@ def api_reference() -> str:
     for name in sorted(zkernel.__all__):
         obj = getattr(zkernel, name)
         entry = [
-            f"## `zkernel.{name}`",
+            f"### `zkernel.{name}`",
             "",
             f"::: {obj.__module__}.{obj.__qualname__}",
             "    options:",
             "      show_root_heading: false",
-            "      heading_level: 3",
+            "      heading_level: 4",
             "",
         ]
         (errors if isinstance(obj, type) and issubclass(obj, Exception) else entries).append("\n".join(entry))
-    return "\n".join(entries + ["# Errors", ""] + errors)
+    return "\n".join(["## Functions and classes", "", *entries, "## Errors", "", *errors])
 
 
 def command_output(args: str) -> str:

@@ -30,7 +30,7 @@ class NvmeTierOptions:
     buffer_bytes: int | None = attrs.field(default=None, validator=integer(minimum=ALIGNMENT, optional=True))
     # Page-lock the buffers (pool and gradient landing): None = where CUDA is available.
     pin_memory: bool | None = None
-    # I/O threads (concurrent requests at the disk) and bytes per request chunk of the native engine.
+    # I/O threads (concurrent requests at the disk) of the native async I/O engine.
     aio_threads: int = attrs.field(default=DEFAULT_THREADS, validator=integer(minimum=1))
     # Bytes per request chunk of the native async I/O engine.
     aio_block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=_BLOCK_SIZE)
@@ -38,7 +38,7 @@ class NvmeTierOptions:
     # ``gpu_share`` in module order (the next forward's order) on the GPU (master, state and fp32
     # gradient; CUDA, zero3 only), the next ``host_share`` with master and state in host memory.
     gpu_share: float = attrs.field(default=0.0, validator=_SHARE)
-    # host_share: the fraction after gpu_share whose master and state stay in host memory.
+    # The fraction after gpu_share whose master and state stay in host memory.
     host_share: float = attrs.field(default=0.0, validator=_SHARE)
     # Page-locked compute-dtype buffers host steps round updated parameters into before their
     # upload (the cpu tier's option: shared by all groups, each as large as the largest; as many
@@ -66,7 +66,7 @@ class NvmeParamsOptions:
     # Bytes of parameters ahead of the running unit, in the traced order, to read from disk into
     # host memory, and (nearer) to upload to the device (the nearest prefetch_bytes are gathered).
     lookahead_host_bytes: int = attrs.field(default=2 << 30, validator=integer(minimum=0))
-    # prefetch_device_bytes: the nearer of the two, bytes uploaded to the device ahead of use.
+    # The nearer of the two: bytes uploaded to the device ahead of use.
     prefetch_device_bytes: int = attrs.field(default=512 << 20, validator=integer(minimum=0))
     # Bytes of page-locked host memory for shards read ahead and updates written back; None: the
     # host look-ahead plus four of the largest shard, capped at twice all shards together.

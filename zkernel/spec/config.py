@@ -74,21 +74,20 @@ class CoreConfig:
     # Clean steps between growths of the fp16 loss scale (the first growth after an overflow, or
     # the start, at the window + 1-th clean step, as DeepSpeed's).
     loss_scale_window: int = attrs.field(default=1000, validator=fields.positive_int("loss_scale_window"))
-    # Overflows the fp16 scale takes before it halves, and whether a clean step restores them
-    # ([Note: loss-scale hysteresis] in `zkernel.kernel.loss_scale`).
+    # Overflows the fp16 scale takes before it halves ([Note: loss-scale hysteresis] in
+    # `zkernel.kernel.loss_scale`).
     loss_scale_hysteresis: int = attrs.field(default=1, validator=fields.positive_int("loss_scale_hysteresis"))
     # Refill the hysteresis allowance after every step without an overflow (DeepSpeed's
     # consecutive_hysteresis).
     loss_scale_consecutive_hysteresis: bool = attrs.field(
         default=False, validator=fields.true_or_false("loss_scale_consecutive_hysteresis")
     )
-    # The fp16 scale's floor, and whether an overflow there stops the run ([Note: overflow at the
-    # minimum scale] in `zkernel.kernel.loss_scale`).
+    # The fp16 scale's floor ([Note: overflow at the minimum scale] in `zkernel.kernel.loss_scale`).
     min_loss_scale: float = attrs.field(default=1.0, validator=fields.positive_number("min_loss_scale"))
     # True: an overflow at min_loss_scale raises zkernel.LossScaleError from engine.step() after
     # recording the skipped step; false: skip and go on.
     loss_scale_error_at_min: bool = attrs.field(default=True, validator=fields.true_or_false("loss_scale_error_at_min"))
-    # Extra plugins by dotted module path, and installed plugins to ignore.
+    # Extra plugin modules by dotted path ("pkg.module" or "pkg.module:object").
     plugins: tuple[str, ...] = attrs.field(default=(), converter=fields.str_tuple("plugins"))
     # Plugin names (as `zkernel plugins` lists them) never to load.
     blocked_plugins: tuple[str, ...] = attrs.field(

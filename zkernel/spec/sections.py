@@ -123,7 +123,7 @@ class OffloadConfig:
     )
     # Options of the tier selected for each role, validated against that tier's own class.
     optimizer_options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.table("offload.optimizer_options"))
-    # params_options: as optimizer_options, for the tier of offload.params.
+    # As optimizer_options, for the tier of offload.params.
     params_options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.table("offload.params_options"))
 
 
@@ -188,16 +188,16 @@ class PlannerConfig:
     # Activation hints: sequences per rank per micro-batch and tokens per sequence. Without them
     # the planner places model states only (and says so in its decision).
     micro_batch: int | None = attrs.field(default=None, validator=fields.optional_positive_int("planner.micro_batch"))
-    # sequence: tokens per sequence (default: the model's position-embedding length, if it has one).
+    # Tokens per sequence (default: the model's position-embedding length, if it has one).
     sequence: int | None = attrs.field(default=None, validator=fields.optional_positive_int("planner.sequence"))
     # The model takes its loss with `zkernel.tiled_cross_entropy`: its head keeps no logits.
     tiled_loss: bool = attrs.field(default=False, validator=fields.true_or_false("planner.tiled_loss"))
     # What the planner takes as this machine's capacities instead of what it detects (bytes, or
     # a string with a unit): free memory per GPU, available host memory, free disk at nvme_path.
     gpu_memory: int | None = attrs.field(default=None, converter=fields.size("planner.gpu_memory"))
-    # ram: available host memory, as gpu_memory above.
+    # Available host memory, as gpu_memory above.
     ram: int | None = attrs.field(default=None, converter=fields.size("planner.ram"))
-    # disk: free disk at offload.nvme_path, as gpu_memory above.
+    # Free disk at offload.nvme_path, as gpu_memory above.
     disk: int | None = attrs.field(default=None, converter=fields.size("planner.disk"))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.options_table)
 
