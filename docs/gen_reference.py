@@ -9,6 +9,9 @@ page, and each marker line below is replaced by what it names:
 * ``<!-- generated: api-reference -->``: one mkdocstrings entry per name in
   ``zkernel.__all__``, at the module that defines it (the facade imports them lazily, which a
   static reader cannot follow), so a name added to the public API gets its entry.
+* ``<!-- generated: hook-contract -->``: every hook spec of `zkernel.spec.hookspecs`, under
+  the phase banner it sits below in the source, with how its results combine (the
+  ``@hookspec`` options) and its docstring through mkdocstrings.
 * ``<!-- generated: zkernel ARGS -->``: the output of the command ``zkernel ARGS``, run
   in a fresh process at build time, as a text block headed by the command.
 
@@ -196,6 +199,41 @@ def api_reference() -> str:
     return "\n".join(["## Functions and classes", "", *entries, "## Errors", "", *errors])
 
 
+BANNER = re.compile(r"^# -{20,}\n# (?P<title>.+)\n# -{20,}$", re.M)
+SPEC = re.compile(r"^@hookspec(?:\((?P<options>[^)]*)\))?\ndef (?P<name>\w+)\(", re.M)
+
+
+def hook_contract() -> str:
+    """The hook specs by phase, in source order, each with its result rule and its docstring."""
+    from zkernel.spec import hookspecs
+
+    source = inspect.getsource(hookspecs)
+    marks = sorted(
+        [(m.start(), "banner", m.group("title")) for m in BANNER.finditer(source)]
+        + [(m.start(), m.group("name"), m.group("options") or "") for m in SPEC.finditer(source)]
+    )
+    out: list[str] = []
+    for _, kind, value in marks:
+        if kind == "banner":
+            out += [f"## {value}", ""]
+            continue
+        rule = "first non-None result wins" if "firstresult=True" in value else "every implementation is called"
+        if "historic=True" in value:
+            rule += "; historic (replayed to plugins registered later)"
+        out += [
+            f"### `{kind}`",
+            "",
+            f"*{rule}*",
+            "",
+            f"::: zkernel.spec.hookspecs.{kind}",
+            "    options:",
+            "      show_root_heading: false",
+            "      heading_level: 4",
+            "",
+        ]
+    return "\n".join(out)
+
+
 def command_output(args: str) -> str:
     """``zkernel ARGS`` run in a fresh process in a temp directory, as a text block headed by the command."""
     with tempfile.TemporaryDirectory() as cwd:
@@ -213,11 +251,13 @@ def render(marker: str) -> str:
     """What the marker ``<!-- generated: MARKER -->`` is replaced by."""
     if marker == "config-reference":
         return config_reference()
+    if marker == "hook-contract":
+        return hook_contract()
     if marker == "api-reference":
         return api_reference()
     if marker.startswith("zkernel "):
         return command_output(marker[len("zkernel "):])
-    raise ValueError(f"unknown generated marker {marker!r}; valid: config-reference, api-reference, zkernel ARGS")
+    raise ValueError(f"unknown generated marker {marker!r}; valid: config-reference, api-reference, hook-contract, zkernel ARGS")
 
 
 def on_files(files: Any, config: Any) -> Any:

@@ -1,4 +1,5 @@
-"""The generated configuration reference (docs/gen_reference.py) covers every key and says what each means."""
+"""The generated references (docs/gen_reference.py): the configuration reference covers every key and says
+what each means; the hook contract lists every hook spec."""
 
 from __future__ import annotations
 
@@ -73,3 +74,15 @@ def test_a_field_comment_is_read_from_the_class_and_its_bases(gen):
 
     comments = gen.field_comments(Options)
     assert comments == {"inherited": "The base's meaning.", "own": "Two lines of meaning.", "bare": ""}
+
+
+def test_the_hook_contract_lists_every_hook_spec_under_a_phase(gen):
+    from zkernel.spec import hookspecs
+
+    specs = [name for name in vars(hookspecs) if name.startswith("zkernel_")]
+    text = gen.hook_contract()
+    assert text.startswith("## "), "the first hook sits under a phase banner"
+    for name in specs:
+        assert f"### `{name}`" in text and f"::: zkernel.spec.hookspecs.{name}" in text, name
+    assert text.count("### ") == len(specs)
+    assert "*first non-None result wins*" in text.split("### `zkernel_step_optimizer`")[1].split("###")[0]
