@@ -61,12 +61,16 @@ def markdown_files() -> list[Path]:
 def examples_of(path: Path) -> list[Example]:
     """The fenced blocks of one file; a malformed marker is a ValueError naming its line."""
     text = path.read_text()
+    lines = text.split("\n")
+    for number, content in enumerate(lines, 1):
+        if ANY_MARKER.match(content) and (number == len(lines) or not lines[number].startswith("```")):
+            raise ValueError(f"{_name(path)}:{number}: an example marker must be the line right before a fence")
     found: list[Example] = []
     previous_python = ""
     for match in FENCE.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
         language, code = match.group(1).lower(), match.group(2)
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        before = lines[line - 2].strip() if line >= 2 else ""
         marker = MARKER.match(before)
         if ANY_MARKER.match(before) and not marker:
             raise ValueError(

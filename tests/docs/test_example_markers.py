@@ -64,3 +64,10 @@ def test_continues_needs_a_block_before_it(tmp_path):
     page.write_text("<!-- example: continues -->\n```python\npass\n```\n")
     with pytest.raises(ValueError, match="'continues' with no python block"):
         examples_of(page)
+
+
+def test_a_marker_must_sit_right_before_its_fence(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- example: skip (needs a GPU) -->\n\n```python\npass\n```\n")
+    with pytest.raises(ValueError, match="page.md:1: an example marker must be the line right before a fence"):
+        examples_of(page)

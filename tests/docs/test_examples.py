@@ -32,7 +32,8 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["ZKERNEL_PROGRESS"] = "0"
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # The convention: examples run as on a CPU machine (torchrun ones on gloo), on a GPU machine too.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
