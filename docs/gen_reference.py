@@ -186,15 +186,19 @@ def api_reference() -> str:
     entries, errors = [], []
     for name in sorted(zkernel.__all__):
         obj = getattr(zkernel, name)
-        entry = [
-            f"### `zkernel.{name}`",
-            "",
-            f"::: {obj.__module__}.{obj.__qualname__}",
-            "    options:",
-            "      show_root_heading: false",
-            "      heading_level: 4",
-            "",
-        ]
+        entry = [f"### `zkernel.{name}`", ""]
+        try:
+            inspect.getsource(obj)
+        except (OSError, TypeError):  # made at runtime (`Config`): no source for a static reader
+            entry += [_cell(inspect.getdoc(obj) or ""), ""]
+        else:
+            entry += [
+                f"::: {obj.__module__}.{obj.__qualname__}",
+                "    options:",
+                "      show_root_heading: false",
+                "      heading_level: 4",
+                "",
+            ]
         (errors if isinstance(obj, type) and issubclass(obj, Exception) else entries).append("\n".join(entry))
     return "\n".join(["## Functions and classes", "", *entries, "## Errors", "", *errors])
 
