@@ -1,6 +1,6 @@
 """zkernel: ZeRO partitioning and offload for PyTorch, as a plugin microkernel.
 
-Public API (see README): `initialize`, `Config`, `consolidate`,
+Public API (see docs/reference/api.md): `initialize`, `Config`, `consolidate`,
 `from_deepspeed_config`, `estimate`, `tiled_cross_entropy`, `Engine`, and the
 errors `ConfigError`, `CheckpointError`, `RankDivergenceError`, `LossScaleError`, `EngineClosedError`,
 `LateParameterError`, `ParamAssignmentError`.

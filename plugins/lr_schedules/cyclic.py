@@ -37,16 +37,25 @@ ONE_CYCLE_BETA2 = 0.99  # DeepSpeed's OneCycle pairs every beta1 it sets with th
 class OneCycleOptions:
     """``[lr_schedule]`` options of ``one_cycle`` (the two rates have no default, as in DeepSpeed)."""
 
+    # Rate at the start and end of the cycle (required).
     cycle_min_lr: float | None = attrs.field(default=None, validator=number(minimum=0, optional=True))
+    # Rate at the cycle's peak (required).
     cycle_max_lr: float | None = attrs.field(default=None, validator=number(minimum=0, optional=True))
+    # After the cycle, rate = cycle_min_lr / (1 + decay_lr_rate * k / decay_step_size).
     decay_lr_rate: float = attrs.field(default=0.0, validator=number(minimum=0))
+    # Steps from cycle_min_lr up to cycle_max_lr.
     cycle_first_step_size: int = attrs.field(default=2000, validator=integer(minimum=1))
     # None: cycle_first_step_size.
     cycle_second_step_size: int | None = attrs.field(default=None, validator=integer(minimum=1, optional=True))
+    # Steps per decay interval after the cycle; 0 = no decay.
     decay_step_size: int = attrs.field(default=0, validator=integer(minimum=0))
+    # Move Adam's beta1 against the rate (beta2 then 0.99 for every parameter), as DeepSpeed does.
     cycle_momentum: bool = attrs.field(default=True, validator=boolean())
+    # beta1 at the rate's peak.
     cycle_min_mom: float = attrs.field(default=0.8, validator=number(minimum=0))
+    # beta1 at the cycle's start and end.
     cycle_max_mom: float = attrs.field(default=0.9, validator=number(minimum=0))
+    # After the cycle, beta1's decay per interval.
     decay_mom_rate: float = attrs.field(default=0.0, validator=number(minimum=0))
 
     def __attrs_post_init__(self) -> None:
@@ -62,9 +71,13 @@ class OneCycleOptions:
 class LRRangeTestOptions:
     """``[lr_schedule]`` options of ``lr_range_test``."""
 
+    # Rate of the first step.
     lr_range_test_min_lr: float = attrs.field(default=0.001, validator=number(minimum=0))
+    # Steps per interval of the rate's rise.
     lr_range_test_step_size: int = attrs.field(default=2000, validator=integer(minimum=1))
+    # Rate = min_lr * (1 + step_rate * steps / step_size).
     lr_range_test_step_rate: float = attrs.field(default=1.0, validator=number(minimum=0))
+    # Rise in whole intervals instead of every step.
     lr_range_test_staircase: bool = attrs.field(default=False, validator=boolean())
 
 

@@ -32,10 +32,13 @@ WARMUP_TYPES = ("log", "linear")
 class WarmupOptions:
     """``[lr_schedule]`` options of ``warmup``."""
 
+    # Rate of the first steps, where the warmup starts.
     warmup_min_lr: float = attrs.field(default=0.0, validator=number(minimum=0))
     # None: ``[optimizer] lr``.
     warmup_max_lr: float | None = attrs.field(default=None, validator=number(minimum=0, optional=True))
+    # Steps the warmup takes.
     warmup_num_steps: int = attrs.field(default=1000, validator=integer(minimum=0))
+    # Shape of the warmup: log (DeepSpeed's default) or linear.
     warmup_type: str = attrs.field(default="log", validator=choice(*WARMUP_TYPES))
 
 
@@ -57,6 +60,7 @@ def _warn_if_short(name: str, total: int, warmup: int) -> None:
 class WarmupDecayOptions(WarmupOptions):
     """``[lr_schedule]`` options of ``warmup_decay``: ``warmup``'s and where the decay reaches 0."""
 
+    # Step at which the linear decay after the warmup reaches 0 (required).
     total_num_steps: int | None = attrs.field(default=None, validator=integer(minimum=1, optional=True))
 
     def __attrs_post_init__(self) -> None:
@@ -67,10 +71,15 @@ class WarmupDecayOptions(WarmupOptions):
 class WarmupCosineOptions:
     """``[lr_schedule]`` options of ``warmup_cosine`` (ratios of ``[optimizer] lr``)."""
 
+    # Step at which the cosine ends (required).
     total_num_steps: int | None = attrs.field(default=None, validator=integer(minimum=1, optional=True))
+    # Ratio of [optimizer] lr the warmup starts from.
     warmup_min_ratio: float = attrs.field(default=0.0, validator=number(minimum=0))
+    # Steps the warmup takes.
     warmup_num_steps: int = attrs.field(default=1000, validator=integer(minimum=0))
+    # Ratio of [optimizer] lr the cosine ends at.
     cos_min_ratio: float = attrs.field(default=0.0001, validator=number(minimum=0))
+    # Shape of the warmup: log (DeepSpeed's default) or linear.
     warmup_type: str = attrs.field(default="log", validator=choice(*WARMUP_TYPES))
 
     def __attrs_post_init__(self) -> None:

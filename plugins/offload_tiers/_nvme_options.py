@@ -30,8 +30,9 @@ class NvmeTierOptions:
     buffer_bytes: int | None = attrs.field(default=None, validator=integer(minimum=ALIGNMENT, optional=True))
     # Page-lock the buffers (pool and gradient landing): None = where CUDA is available.
     pin_memory: bool | None = None
-    # I/O threads (concurrent requests at the disk) and bytes per request chunk of the native engine.
+    # I/O threads (concurrent requests at the disk) of the native async I/O engine.
     aio_threads: int = attrs.field(default=DEFAULT_THREADS, validator=integer(minimum=1))
+    # Bytes per request chunk of the native async I/O engine.
     aio_block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=_BLOCK_SIZE)
     # Fractions of the trainable elements whose optimizer is not on disk ([Note: spill]): the first
     # ``gpu_share`` in module order (the next forward's order) on the GPU (master, state and fp32
@@ -40,6 +41,7 @@ class NvmeTierOptions:
     # the GPU memory it left move there from host memory or disk, as the cpu tier's "auto" does
     # ([Note: a share by default]); 0 without CUDA.
     gpu_share: float | str = attrs.field(default="auto", validator=_SHARE_OR_AUTO)
+    # The fraction after gpu_share whose master and state stay in host memory.
     host_share: float = attrs.field(default=0.0, validator=_SHARE)
     # Page-locked compute-dtype buffers host steps round updated parameters into before their
     # upload (the cpu tier's option: shared by all groups, each as large as the largest; as many
@@ -67,12 +69,16 @@ class NvmeParamsOptions:
     # Bytes of parameters ahead of the running unit, in the traced order, to read from disk into
     # host memory, and (nearer) to upload to the device (the nearest prefetch_bytes are gathered).
     lookahead_host_bytes: int = attrs.field(default=2 << 30, validator=integer(minimum=0))
+    # The nearer of the two: bytes uploaded to the device ahead of use.
     prefetch_device_bytes: int = attrs.field(default=512 << 20, validator=integer(minimum=0))
     # Bytes of page-locked host memory for shards read ahead and updates written back; None: the
     # host look-ahead plus four of the largest shard, capped at twice all shards together.
     buffer_bytes: int | None = attrs.field(default=None, validator=integer(minimum=ALIGNMENT, optional=True))
     # Elements per swap-file request: the unit of a read or write and of its CRC32C.
     sub_group_size: int = attrs.field(default=1 << 25, validator=integer(minimum=2048))
+    # Page-lock the pool: None = where CUDA is available.
     pin_memory: bool | None = None
+    # I/O threads (concurrent requests at the disk) of the native async I/O engine.
     aio_threads: int = attrs.field(default=DEFAULT_THREADS, validator=integer(minimum=1))
+    # Bytes per request chunk of the native async I/O engine.
     aio_block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, validator=_BLOCK_SIZE)

@@ -1,6 +1,6 @@
 """The package boundaries and the one list of builtins hold.
 
-The import-linter contracts in pyproject.toml (README "Architecture") are run
+The import-linter contracts in pyproject.toml (docs/architecture.md) are run
 here, so a broken boundary fails the suite; the builtin plugins are listed once
 (pyproject's entry points), and the installed metadata and the plugin modules
 agree with that list.

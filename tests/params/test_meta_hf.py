@@ -239,7 +239,7 @@ def test_checkpointed_recurrent_layers_get_no_cache_in_training():
 
 @pytest.mark.parametrize("arch", hf.ARCHS)
 def test_pretrained_weights_load_file_by_file_into_a_meta_built_model(tmp_path, arch):
-    """The README's recipe: a model built on the meta device, zero3 with the model's own init, then a
+    """The recipe of docs/guide/construction.md: a model built on the meta device, zero3 with the model's own init, then a
     pretrained model's sharded safetensors files given one by one to `Engine.load_state_dict`."""
     import zkernel
     from safetensors.torch import load_file

@@ -53,7 +53,7 @@ class SwitchNet(nn.Module):
 
 
 class MomentumSGD:
-    """A third-party optimizer that knows nothing of skipped parameters (the README's example)."""
+    """A third-party optimizer that knows nothing of skipped parameters (the example of docs/plugins/writing.md)."""
 
     def __init__(self, context) -> None:
         self.momentum = 0.9

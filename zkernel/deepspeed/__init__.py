@@ -15,7 +15,7 @@
     path, client_state = engine.load_checkpoint(out)   # (None, None) where out holds no checkpoint
 
 The config is read by `zkernel.from_deepspeed_config` (what maps and what is refused is
-listed in the README's "Coming from DeepSpeed"). A client optimizer is mapped into the
+listed in docs/guide/deepspeed.md). A client optimizer is mapped into the
 config's ``optimizer`` section where zkernel has its equivalent (``torch.optim.AdamW`` and
 ``torch.optim.Adam``, one set of hyperparameters); anything else is an error that says
 what to write instead. The objects returned for the optimizer and the scheduler are views

@@ -2,8 +2,8 @@
 
 `Init` builds modules on the meta device: shapes only, no storage. ``initialize`` with
 ZeRO stage 3 then materialises one unit at a time and initialises it with the modules'
-own code (each module's ``reset_parameters()``), keeping this rank's shard (the README's
-"Partitioned construction"). DeepSpeed partitions inside the block instead; the result
+own code (each module's ``reset_parameters()``), keeping this rank's shard
+(docs/guide/construction.md). DeepSpeed partitions inside the block instead; the result
 a script sees after ``initialize`` is the same, and the values come from the same code.
 
 `GatheredParameters` is `Engine.gathered_parameters` of the engine the parameters belong

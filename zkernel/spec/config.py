@@ -49,11 +49,17 @@ LOG_FORMATS = ("console", "json")
 class CoreConfig:
     """The kernel's own keys (the top level of the config); `Config` adds the families' sections."""
 
+    # Who owns which slice of the model state: none (plain data parallel), zero1, zero2, zero3,
+    # "auto" (the planner chooses) or a third-party partitioner's name.
     partitioner: str = attrs.field(default="none", validator=fields.component_name("partitioner"))
+    # Compute dtype of parameters and activations: fp32, bf16 or fp16 (dynamic loss scaling);
+    # masters stay fp32.
     precision: str = attrs.field(default="fp32", validator=fields.one_of("precision", PRECISIONS))
+    # Micro-batches (engine.step() calls) per optimizer step.
     gradient_accumulation_steps: int = attrs.field(
         default=1, validator=fields.positive_int("gradient_accumulation_steps")
     )
+    # Clip to this global gradient norm, taken across all shards; 0 = off.
     gradient_clipping: float = attrs.field(
         default=0.0, validator=fields.non_negative_number("gradient_clipping")
     )
@@ -61,28 +67,37 @@ class CoreConfig:
     partitioner_options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.options_table)
     # Bytes of parameters the prefetcher keeps in flight ahead of the running module (ZeRO-3).
     prefetch_bytes: int = attrs.field(default=256 * 2**20, validator=fields.non_negative_number("prefetch_bytes"))
-    # Initial loss scale and growth interval for fp16 dynamic loss scaling.
+    # Initial loss scale of fp16 dynamic loss scaling.
     initial_loss_scale: float = attrs.field(
         default=2.0**16, validator=fields.non_negative_number("initial_loss_scale")
     )
+    # Clean steps between growths of the fp16 loss scale (the first growth after an overflow, or
+    # the start, at the window + 1-th clean step, as DeepSpeed's).
     loss_scale_window: int = attrs.field(default=1000, validator=fields.positive_int("loss_scale_window"))
-    # Overflows the fp16 scale takes before it halves, and whether a clean step restores them
-    # ([Note: loss-scale hysteresis] in `zkernel.kernel.loss_scale`).
+    # Overflows the fp16 scale takes before it halves ([Note: loss-scale hysteresis] in
+    # `zkernel.kernel.loss_scale`).
     loss_scale_hysteresis: int = attrs.field(default=1, validator=fields.positive_int("loss_scale_hysteresis"))
+    # Refill the hysteresis allowance after every step without an overflow (DeepSpeed's
+    # consecutive_hysteresis).
     loss_scale_consecutive_hysteresis: bool = attrs.field(
         default=False, validator=fields.true_or_false("loss_scale_consecutive_hysteresis")
     )
-    # The fp16 scale's floor, and whether an overflow there stops the run ([Note: overflow at the
-    # minimum scale] in `zkernel.kernel.loss_scale`).
+    # The fp16 scale's floor ([Note: overflow at the minimum scale] in `zkernel.kernel.loss_scale`).
     min_loss_scale: float = attrs.field(default=1.0, validator=fields.positive_number("min_loss_scale"))
+    # True: an overflow at min_loss_scale raises zkernel.LossScaleError from engine.step() after
+    # recording the skipped step; false: skip and go on.
     loss_scale_error_at_min: bool = attrs.field(default=True, validator=fields.true_or_false("loss_scale_error_at_min"))
-    # Extra plugins by dotted module path, and installed plugins to ignore.
+    # Extra plugin modules by dotted path ("pkg.module" or "pkg.module:object").
     plugins: tuple[str, ...] = attrs.field(default=(), converter=fields.str_tuple("plugins"))
+    # Plugin names (as `zkernel plugins` lists them) never to load.
     blocked_plugins: tuple[str, ...] = attrs.field(
         default=(), converter=fields.str_tuple("blocked_plugins")
     )
+    # Log every hook call as zkernel.hook.trace debug events (as ZKERNEL_TRACE_HOOKS=1 does).
     trace_hooks: bool = attrs.field(default=False, validator=fields.true_or_false("trace_hooks"))
+    # console or json: a hint for front-ends (the CLI's --log-json); the library never configures logging.
     log_format: str = attrs.field(default="console", validator=fields.one_of("log_format", LOG_FORMATS))
+    # When set, torch.manual_seed(seed) on every rank in initialize.
     seed: int | None = None
     # Seconds a collective may take before the process group gives up (when zkernel creates it).
     collective_timeout: float = attrs.field(default=600.0, validator=fields.non_negative_number("collective_timeout"))
@@ -116,7 +131,7 @@ def _with_sections(core: type) -> type:
     cls.__module__ = __name__
     cls.__qualname__ = "Config"
     cls.__doc__ = (
-        "The whole configuration of one engine (see README's config reference): the kernel's own keys\n"
+        "The whole configuration of one engine (see docs/guide/configuration.md): the kernel's own keys\n"
         "(`CoreConfig`) and one section per family that declares one (`zkernel.spec.registry.Family`)."
     )
     return cls

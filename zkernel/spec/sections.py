@@ -84,10 +84,16 @@ class OptimizerConfig:
     the selected optimizer's own options class.
     """
 
+    # adamw (torch's AdamW where the shard lives), cpu_adam (native SIMD Adam on host shards), or a
+    # third-party optimizer's name.
     name: str = attrs.field(default="adamw", validator=fields.component_name("optimizer.name"))
+    # Learning rate; engine.lr changes it between steps, and [lr_schedule] sets it at every step.
     lr: float = attrs.field(default=1e-3, validator=fields.non_negative_number("optimizer.lr"))
+    # Adam's betas, two numbers in [0, 1).
     betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), converter=fields.betas("optimizer.betas"))
+    # Adam's epsilon.
     eps: float = attrs.field(default=1e-8, validator=fields.non_negative_number("optimizer.eps"))
+    # Weight decay (decoupled unless the optimizer's own option says otherwise).
     weight_decay: float = attrs.field(
         default=0.0, validator=fields.non_negative_number("optimizer.weight_decay")
     )
@@ -104,13 +110,20 @@ class OptimizerConfig:
 class OffloadConfig:
     """``[offload]``: the storage tier of optimizer state and of parameters, each with its own options."""
 
+    # Tier of the fp32 masters, optimizer state and gradient landing buffers: none (the compute
+    # device), cpu (page-locked host memory), nvme (swap files under nvme_path), "auto", or a
+    # third-party tier.
     optimizer: str = attrs.field(default="none", validator=fields.component_name("offload.optimizer"))
+    # Tier of each rank's compute-dtype parameter shard: none, cpu, nvme or "auto" (anything but none
+    # needs a partitioner that keeps parameters on a tier, such as zero3).
     params: str = attrs.field(default="none", validator=fields.component_name("offload.params"))
+    # Directory on the NVMe disk for the nvme tier's swap files; required when a tier is nvme.
     nvme_path: Path | None = attrs.field(
         default=None, converter=attrs.converters.optional(Path)
     )
     # Options of the tier selected for each role, validated against that tier's own class.
     optimizer_options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.table("offload.optimizer_options"))
+    # As optimizer_options, for the tier of offload.params.
     params_options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.table("offload.params_options"))
 
 
@@ -121,11 +134,13 @@ class TilingConfig:
     Keys other than these go to ``options`` (the selected component's own).
     """
 
+    # The tiling component: linear, or a third-party name.
     name: str = attrs.field(default="linear", validator=fields.component_name("tiling.name"))
     # fnmatch patterns of module names (``"blocks.*.fc"``) of the layers to tile.
     modules: tuple[str, ...] = attrs.field(default=(), converter=fields.str_tuple("tiling.modules"))
     # Also tile every layer whose weight has at least this many elements; 0 = off.
     min_numel: int = attrs.field(default=0, validator=fields.non_negative_int("tiling.min_numel"))
+    # Tiles per layer.
     tiles: int = attrs.field(default=4, validator=fields.positive_int("tiling.tiles"))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.options_table)
 
@@ -137,6 +152,7 @@ class ActivationCheckpointingConfig:
     Keys other than these go to ``options`` (the selected component's own).
     """
 
+    # The checkpointing component: recompute, or a third-party name.
     name: str = attrs.field(default="recompute", validator=fields.component_name("activation_checkpointing.name"))
     # Class names (``"Block"``) or fnmatch patterns of module names (``"blocks.*"``).
     modules: tuple[str, ...] = attrs.field(default=(), converter=fields.str_tuple("activation_checkpointing.modules"))
@@ -154,6 +170,8 @@ class LRScheduleConfig:
     Keys other than ``name`` go to ``options`` (the selected schedule's own).
     """
 
+    # none (engine.lr as your loop sets it), warmup, warmup_decay, warmup_cosine, one_cycle,
+    # lr_range_test (DeepSpeed's five), or a third-party schedule's name.
     name: str = attrs.field(default="none", validator=fields.component_name("lr_schedule.name"))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.options_table)
 
@@ -165,17 +183,21 @@ class PlannerConfig:
     Keys other than these go to ``options`` (the selected planner's own).
     """
 
+    # The planner component that resolves "auto": default, or a third-party name.
     name: str = attrs.field(default="default", validator=fields.component_name("planner.name"))
     # Activation hints: sequences per rank per micro-batch and tokens per sequence. Without them
     # the planner places model states only (and says so in its decision).
     micro_batch: int | None = attrs.field(default=None, validator=fields.optional_positive_int("planner.micro_batch"))
+    # Tokens per sequence (default: the model's position-embedding length, if it has one).
     sequence: int | None = attrs.field(default=None, validator=fields.optional_positive_int("planner.sequence"))
     # The model takes its loss with `zkernel.tiled_cross_entropy`: its head keeps no logits.
     tiled_loss: bool = attrs.field(default=False, validator=fields.true_or_false("planner.tiled_loss"))
     # What the planner takes as this machine's capacities instead of what it detects (bytes, or
     # a string with a unit): free memory per GPU, available host memory, free disk at nvme_path.
     gpu_memory: int | None = attrs.field(default=None, converter=fields.size("planner.gpu_memory"))
+    # Available host memory, as gpu_memory above.
     ram: int | None = attrs.field(default=None, converter=fields.size("planner.ram"))
+    # Free disk at offload.nvme_path, as gpu_memory above.
     disk: int | None = attrs.field(default=None, converter=fields.size("planner.disk"))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=fields.options_table)
 

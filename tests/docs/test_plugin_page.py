@@ -1,4 +1,5 @@
-"""The README's third-party optimizer example, run as written, against torch's SGD."""
+"""The plugin author's guide (docs/plugins/writing.md): its third-party optimizer, run as written,
+against torch's SGD, and its complete tier, word for word the one tests/sizing/test_outside_tier.py installs."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import torch
 
 from tests.support.models import TrickyNet, batches
 
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "plugins" / "writing.md"
 
 
 @pytest.fixture(scope="module")
 def zk_sgd(tmp_path_factory):
-    text = README.read_text()
+    text = PAGE.read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("# zk_sgd.py"))
     path = tmp_path_factory.mktemp("plugin") / "zk_sgd.py"
     path.write_text(block)
@@ -36,7 +37,7 @@ def _losses(step_fn, model, steps=5):
 
 
 @pytest.mark.parametrize(("partitioner", "tier"), [("zero2", "none"), ("zero3", "cpu")])
-def test_readme_sgd_plugin_matches_torch_sgd(zk_sgd, partitioner, tier):
+def test_guide_sgd_plugin_matches_torch_sgd(zk_sgd, partitioner, tier):
     import zkernel
 
     torch.manual_seed(5)
@@ -71,8 +72,8 @@ def test_readme_sgd_plugin_matches_torch_sgd(zk_sgd, partitioner, tier):
     assert expected[-1] < expected[0]
 
 
-def test_readme_tier_example_is_the_tested_outside_tier():
-    """The README's complete tier is, word for word, the one tests/sizing/test_outside_tier.py installs and runs."""
+def test_guide_tier_example_is_the_tested_outside_tier():
+    """The guide's complete tier is, word for word, the one tests/sizing/test_outside_tier.py installs and runs."""
     source = (REPO / "tests" / "support" / "outside_tier" / "outside_tier" / "__init__.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert source in blocks, "README's third-party tier differs from tests/support/outside_tier"
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+    assert source in blocks, "docs/plugins/writing.md's third-party tier differs from tests/support/outside_tier"
