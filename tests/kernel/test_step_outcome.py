@@ -13,7 +13,13 @@ import torch
 
 from tests.support.harness import run_ranks
 from tests.support.models import TrickyNet, batches, reference_losses
-from tests.support.step_outcome_scenarios import LR, WD, nonfinite_loss, write_failure_mid_step
+from tests.support.step_outcome_scenarios import (
+    LR,
+    WD,
+    nonfinite_flag,
+    nonfinite_loss,
+    write_failure_mid_step,
+)
 
 
 def _torch_params(data, clip: float) -> dict[str, torch.Tensor]:
@@ -85,3 +91,68 @@ def test_a_write_failure_mid_step_fails_that_step_on_every_rank_and_a_retry_cont
             assert r["early_steps"] > 0, (label, rank)
     _assert_close(results[0]["params"], _torch_params(batches(7, 6, accum, 2, 2), clip), label)
     _assert_close(results[1]["params"], results[0]["params"], label, rtol=0, atol=0)
+
+
+def _warmup_lr(applied: int) -> float:
+    """DeepSpeed's linear WarmupLR (min LR/10, max LR, 3 steps) for the step after ``applied`` applied steps."""
+    t = applied - 1
+    return LR / 10 if t < 0 else LR / 10 + (LR - LR / 10) * min(1.0, t / 3)
+
+
+def _check_flag_run(results: list, stage: str, precision: str, steps: int, poison_step: int) -> None:
+    world = len(results)
+    for rank, r in enumerate(results):
+        label = f"{stage} {precision} rank {rank} on {r['device']}"
+        assert r["pending_after_poison"] is True, label  # read one step late, not at once
+        assert r["last_grad_norm"] is None, label  # the norm was never read on the host
+        assert r["skipped"] == 1 and r["global_steps"] == steps, label
+        assert [(w["step"], w["action"], w["found"], w["log_level"]) for w in r["warnings"]] == [
+            (poison_step, "skipped", "device flag", "warning")
+        ], label
+        assert r["lr"] == pytest.approx(_warmup_lr(steps - 1)), label
+    data = batches(5, steps, 1, world, 2)
+    kept = data[:poison_step] + data[poison_step + 1 :]
+    torch.manual_seed(0)
+    model = TrickyNet()
+    reference_losses(model, kept, LR, WD, 0.0, schedule=[(_warmup_lr(i), (0.9, 0.999)) for i in range(len(kept))])
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    on_gpu = results[0]["device"].startswith("cuda")
+    tol = {"rtol": 1e-4 if on_gpu else 1e-5, "atol": 1e-5 if on_gpu else 1e-6}
+    if precision != "fp32":
+        tol = {"rtol": 2e-2, "atol": 2e-2}
+    _assert_close(results[0]["params"], want, f"{stage} {precision}", **tol)
+    for r in results[1:]:
+        _assert_close(r["params"], results[0]["params"], f"{stage} {precision} ranks", rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("stage", "precision"), [("zero2", "fp32"), ("zero3", "bf16")])
+def test_a_nonfinite_gradient_where_the_norm_is_not_read_is_skipped_by_a_device_flag(stage, precision):
+    """[Note: a non-finite flag read one step late]: the step is a no-op on the device, the host learns it
+    before the next step; skipped, counted, warned, the Adam counts and the schedule as if skipped at once.
+    Two gloo ranks on the CPU, where the test asks for the path a GPU takes; NaN on rank 1 only."""
+    steps, poison_step = 5, 2
+    results = run_ranks(2, nonfinite_flag, stage, precision, steps, poison_step, 1, timeout=120)
+    _check_flag_run(results, stage, precision, steps, poison_step)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("implementation", ["auto", "fused"])  # auto: the Triton kernel where Triton imports
+@pytest.mark.parametrize(("stage", "precision"), [("zero1", "fp32"), ("zero3", "fp32"), ("zero3", "bf16")])
+def test_cuda_a_nonfinite_gradient_is_skipped_by_the_device_flag_without_reading_the_norm(stage, precision, implementation):
+    """On one GPU the norm is not read with clipping off (a host wait per step): the device flag skips the
+    step, as the CPU test checks with the path forced."""
+    steps, poison_step = 5, 2
+    results = run_ranks(1, nonfinite_flag, stage, precision, steps, poison_step, 0, implementation, timeout=300)
+    assert results[0]["device"].startswith("cuda")
+    _check_flag_run(results, stage, precision, steps, poison_step)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_cuda_two_ranks_skip_together_when_one_gradient_shard_is_nonfinite(stage):
+    """NCCL: the flag's all-reduce runs on the device; the rank whose shard is clean skips too."""
+    steps, poison_step = 5, 2
+    results = run_ranks(2, nonfinite_flag, stage, "fp32", steps, poison_step, 1, timeout=300)
+    assert all(r["device"].startswith("cuda") for r in results)
+    _check_flag_run(results, stage, "fp32", steps, poison_step)

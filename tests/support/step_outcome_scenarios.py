@@ -125,3 +125,59 @@ def write_failure_mid_step(nvme_path: str, clip: float, fail_rank: int, steps: i
     engine.close()
     out["params"] = _closed(model)
     return out
+
+
+WARMUP = {"name": "warmup", "warmup_type": "linear", "warmup_min_lr": LR / 10, "warmup_num_steps": 3}
+
+
+def nonfinite_flag(stage: str, precision: str, steps: int = 5, poison_step: int = 2, poison_rank: int = 1,
+                   implementation: str = "auto") -> dict:
+    """Every group steps on the compute device with clipping off, the norm not read ([Note: a non-finite
+    flag read one step late]; on a CPU the test asks for that path, on a GPU it is the default): one
+    element of the embedding's gradient is NaN on ``poison_rank`` at ``poison_step`` only, so with
+    sharded gradients only the rank that owns it sees it before the flag's all-reduce."""
+    world, rank = _world_rank()
+    cfg = {"partitioner": stage, "precision": precision, "gradient_clipping": 0.0,
+           "optimizer": {"name": "adamw", "lr": LR, "weight_decay": WD, "implementation": implementation},
+           "lr_schedule": WARMUP}
+    if stage != "zero3":
+        cfg["partitioner_options"] = {"bucket_size": 300}
+    torch.manual_seed(0)
+    model = TrickyNet()
+    engine = zkernel.initialize(model, cfg)
+    if engine.device.type == "cpu":
+        engine._norm_is_free = False  # as on a GPU: the norm would cost a host wait ([Note: non-finite gradients])
+    poison = {"on": False}
+
+    def one_nan(grad):
+        if not poison["on"]:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    engine.module.embed.weight.register_hook(one_nan)
+    data = batches(5, steps, 1, world, 2)
+    pending_after_poison = None
+    with structlog.testing.capture_logs() as logs:
+        for i, step in enumerate(data):
+            tokens, targets = step[0][rank]
+            loss = engine(tokens, targets)
+            poison["on"] = i == poison_step and rank == poison_rank
+            engine.backward(loss)
+            poison["on"] = False
+            engine.step()
+            if i == poison_step:  # not read yet: the host learns it before the next step
+                pending_after_poison = engine.pipeline.found_inf_pending
+    out = {
+        "device": str(engine.device),
+        "pending_after_poison": pending_after_poison,
+        "skipped": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "lr": engine.lr,
+        "last_grad_norm": engine.last_grad_norm,
+        "warnings": [e for e in logs if e.get("event") == "zkernel.step.nonfinite"],
+    }
+    engine.close()
+    out["params"] = {n: t.cpu() for n, t in _closed(model).items()}
+    return out
