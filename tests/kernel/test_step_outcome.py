@@ -2,7 +2,9 @@
 `zkernel.kernel.step_outcome`, [Note: non-finite gradients] in `zkernel.kernel.engine`): a NaN loss
 with clipping off is skipped, counted and logged; a swap-file write that fails in the middle of a step
 (a real RLIMIT_FSIZE in one rank's process) makes every rank raise at the same step, and running the
-batch again once the disk has room ends at torch's uninterrupted model. On 2 gloo ranks against torch."""
+batch again once the disk has room ends at torch's uninterrupted model; the same for a parameter shard's
+swap write under zero3 (the step after it fails); where the norm is not read, a device flag skips a
+non-finite step. On 2 gloo ranks against torch."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.support.step_outcome_scenarios import (
     WD,
     nonfinite_flag,
     nonfinite_loss,
+    params_write_failure,
     write_failure_mid_step,
 )
 
@@ -156,3 +159,39 @@ def test_cuda_two_ranks_skip_together_when_one_gradient_shard_is_nonfinite(stage
     results = run_ranks(2, nonfinite_flag, stage, "fp32", steps, poison_step, 1, timeout=300)
     assert all(r["device"].startswith("cuda") for r in results)
     _check_flag_run(results, stage, "fp32", steps, poison_step)
+
+
+@pytest.mark.parametrize(("optimizer", "clip", "fail_rank"), [("cpu", 0.0, 1), ("none", 0.0, 0), ("cpu", 1.0, 0)])
+def test_a_failed_parameter_swap_write_fails_the_next_step_on_every_rank_and_a_retry_continues_exactly(
+    tmp_path, optimizer, clip, fail_rank
+):
+    """The nvme tier's params role: a shard write of step k that fails (a real RLIMIT_FSIZE on one rank)
+    is agreed at step k+1's boundary, which no rank takes; the newest shard stays in host memory, the
+    forward reads it, and running the window again ends at torch's uninterrupted model."""
+    steps, fail_step = 5, 2
+    results = run_ranks(2, params_write_failure, str(tmp_path), optimizer, clip, fail_rank, steps, fail_step, timeout=120)
+    label = f"offload.optimizer {optimizer}, clip {clip}, the disk of rank {fail_rank} fails"
+    first = [r["errors"] for r in results]
+    assert all(len(e) == 1 for e in first), (label, first)
+    for rank, r in enumerate(results):
+        error = r["errors"][0]
+        assert error["batch"] == fail_step + 1 and error["global_steps"] == fail_step + 1, (label, rank, error)
+        assert error["micro_steps"] == fail_step + 1, (label, rank, error)
+        assert error["errno"] == 27 and error["filename"].endswith(".swap"), (label, rank, error)
+        assert "params-" in error["filename"], (label, rank, error)
+        assert any("was not taken on any rank" in note for note in error["notes"]), (label, rank, error)
+        assert len(r["refused"]) == 1, (label, rank)
+        assert r["global_steps"] == steps, (label, rank)
+    _assert_close(results[0]["params"], _torch_params(batches(7, steps, 1, 2, 2), clip), label)
+    _assert_close(results[1]["params"], results[0]["params"], label, rtol=0, atol=0)
+
+
+def test_a_failed_parameter_swap_write_of_the_last_step_loses_nothing_at_close(tmp_path):
+    """The last step's shard writes fail on one rank and no step follows: nothing raises mid-run (no rank
+    leaves the others), and close gives back torch's model, the newest values having stayed in memory."""
+    steps = 4
+    results = run_ranks(2, params_write_failure, str(tmp_path), "none", 0.0, 1, steps, steps - 1, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["errors"] == [] and r["global_steps"] == steps, rank
+    _assert_close(results[0]["params"], _torch_params(batches(7, steps, 1, 2, 2), 0.0), "last step")
+    _assert_close(results[1]["params"], results[0]["params"], "last step ranks", rtol=0, atol=0)

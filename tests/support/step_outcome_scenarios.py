@@ -181,3 +181,48 @@ def nonfinite_flag(stage: str, precision: str, steps: int = 5, poison_step: int 
     engine.close()
     out["params"] = {n: t.cpu() for n, t in _closed(model).items()}
     return out
+
+
+def params_write_failure(nvme_path: str, optimizer: str, clip: float, fail_rank: int, steps: int = 5,
+                         fail_step: int = 2) -> dict:
+    """zero3 with the parameters swapped to NVMe: on ``fail_rank`` the disk refuses writes (RLIMIT_FSIZE)
+    from step ``fail_step``'s ``step()``, so its parameter shards' writes fail after that step's outcome
+    was agreed; the script lifts the limit when the error reaches it and runs the window again."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    world, rank = _world_rank()
+    cfg = nvme_config(nvme_path, optimizer=optimizer, params="nvme", stage="zero3", clip=clip,
+                      name="cpu_adam" if optimizer == "cpu" else "adamw")
+    torch.manual_seed(0)
+    model = TrickyNet()
+    engine = zkernel.initialize(model, cfg)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    data = batches(7, steps, 1, world, 2)
+    errors, refused, i = [], [], 0
+    try:
+        while i < steps:
+            try:
+                tokens, targets = data[i][0][rank]
+                loss = engine(tokens, targets)
+                engine.backward(loss)
+                if i == fail_step and rank == fail_rank and not errors:
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # the disk is full from now on
+                engine.step()
+            except OSError as exc:
+                errors.append({"batch": i, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                               "errno": exc.errno, "filename": exc.filename,
+                               "notes": list(getattr(exc, "__notes__", []))})
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space freed
+                try:  # step() again, without the window's backward, is refused on every rank alike
+                    engine.step()
+                except RuntimeError as again:
+                    refused.append(str(again))
+                if len(errors) > 2:
+                    break
+                continue  # run the window again
+            i += 1
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    out = {"errors": errors, "refused": refused, "global_steps": engine.global_steps}
+    engine.close()
+    out["params"] = _closed(model)
+    return out

@@ -27,8 +27,9 @@ norm (a host value by then) and rolled back when another group or rank was not
 finite, so they are taken only for an optimizer that can roll back.
 Reading the norm makes the host wait for the end of backward. With clipping or
 fp16 the step needs it anyway; on a CPU device, with an optimizer tier that
-steps groups on the host (which waits for their gradients) or whose writes can
-fail (the outcome travels in the norm's all-reduce), the wait is already there.
+steps groups on the host (which waits for their gradients) or a tier whose
+writes can fail (the outcome travels in the norm's all-reduce), the wait is
+already there.
 Where every group steps on a GPU with clipping off, it would be a new sync per
 step (1-2% of GPT-1.3B's step on one H200: BENCHMARKS.md, issue 42's calls), so
 there the norm is not read: the step gets a device flag instead, which the
@@ -445,7 +446,7 @@ class Engine:
             self.scheduler.readiness.window_used.clear()
             self.micro_steps -= self.config.gradient_accumulation_steps
             self._redo_window = True
-        self.pipeline.outcome.raise_failure(self.optimizer_tier, self.global_steps, also)
+        self.pipeline.outcome.raise_failure((self.optimizer_tier, self.params_tier), self.global_steps, also)
 
     def num_parameters(self, *, trainable_only: bool = False) -> int:
         """Elements of the model's parameters as `initialize` saw them, whole (a released zero3
@@ -709,6 +710,7 @@ class Engine:
             self._norm_is_free = (
                 self.device.type == "cpu"
                 or tier.may_fail_writes
+                or self.params_tier.may_fail_writes
                 or any(tier.steps_on_host(group) for group in self.pipeline.trainable)
             )
         return self._needs_norm() or self._norm_is_free or not self._takes_found_inf

@@ -252,9 +252,9 @@ class StepPipeline:
         (`failed_writes`, see [Note: a step is all-or-nothing] in `zkernel.kernel.step_outcome`)."""
         sharded = [g for g in self.trainable if g.grad_is_shard]
         whole = [g for g in self.trainable if not g.grad_is_shard]
-        self.outcome.collect(self.tier)
+        self.outcome.collect((self.tier, self.params_tier))
         sharded_sq = self._sq_sum(sharded)
-        if self.distributed and (sharded or self.tier.may_fail_writes):
+        if self.distributed and (sharded or self.tier.may_fail_writes or self.params_tier.may_fail_writes):
             sharded_sq = self.outcome.agree(sharded_sq, self._all_reduce_scalar)
         total = float(sharded_sq) if sharded else 0.0
         if whole:
