@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+import zkernel
+
 from tests.support.harness import run_ranks
 from tests.support.models import TrickyNet, batches, reference_losses
 from tests.support.step_outcome_scenarios import (
@@ -195,3 +197,41 @@ def test_a_failed_parameter_swap_write_of_the_last_step_loses_nothing_at_close(t
         assert r["errors"] == [] and r["global_steps"] == steps, rank
     _assert_close(results[0]["params"], _torch_params(batches(7, steps, 1, 2, 2), 0.0), "last step")
     _assert_close(results[1]["params"], results[0]["params"], "last step ranks", rtol=0, atol=0)
+
+
+def test_a_checkpoint_saved_before_the_flag_is_read_resumes_exactly(tmp_path):
+    """A save right after a step the device flag skipped, before anything read it: the checkpoint holds
+    the corrected Adam counts and skipped_steps, so a resume continues as the run itself does."""
+    from tests.support.step_outcome_scenarios import WARMUP
+
+    cfg = {"partitioner": "zero1", "gradient_clipping": 0.0, "lr_schedule": WARMUP,
+           "optimizer": {"name": "adamw", "lr": LR, "weight_decay": WD}}
+    data = batches(5, 5, 1, 1, 2)
+
+    def train(engine, first: int, last: int, poison: int | None = None) -> None:
+        for i in range(first, last):
+            tokens, targets = data[i][0][0]
+            loss = engine(tokens, targets)
+            engine.backward(loss * float("nan") if i == poison else loss)
+            engine.step()
+
+    torch.manual_seed(0)
+    model = TrickyNet()
+    engine = zkernel.initialize(model, cfg)
+    engine._norm_is_free = False  # the path a GPU takes ([Note: a non-finite flag read one step late])
+    train(engine, 0, 2, poison=1)
+    assert engine.pipeline.found_inf_pending
+    engine.save_checkpoint(tmp_path)
+    train(engine, 2, 5)
+    assert engine.skipped_steps == 1
+    engine.close()
+    torch.manual_seed(1)
+    resumed = TrickyNet()
+    again = zkernel.initialize(resumed, cfg)
+    again._norm_is_free = False
+    again.load_checkpoint(tmp_path)
+    assert again.skipped_steps == 1 and again.global_steps == 2
+    train(again, 2, 5)
+    again.close()
+    _assert_close(dict(resumed.named_parameters()), {n: p.detach() for n, p in model.named_parameters()}, "resumed",
+                  rtol=0, atol=0)
