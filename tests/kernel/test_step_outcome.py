@@ -163,14 +163,14 @@ def test_cuda_two_ranks_skip_together_when_one_gradient_shard_is_nonfinite(stage
     _check_flag_run(results, stage, "fp32", steps, poison_step)
 
 
-@pytest.mark.parametrize(("optimizer", "clip", "fail_rank"), [("cpu", 0.0, 1), ("none", 0.0, 0), ("cpu", 1.0, 0)])
+@pytest.mark.parametrize(("optimizer", "clip", "fail_rank"), [("cpu", 0.0, 1), ("none", 0.0, 0)])
 def test_a_failed_parameter_swap_write_fails_the_next_step_on_every_rank_and_a_retry_continues_exactly(
     tmp_path, optimizer, clip, fail_rank
 ):
     """The nvme tier's params role: a shard write of step k that fails (a real RLIMIT_FSIZE on one rank)
     is agreed at step k+1's boundary, which no rank takes; the newest shard stays in host memory, the
     forward reads it, and running the window again ends at torch's uninterrupted model."""
-    steps, fail_step = 5, 2
+    steps, fail_step = 4, 1
     results = run_ranks(2, params_write_failure, str(tmp_path), optimizer, clip, fail_rank, steps, fail_step, timeout=120)
     label = f"offload.optimizer {optimizer}, clip {clip}, the disk of rank {fail_rank} fails"
     first = [r["errors"] for r in results]
