@@ -34,12 +34,18 @@ says.
 
 [Note: write failures] apply as for the optimizer role: a failed write
 leaves the newest shard in host memory (the rescue copy), the file's extents
-unreadable, and later uses read the rescue copy. The error is raised by the
-next read-ahead (`prefetch_host`, `to_device` with ``block=False``: before
-any update of the next step) or at the end of the next `commit` of a
-module-bound group (that group's update is complete, and so is every other
-group's: the jobs after it run as usual; the error reaches the user at the
-group's next fetch, or from `Engine.close` after the model was given back).
+unreadable, and later uses read the rescue copy; the next successful write of
+the shard (the group's next commit) drops it. The error is never raised from a
+read-ahead, a fetch or a commit: those run on one rank in the middle of a
+forward or a step, and one rank raising there would leave the others waiting
+in the next all-gather. It is handed to the step pipeline instead
+(`take_write_failures`, at the end of the next boundary backward), which has
+every rank agree that the next step is not taken and raise it ([Note: a step
+is all-or-nothing] in `zkernel.kernel.step_outcome`): the step whose writes
+failed stays taken (its values are in memory), the one after it is run again
+once there is room. A failure after the last step is logged when it happens
+(``zkernel.nvme.write_failed``); `Engine.close` gives the model back from the
+masters and rescue copies, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -178,7 +184,6 @@ class NvmeParamsTier(SwapStats, ParamsTier):
     def prefetch_host(self, group):
         self._layout.finish()
         with self._cv:
-            self._traffic.raise_failures()
             slot = self._slots[group.index]
             self._blocks.collect_uploads()
             if slot.host is None and slot.device is None:
@@ -187,8 +192,6 @@ class NvmeParamsTier(SwapStats, ParamsTier):
     def to_device(self, group, *, consume, block):
         self._layout.finish()
         with self._cv:
-            if not block:
-                self._traffic.raise_failures()
             slot = self._slots[group.index]
             self._blocks.collect_uploads()
             while not (self.cuda and slot.device is not None):
@@ -300,9 +303,7 @@ class NvmeParamsTier(SwapStats, ParamsTier):
             for i in range(len(slot.file.extents)):
                 slot.file.write(self.io, i, copy.block.data, kind=SpanKind.NVME_WRITE, label=f"params {slot.name}",
                                 done=lambda f, copy=copy, slot=slot: self._on_write(slot, copy, f))
-            if group.module is not None:  # [Note: write failures]: this group's update is complete
-                self._traffic.raise_failures()
-        return None
+        return None  # a failed write is the step pipeline's to raise ([Note: write failures])
 
     def _fill(self, copy: HostCopy, slot: _ParamSlot, source: torch.Tensor) -> None:
         """The update computed elsewhere (the device, or an fp32 master) into ``copy``'s block."""
@@ -339,6 +340,13 @@ class NvmeParamsTier(SwapStats, ParamsTier):
                 self._blocks.retire(copy)
             self._blocks.collect_uploads(query=False)
             self._cv.notify_all()
+
+    may_fail_writes = True
+
+    def take_write_failures(self, wait=False):
+        if wait:
+            self._traffic.wait_writes()
+        return self._traffic.take_failures()
 
     # -- checkpoints (between steps) ----------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from zkernel.platform.adam_math import check_rollback_possible
 from zkernel.spec.groups import OptimizerDeclaration, ParamGroup, ParamHyper, StateSpec, StepOptions
 
 
-def adam_declaration(numel: int, param_count: int, can_rollback: bool) -> OptimizerDeclaration:
+def adam_declaration(numel: int, param_count: int, can_rollback: bool, takes_found_inf: bool = False) -> OptimizerDeclaration:
     """``exp_avg`` and ``exp_avg_sq`` (fp32, per element) and ``step`` (fp32, one count per parameter)."""
     return OptimizerDeclaration(
         state=(
@@ -42,6 +42,7 @@ def adam_declaration(numel: int, param_count: int, can_rollback: bool) -> Optimi
         can_rollback=can_rollback,
         skips_params=True,
         per_param_hyper=True,
+        takes_found_inf=takes_found_inf,
     )
 
 
@@ -168,6 +169,12 @@ def step_group(
     for run in runs:
         update(run, tensors if whole else _slices(tensors, run))
     counts.add(state["step"], _stepped(group, options.skip_params), 1)
+
+
+def uncount_group(group: ParamGroup, options: StepOptions, counts: StepCounts) -> None:
+    """Take back the count of the parameters a step with ``options`` counted, whose update its
+    ``options.found_inf`` made a no-op on the device (`zkernel_uncount_step`)."""
+    counts.add(group.optim_state["step"], _stepped(group, options.skip_params), -1)
 
 
 def kernel_arguments(run: Run, options: StepOptions, decoupled: bool) -> dict:

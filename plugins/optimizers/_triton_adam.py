@@ -49,11 +49,13 @@ def _build():
     @triton.jit
     def adam_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, numel,
-        lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, grad_scale,
-        DECOUPLED: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr,
+        lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, grad_scale, found_inf_ptr,
+        DECOUPLED: tl.constexpr, HAS_COPY: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr,
     ):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
+        if HAS_FLAG:  # a set flag masks every load and store: the step changes nothing
+            mask = mask & (tl.load(found_inf_ptr) == 0.0)
         param = tl.load(param_ptr + offsets, mask=mask)
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32) * grad_scale
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
@@ -89,11 +91,13 @@ def adam_step(
     grad_scale: float = 1.0,
     adamw: bool = True,
     copy_out: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """One Adam (``adamw=False``: L2) or AdamW update of ``master``, ``exp_avg`` and ``exp_avg_sq`` in
     place for step number ``step`` (1-based) from ``grad * grad_scale`` (``grad`` fp32 or lower, read
     only); the rounded result to ``copy_out`` when given. All flat, contiguous and on one CUDA
-    device. The arguments are `zkernel.platform.native.adam_step`'s, the host kernel's."""
+    device. ``found_inf``: None, or a one-element fp32 tensor on that device; where it is nonzero the
+    step writes nothing (`zkernel.spec.groups.StepOptions.found_inf`). The arguments are `zkernel.platform.native.adam_step`'s, the host kernel's."""
     global _kernel
     numel = master.numel()
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("copy_out", copy_out)):
@@ -102,6 +106,9 @@ def adam_step(
                              f"got {tuple(t.shape)} on {t.device}")
     if master.dtype != torch.float32 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
         raise ValueError("adam_step: master and moments must be fp32")
+    if found_inf is not None and (found_inf.numel() != 1 or found_inf.dtype != torch.float32 or found_inf.device != master.device):
+        raise ValueError(f"adam_step: found_inf must be one fp32 element on {master.device}, got "
+                         f"{tuple(found_inf.shape)} {found_inf.dtype} on {found_inf.device}")
     if numel == 0:
         return
     if _kernel is None:
@@ -112,5 +119,6 @@ def adam_step(
             master, grad, exp_avg, exp_avg_sq, copy_out if copy_out is not None else master, numel,
             lr, beta1, beta2, eps, weight_decay,
             lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), grad_scale,
-            DECOUPLED=adamw, HAS_COPY=copy_out is not None, BLOCK=BLOCK, num_warps=8,
+            found_inf if found_inf is not None else master,
+            DECOUPLED=adamw, HAS_COPY=copy_out is not None, HAS_FLAG=found_inf is not None, BLOCK=BLOCK, num_warps=8,
         )

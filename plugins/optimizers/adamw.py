@@ -15,6 +15,13 @@ parameters are at different step counts or have hyperparameters of their own
 (rate, weight decay, betas, eps), or some of which are skipped this step, takes
 one call per run of the shard at one count with one set of hyperparameters
 ([Note: per-parameter steps] in ``_adam_state``).
+
+A step given a device flag (``StepOptions.found_inf``, [Note: a non-finite
+flag read one step late] in `zkernel.kernel.found_inf`) changes nothing where
+the flag is set: torch's fused kernels take it as their ``found_inf``, the
+Triton kernel masks every load and store with it. The foreach and for-loop
+kernels cannot, so an ``adamw`` that would use them declares it does not take
+the flag, and the engine reads the norm on the host instead.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from ._adam_state import (
     rollback_group,
     rollback_possible,
     step_group,
+    uncount_group,
 )
 
 
@@ -59,10 +67,23 @@ class TorchAdamW:
     def __init__(self, context) -> None:
         self.options = context.options or AdamWOptions()
         self._step_counts = StepCounts()
+        self._device = context.dist.device if getattr(context, "dist", None) is not None else torch.device("cpu")
 
     @hookimpl
     def zkernel_declare_optimizer(self, numel, param_count):
-        return adam_declaration(numel, param_count, can_rollback=True)
+        return adam_declaration(numel, param_count, can_rollback=True, takes_found_inf=self._takes_found_inf())
+
+    def _takes_found_inf(self) -> bool:
+        """Whether the kernel this optimizer runs on the compute device can honour a device flag."""
+        implementation = self.options.implementation
+        if implementation == "auto":
+            return _triton_adam.available(self._device) or _fused_supported(self._device)
+        return implementation in ("triton", "fused")
+
+    @hookimpl
+    def zkernel_uncount_step(self, group, options):
+        uncount_group(group, options, self._step_counts)
+        return True
 
     @hookimpl
     def zkernel_can_rollback_step(self, group, options):
@@ -92,6 +113,10 @@ class TorchAdamW:
         if not group.optim_state:
             init_state(group)
 
+        found_inf = options.found_inf
+        if found_inf is not None:
+            found_inf = found_inf.to(device=group.master.device, dtype=torch.float32, non_blocking=True)
+
         def update(run, t) -> None:
             _triton_adam.adam_step(
                 t["master"],
@@ -100,6 +125,7 @@ class TorchAdamW:
                 t["exp_avg_sq"],
                 **kernel_arguments(run, options, self.options.decoupled_weight_decay),
                 copy_out=t["copy_out"],
+                found_inf=found_inf,
             )
 
         grad = group.grad if group.grad.device == group.master.device else group.grad.to(group.master.device)
@@ -115,6 +141,16 @@ def torch_adam_step(group, options, counts: StepCounts, implementation: str = "a
     if implementation == "auto":
         implementation = "fused" if _fused_supported(master.device) else "foreach"
     adam = torch_adamw.adamw if decoupled else _adam
+    fused = implementation == "fused"
+    found_inf = options.found_inf
+    if found_inf is not None and not fused:
+        raise RuntimeError(
+            f"group {group.name!r} was given a non-finite flag (StepOptions.found_inf), which the "
+            f"{implementation!r} AdamW kernels on {master.device} cannot honour; only the fused and Triton "
+            "kernels can (the optimizer declares takes_found_inf only for those)"
+        )
+    if found_inf is not None:
+        found_inf = found_inf.to(device=master.device, dtype=torch.float32, non_blocking=True)
 
     def update(run, t) -> None:
         beta1, beta2 = run.betas(options)
@@ -123,9 +159,8 @@ def torch_adam_step(group, options, counts: StepCounts, implementation: str = "a
             grad = grad.to(device=master.device, dtype=master.dtype)
         if options.grad_scale != 1.0:
             grad = grad * options.grad_scale
-        # torch counts the step itself: it adds one to this before the update. Its fused kernels
-        # read the count on the device, the others on the host.
-        fused = implementation == "fused"
+        # torch counts the step itself: it adds one to this before the update (and takes the flag
+        # back off after). Its fused kernels read the count on the device, the others on the host.
         step = torch.full((), run.step - 1, dtype=torch.float32, device=master.device if fused else "cpu")
         adam(
             [t["master"]],
@@ -143,6 +178,7 @@ def torch_adam_step(group, options, counts: StepCounts, implementation: str = "a
             maximize=False,
             fused=fused,
             foreach=implementation == "foreach",
+            found_inf=found_inf,
         )
         if t["copy_out"] is not None:
             t["copy_out"].copy_(t["master"])

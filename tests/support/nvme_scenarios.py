@@ -75,9 +75,7 @@ def write_failure(nvme_path: str, role: str) -> dict:
     Returns what happened, for the test to check."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
     cfg = nvme_config(nvme_path, optimizer="nvme" if role == "optimizer" else "cpu", params="nvme" if role == "params" else "none")
-    # No gather ahead: the next forward's read-ahead (a rank-local stage) is where a parameter write's
-    # failure is raised before any update of the next step. (Within the gather window, as every unit
-    # of this small model is by default, it comes from the next update instead, a step later.)
+    # No gather ahead (the reads come from the rescue copies where a parameter write failed).
     cfg["prefetch_bytes"] = 0
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     out: dict = {}
@@ -97,7 +95,7 @@ def write_failure(nvme_path: str, role: str) -> dict:
     steps(engine, 2)
     _wait_writes(engine)
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
-    try:  # the write-backs of step 3 fail; the error comes at the next step (optimizer) or update (params)
+    try:  # the write-backs of step 3 fail; the error comes from the next step, which no rank takes
         steps(engine, 1, start=2)
         _wait_writes(engine)
         steps(engine, 2, start=3)

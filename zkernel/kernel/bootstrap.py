@@ -128,6 +128,7 @@ class _Placer:
         self.trainable_params = sum(p.requires_grad for p in model.parameters())
         self.can_rollback = True
         self.skips_params = True
+        self.takes_found_inf = True
         self._checked_shards: int | None = None
 
     def place(self, groups: Iterable[ParamGroup]) -> list[ParamGroup]:
@@ -144,6 +145,7 @@ class _Placer:
                 declaration = self._declaration(group.master.numel(), len(group.params))
                 self.can_rollback &= declaration.can_rollback
                 self.skips_params &= declaration.skips_params
+                self.takes_found_inf &= declaration.takes_found_inf
                 self.optimizer_tier.adopt(group, group.master, declaration.state)
             placed.append(group)
         return placed
@@ -333,6 +335,7 @@ def _assemble(
         timeline=timeline,
         can_rollback=placer.can_rollback and bool(groups),
         skips_params=placer.skips_params,
+        takes_found_inf=placer.takes_found_inf,
         speculate=optimizer_tier.speculate,
         original_dtypes=original_dtypes,
         whole_bytes=whole_bytes,

@@ -27,13 +27,17 @@ norm (a host value by then) and rolled back when another group or rank was not
 finite, so they are taken only for an optimizer that can roll back.
 Reading the norm makes the host wait for the end of backward. With clipping or
 fp16 the step needs it anyway; on a CPU device, with an optimizer tier that
-steps groups on the host (which waits for their gradients) or whose writes can
-fail (the outcome travels in the norm's all-reduce), the wait is already there.
+steps groups on the host (which waits for their gradients) or a tier whose
+writes can fail (the outcome travels in the norm's all-reduce), the wait is
+already there.
 Where every group steps on a GPU with clipping off, it would be a new sync per
 step (1-2% of GPT-1.3B's step on one H200: BENCHMARKS.md, issue 42's calls), so
-there the norm is not read and a non-finite gradient is applied as torch's
-optimizers apply it; skipping it without a sync needs the device optimizers to
-take a device flag (torch's ``found_inf``), which they do not yet.
+there the norm is not read: the step gets a device flag instead, which the
+optimizer honours on the device and the host reads one step late, before the
+next step and before anything reads the counters ([Note: a non-finite flag
+read one step late] in `zkernel.kernel.found_inf`); the step is skipped,
+counted and warned all the same, only later. An optimizer that cannot honour
+the flag (``takes_found_inf`` not declared) has the norm read instead.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class EngineParts:
     timeline: Timeline
     can_rollback: bool
     skips_params: bool  # the optimizer leaves skipped parameters as they are itself
+    # The optimizer honours ``StepOptions.found_inf`` ([Note: a non-finite flag read one step late]).
+    takes_found_inf: bool = False
     speculate: str
     # (parameter name, dtype at initialize), to give the parameters back at close.
     original_dtypes: tuple[tuple[str, torch.dtype], ...]
@@ -120,6 +126,7 @@ class Engine:
         self.optimizer_tier = parts.optimizer_tier
         self.params_tier = parts.params_tier
         self._original_dtypes = parts.original_dtypes
+        self._takes_found_inf = parts.takes_found_inf
         self._whole_bytes = parts.whole_bytes
         # name -> (shape, dtype) of each parameter and buffer as the plain model had it.
         self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
@@ -168,7 +175,9 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
-        self._norm_is_free: bool | None = None  # see `_reads_norm`
+        # See `_reads_norm`. Tests set it False to take the device-flag path on a CPU device ([Note: a
+        # non-finite flag read one step late] in `zkernel.kernel.found_inf`).
+        self._norm_is_free: bool | None = None
         self._output_fn: Any = None  # the last forward's scalar output, to see a loss scaled twice
         self._warned_scaled_twice = False
         self._redo_window = False  # the last step was not taken: its window must run again
@@ -220,11 +229,15 @@ class Engine:
     def lr(self) -> float:
         """The learning rate of the next step (may be changed between steps; with an
         ``[lr_schedule]`` other than ``none``, the schedule sets it again after each step)."""
+        if self.lr_schedule is not None:
+            self._settle_found_inf()  # the schedule follows the applied steps
         return self.pipeline.hyper.lr
 
     @lr.setter
     @requires_open("lr = ...")
     def lr(self, value: float) -> None:
+        if self.lr_schedule is not None:
+            self._settle_found_inf()  # the schedule has its say about the last step first
         self.pipeline.hyper = attrs.evolve(self.pipeline.hyper, lr=float(value))
 
     @property
@@ -235,6 +248,16 @@ class Engine:
     @micro_steps.setter
     def micro_steps(self, value: int) -> None:
         self._micro_steps.count = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Boundary steps not applied (an fp16 overflow, a non-finite gradient), counted in ``global_steps`` too."""
+        self._settle_found_inf()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -398,11 +421,12 @@ class Engine:
             norm = self.pipeline.end_backward(True, True, self.scheduler.readiness.window_used)
             self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
         (coefficient,), self._coefficient = self._coefficient, None
+        self._settle_found_inf()  # the last step's flag: its counts and rate before this step's
         if self.pipeline.outcome.failed:
             self._not_taken()
         with profiler_range("zkernel::step"), log_context(self.dist.rank, self.global_steps):
             if coefficient is None:
-                self.skipped_steps += 1
+                self._skipped_steps += 1
                 if self.loss_scaler is not None:
                     log.info("zkernel.step.skipped", reason="fp16 overflow", loss_scale=self.loss_scaler.scale)
             self.pipeline.step(coefficient, self.scheduler)
@@ -428,7 +452,7 @@ class Engine:
             self.scheduler.readiness.window_used.clear()
             self.micro_steps -= self.config.gradient_accumulation_steps
             self._redo_window = True
-        self.pipeline.outcome.raise_failure(self.optimizer_tier, self.global_steps, also)
+        self.pipeline.outcome.raise_failure((self.optimizer_tier, self.params_tier), self.global_steps, also)
 
     def num_parameters(self, *, trainable_only: bool = False) -> int:
         """Elements of the model's parameters as `initialize` saw them, whole (a released zero3
@@ -481,6 +505,8 @@ class Engine:
         (`zkernel.kernel.closing`: [Note: where a closed model goes], [Note:
         closing after a failure]).
         """
+        if not self._closed:
+            self._settle_found_inf()
         closing.close(self)
 
     @property
@@ -541,6 +567,7 @@ class Engine:
         """
         from zkernel.checkpoint.load import load
 
+        self._settle_found_inf()  # before the loaded counts replace the ones it would correct
         return load(
             self, directory, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
         )
@@ -578,6 +605,7 @@ class Engine:
         """
         from zkernel.checkpoint.state_dict import load_full_state_dict
 
+        self._settle_found_inf()
         return load_full_state_dict(self, state_dict, strict, broadcast_from_rank0)
 
     @requires_open("training_state()")
@@ -595,6 +623,7 @@ class Engine:
     @requires_open("load_training_state()")
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Take back what `training_state` gave (a loss scale is restored only when both runs use fp16)."""
+        self._settle_found_inf()
         self.micro_steps = int(state["micro_steps"])
         self.global_steps = int(state["global_steps"])
         self.skipped_steps = int(state["skipped_steps"])
@@ -608,7 +637,7 @@ class Engine:
         """The next step's hyperparameters from the schedule ([Note: a schedule is a function of the applied steps])."""
         if self.lr_schedule is None:
             return
-        hyper = self.lr_schedule.hyper(self.global_steps - self.skipped_steps, self._base_hyper)
+        hyper = self.lr_schedule.hyper(self.global_steps - self._skipped_steps, self._base_hyper)
         if hyper is None:
             return
         if not (math.isfinite(hyper.lr) and hyper.lr >= 0):
@@ -628,8 +657,25 @@ class Engine:
 
     # -- internals --------------------------------------------------------------
 
+    def _settle_found_inf(self) -> None:
+        """Read the last step's device flag if it is pending ([Note: a non-finite flag read one step
+        late] in `zkernel.kernel.found_inf`): a set flag counts that step as skipped, warns, and gives
+        the schedule's rate for the steps actually applied."""
+        if not self.pipeline.found_inf_pending or not self.pipeline.settle_found_inf():
+            return
+        self._skipped_steps += 1
+        log.warning(
+            "zkernel.step.nonfinite",
+            step=self.global_steps - 1,  # the last step: a flag is read before the next one
+            norm=None,  # not read on the host: the device flag said some gradient was NaN or inf
+            action="skipped",
+            found="device flag",
+        )
+        self._apply_lr_schedule()
+
     def _fold_writes(self) -> None:
         """Writes made to whole parameters since the last forward reach the masters before they are read."""
+        self._settle_found_inf()
         self.pipeline.wait_all()
         with self.scheduler.plugin_call():
             self.scheduler.fold_writes()
@@ -670,9 +716,10 @@ class Engine:
             self._norm_is_free = (
                 self.device.type == "cpu"
                 or tier.may_fail_writes
+                or self.params_tier.may_fail_writes
                 or any(tier.steps_on_host(group) for group in self.pipeline.trainable)
             )
-        return self._needs_norm() or self._norm_is_free
+        return self._needs_norm() or self._norm_is_free or not self._takes_found_inf
 
     def _unscale(self) -> float:
         return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0

@@ -6,12 +6,13 @@ some of them during backward (host steps whose coefficient is known early,
 things can make a step wrong only after some groups took it: a gradient that
 is not finite ([Note: non-finite gradients] in `zkernel.kernel.engine`), and a
 write of the optimizer's state back to where it lives that failed (a full
-disk, an I/O error: `OptimizerTier.take_write_failures`; the tier keeps the
-newest values in host memory). Both are decided once per step, at the end of a
+disk, an I/O error: `OptimizerTier.take_write_failures`, and a parameter
+shard's: `ParamsTier.take_write_failures`; the tier keeps the newest values in
+host memory). Both are decided once per step, at the end of a
 boundary backward, in the one all-reduce the global norm already makes: its
 scalar becomes ``[squared norm, failed]``, so every rank learns that a write
 failed on some rank with no collective of its own (where no gradient is
-sharded, the pair is all-reduced only for a tier that can fail writes).
+sharded, the pair is all-reduced only where a tier can fail writes).
 
 * a non-finite norm: the step is skipped on every rank (counted in
   ``skipped_steps``, logged), as an fp16 overflow is;
@@ -23,8 +24,9 @@ sharded, the pair is all-reduced only for a tier that can fail writes).
   Every rank is then at the previous step; once there is room the script runs
   the window's micro-batches again (forward, backward, step) and training
   continues exactly. A failure found after a step's outcome was agreed (its
-  own late writes) leaves that step taken (its values in memory) and fails
-  the next one. `step()` again without the window's backward is refused with
+  own late writes, as a parameter shard's writes always are: they start
+  when the group's update is in) leaves that step taken (its values in
+  memory, read from there until a write succeeds) and fails the next one. `step()` again without the window's backward is refused with
   an error saying so, on every rank alike, so no rank waits in a collective
   the others never issue.
 """
@@ -51,10 +53,12 @@ class StepOutcome:
         self.local: list[BaseException] = []
         self.failed = False
 
-    def collect(self, tier) -> None:
-        """Take the tier's write failures since the last step (``failed``: this rank's alone)."""
-        if tier.may_fail_writes:
-            self.local += tier.take_write_failures()
+    def collect(self, tiers) -> None:
+        """Take the write failures of ``tiers`` (the optimizer and params tiers) since the last step
+        (``failed``: this rank's alone)."""
+        for tier in tiers:
+            if tier.may_fail_writes:
+                self.local += tier.take_write_failures()
         self.failed = bool(self.local)
 
     def agree(self, sq_norm: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> float:
@@ -64,10 +68,10 @@ class StepOutcome:
         self.failed = failed > 0
         return total
 
-    def raise_failure(self, tier, step: int, also: list[BaseException] = ()) -> None:
+    def raise_failure(self, tiers, step: int, also: list[BaseException] = ()) -> None:
         """Raise the agreed failure of step ``step`` on this rank (collective: every rank calls it);
-        ``also``: what failed while the step was being undone, attached as notes."""
-        local = self.local + (tier.take_write_failures(wait=True) if tier.may_fail_writes else [])
+        ``tiers``: as for `collect`; ``also``: what failed while the step was being undone, attached as notes."""
+        local = self.local + [e for tier in tiers if tier.may_fail_writes for e in tier.take_write_failures(wait=True)]
         self.local, self.failed = [], False
         described = None
         if local:

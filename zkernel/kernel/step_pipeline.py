@@ -40,6 +40,10 @@ when the previous step needed neither clipping nor a skip, so a run that clips
 every step pays no rollbacks. Only an optimizer that declared it can roll back
 is ever speculated on.
 
+Where the host does not read the norm, a boundary's non-finite check is a
+device flag its steps honour and the host reads one step late ([Note: a
+non-finite flag read one step late] in `zkernel.kernel.found_inf`).
+
 Parameters no rank gave a gradient in the window are not stepped, as torch
 skips them ([Note: parameters without a gradient] in `zkernel.kernel.unused_params`).
 """
@@ -61,6 +65,7 @@ from zkernel.telemetry.profiling import profiler_range
 from zkernel.platform.streams import current_stream
 from zkernel.spec.tiers import SPECULATE_POLICIES, OptimizerTier, ParamsTier
 from zkernel.telemetry.timeline import SpanKind, Timeline
+from zkernel.kernel.found_inf import DeviceFlag, LateRead, host_buffer
 from zkernel.kernel.step_outcome import StepOutcome
 from zkernel.kernel.unused_params import UnusedParams, keep_elements
 from zkernel.kernel.wiring import Publisher
@@ -154,6 +159,10 @@ class StepPipeline:
         self._last_clean = False  # the last boundary step applied no clip factor and no skip
         self._rebalanced = False
         self.outcome = StepOutcome(policy.distributed)  # [Note: a step is all-or-nothing]
+        # [Note: a non-finite flag read one step late]: this boundary's flag, then the step's host read.
+        self._found_inf: DeviceFlag | None = None
+        self._late: LateRead | None = None
+        self._flag_host: torch.Tensor | None = None
         self.rollbacks = 0
         self.early_steps = 0
         self.aborted_speculations = 0  # windows whose speculation a group's own gradient stopped
@@ -213,14 +222,21 @@ class StepPipeline:
     def end_backward(self, boundary: bool, need_norm: bool, used: Mapping[int, Collection[int]]) -> float | None:
         """After a backward: complete landings; at a boundary learn which parameters no rank gave a
         gradient in the window (``used``: group index -> positions of parameters this rank gave one)
-        and return the global norm when asked."""
+        and return the global norm when asked; when not, the step gets a device flag instead ([Note:
+        a non-finite flag read one step late])."""
         self.tier.flush()
         if not boundary:
             return None
         landed = self._landing_order + [g for g in self.trainable if g.index not in self._landed]
         self._order = list(reversed(landed))
         self._agree_on_unused(used)
-        return self._global_norm() if need_norm else None
+        self._found_inf = None
+        if need_norm:
+            return self._global_norm()
+        sharded = any(g.grad_is_shard for g in self.trainable)
+        device = self.trainable[0].master.device if self.trainable else torch.device("cpu")
+        self._found_inf = DeviceFlag(self._sq_sum(self.trainable), self.distributed and sharded, device)
+        return None
 
     def _agree_on_unused(self, used: Mapping[int, Collection[int]]) -> None:
         """A parameter is skipped only where no rank gave it a gradient (see `zkernel.kernel.unused_params`)."""
@@ -236,9 +252,9 @@ class StepPipeline:
         (`failed_writes`, see [Note: a step is all-or-nothing] in `zkernel.kernel.step_outcome`)."""
         sharded = [g for g in self.trainable if g.grad_is_shard]
         whole = [g for g in self.trainable if not g.grad_is_shard]
-        self.outcome.collect(self.tier)
+        self.outcome.collect((self.tier, self.params_tier))
         sharded_sq = self._sq_sum(sharded)
-        if self.distributed and (sharded or self.tier.may_fail_writes):
+        if self.distributed and (sharded or self.tier.may_fail_writes or self.params_tier.may_fail_writes):
             sharded_sq = self.outcome.agree(sharded_sq, self._all_reduce_scalar)
         total = float(sharded_sq) if sharded else 0.0
         if whole:
@@ -279,6 +295,11 @@ class StepPipeline:
         `Publisher.prefetch_updated` for module-bound groups whose device update is queued.
         """
         self._last_clean = coefficient is not None and (self._early_exact or coefficient == self._speculative)
+        if self._late is not None:
+            raise RuntimeError("the previous step's non-finite flag was not read before this step (settle_found_inf)")
+        found_inf = self._found_inf.ready() if self._found_inf is not None and coefficient is not None else None
+        self._found_inf = None
+        flagged: list[tuple[ParamGroup, StepOptions]] = []
         for group in self._order:
             if group.index in self._unused:  # as torch skips a parameter whose grad is None
                 early = self._early.pop(group.index, None)
@@ -301,7 +322,7 @@ class StepPipeline:
         for group in host:
             self._updates[group.index] = self._submit_host(group, coefficient)
         for group in self._device_order([g for g in (*eager, *lazy) if not self.tier.steps_on_host(g)]):
-            event = self._device_step(group, coefficient)
+            event = self._device_step(group, coefficient, found_inf, flagged)
             if coefficient is not None and group.module is None:
                 self._publish(publisher, group, event)
             elif group.module is not None and self._rebalanced:
@@ -313,6 +334,10 @@ class StepPipeline:
                     self._publish(publisher, group, event)
         self._early.clear()
         self._early_coefficient = None
+        if flagged:
+            if self._flag_host is None:
+                self._flag_host = host_buffer(found_inf.device)
+            self._late = LateRead(found_inf, flagged, self._flag_host)
         if not self._rebalanced and coefficient is not None:
             self._rebalanced = True
             self.wait_all()
@@ -419,12 +444,18 @@ class StepPipeline:
         self.tier.end_window(group)
         return None
 
-    def _device_step(self, group: ParamGroup, coefficient: float | None):
+    def _device_step(self, group: ParamGroup, coefficient: float | None, found_inf=None, flagged=None):
+        """Step a group on the compute device; with ``found_inf`` (a device flag) the step is a no-op
+        where it is set, and the group and its options join ``flagged`` for the late read."""
         event = None
         if coefficient is not None:
             self.tier.acquire(group)
             self.params_tier.before_update(group)
-            self._optimizer_step(group, self._step_options(coefficient, group))
+            options = self._step_options(coefficient, group)
+            if found_inf is not None:
+                options = attrs.evolve(options, found_inf=found_inf)
+                flagged.append((group, options))
+            self._optimizer_step(group, options)
             event = self._finish_update(group)
         self.tier.end_window(group)
         return event
@@ -446,6 +477,27 @@ class StepPipeline:
         if event is not None:
             current_stream().wait_event(event)
         publisher.publish(group)
+
+    def settle_found_inf(self) -> bool:
+        """Read the last step's non-finite flag on the host, if one is pending ([Note: a non-finite
+        flag read one step late]); where it was set, every group stepped with it forgets the step
+        (`zkernel_uncount_step`). Returns whether that step was skipped. Called by the engine on the
+        training thread before the next step and before anything reads counters or state."""
+        late, self._late = self._late, None
+        if late is None or not late.is_set():
+            return False
+        for group, options in late.stepped:
+            if not self.hook.zkernel_uncount_step(group=group, options=options):
+                raise RuntimeError(
+                    f"the optimizer declared takes_found_inf but did not uncount group {group.name!r}'s "
+                    "step (zkernel_uncount_step returned nothing)"
+                )
+        return True
+
+    @property
+    def found_inf_pending(self) -> bool:
+        """Whether the last step's flag has not been read on the host yet."""
+        return self._late is not None
 
     # -- updates ------------------------------------------------------------------
 

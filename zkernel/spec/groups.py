@@ -135,6 +135,12 @@ class OptimizerDeclaration:
     # rate scale, weight decay, betas and eps; `zkernel.initialize` refuses ``[optimizer] param_groups``
     # and ``no_weight_decay`` for one that does not.
     per_param_hyper: bool = False
+    # Whether `zkernel_step_optimizer` honours ``StepOptions.found_inf`` (a step that is a no-op on the
+    # device where the flag is set, never read on the host) and `zkernel_uncount_step` forgets such a
+    # step's bookkeeping. Where an optimizer does not, the engine reads the global gradient norm on the
+    # host at every boundary instead ([Note: a non-finite flag read one step late] in
+    # `zkernel.kernel.found_inf`).
+    takes_found_inf: bool = False
 
 
 @attrs.frozen
@@ -176,6 +182,13 @@ class StepOptions:
     # elements and state stay as they are, as torch's optimizers skip a parameter whose ``grad`` is
     # None (see [Note: parameters without a gradient] in `zkernel.kernel.unused_params`).
     skip_params: frozenset[int] = frozenset()
+    # None, or a one-element float32 tensor on the device the group steps on, computed there and not yet
+    # known on the host: nonzero where some gradient of this step, on some rank, is not finite. Then the
+    # step must change nothing (master, state, ``copy_out``), decided on the device, as torch's fused
+    # Adam does with its ``found_inf``; the kernel tells the optimizer later, through
+    # `zkernel_uncount_step`, to forget the step's host bookkeeping (step counts). Given only to an
+    # optimizer that declared ``takes_found_inf``.
+    found_inf: torch.Tensor | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

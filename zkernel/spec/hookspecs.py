@@ -406,10 +406,29 @@ def zkernel_step_optimizer(group: ParamGroup, options: StepOptions) -> bool | No
         gradient in this window: their elements of ``master``, state and
         ``copy_out`` must stay as they are, as torch skips a parameter whose
         ``grad`` is None (``group.shard_layout`` says where each parameter's
-        elements are in the shard).
+        elements are in the shard). ``options.found_inf`` (only for an
+        optimizer that declared ``takes_found_inf``): a device flag; where it
+        is set the update must leave ``master``, the state and ``copy_out`` as
+        they are, decided on the device without reading the flag on the host.
     :return: True once stepped.
 
     Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def zkernel_uncount_step(group: ParamGroup, options: StepOptions) -> bool | None:
+    """Forget the last `zkernel_step_optimizer` of ``group``, which ``options.found_inf`` made a no-op.
+
+    Called by the engine on the training thread, on every rank, for every
+    group stepped with ``options.found_inf`` once the host has read the flag
+    as set: one step late, before the group's next step and before its state
+    is read (a checkpoint, `Engine.close`). The update changed nothing on the
+    device; what the optimizer counted on the host for it (step counts, for
+    bias correction) must go back to where it was, as if the step had not
+    been called. Only called for optimizers that declared ``takes_found_inf``.
+
+    :return: True once done. Stops at the first non-None result.
     """
 
 

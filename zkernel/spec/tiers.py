@@ -229,6 +229,9 @@ class ParamsTier(abc.ABC):
     #: Bytes of shards ahead of the running group to bring to the host / to the device.
     lookahead_host_bytes: int = 0
     lookahead_device_bytes: int = 0
+    #: Whether writes of shards to their home can fail (a disk): then the step pipeline asks
+    #: `take_write_failures` at every boundary, as it asks the optimizer tier.
+    may_fail_writes: bool = False
 
     @abc.abstractmethod
     def demand(self, numel: int, compute_dtype: torch.dtype) -> dict[Resource, int]:
@@ -281,6 +284,17 @@ class ParamsTier(abc.ABC):
         resident; a tier that keeps it elsewhere reads it into a host buffer.
         """
         return group.param_shard
+
+    def take_write_failures(self, wait: bool = False) -> list[BaseException]:
+        """The failures of shard writes to the home (disk full, an I/O error) since the last call, taken.
+
+        Called like `OptimizerTier.take_write_failures` (``may_fail_writes`` tiers only): at the end
+        of every boundary backward, so a write of step k that failed makes step k+1 not taken on
+        every rank ([Note: a step is all-or-nothing] in `zkernel.kernel.step_outcome`). A write's
+        failure must not be raised from `prefetch_host`, `to_device` or `commit` (one rank would
+        leave the others' collectives): the tier keeps the newest shard in host memory and serves
+        reads from it until a later write succeeds. Default: none."""
+        return []
 
     def write_shard(self, group: ParamGroup, values: torch.Tensor) -> None:
         """Replace ``group``'s parameter shard with ``values`` (the shard's numel, in its dtype)

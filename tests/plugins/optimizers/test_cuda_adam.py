@@ -65,3 +65,28 @@ def test_adam_step_rejects_mismatched_tensors():
     master = torch.zeros(8, device="cuda")
     with pytest.raises(ValueError, match="grad must be contiguous with 8 elements"):
         _triton_adam.adam_step(master, torch.zeros(7, device="cuda"), master.clone(), master.clone(), step=1, **HYPER)
+
+
+def test_triton_adam_with_the_found_inf_flag_set_writes_nothing():
+    """[Note: a non-finite flag read one step late]: a set flag masks every store (master, moments, the
+    copy), decided on the device; a clear flag steps as without one."""
+    numel = 5_003
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    master = torch.randn(numel, device="cuda", generator=gen)
+    grad = torch.randn(numel, device="cuda", generator=gen)
+    grad[7] = float("nan")
+    state = [master.clone(), torch.rand(numel, device="cuda", generator=gen), torch.rand(numel, device="cuda", generator=gen)]
+    copy = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
+    before = [t.clone() for t in state]
+    flag = torch.ones((), device="cuda")
+    _triton_adam.adam_step(*state[:1], grad, *state[1:], step=2, copy_out=copy, found_inf=flag, **HYPER)
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), state, before):
+        assert torch.equal(a, b), name
+    assert not copy.any()
+    grad[7] = 0.0
+    flag.zero_()
+    clean = [t.clone() for t in before]
+    _triton_adam.adam_step(*state[:1], grad, *state[1:], step=2, copy_out=copy, found_inf=flag, **HYPER)
+    _triton_adam.adam_step(*clean[:1], grad, *clean[1:], step=2, **HYPER)
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), state, clean):
+        assert torch.equal(a, b), name
