@@ -7,4 +7,4 @@ PYTHON="${PYTHON:-python3}"
 
 source scripts/install.sh
 
-exec "$PYTHON" -m zkernel.cli.main demo "$@"
+exec "$PYTHON" -m zkernel.cli demo "$@"
