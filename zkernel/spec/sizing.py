@@ -269,7 +269,9 @@ class SizingService(abc.ABC):
         self, groups: Sequence[Sequence[Buffer]], config: Any, device: str, staging_pool: int | None = None
     ) -> dict[str, dict[str, int]]:
         """Bytes by category and place (`DEVICE` named ``device``); ``staging_pool``: count host
-        staging copies as that many buffers as large as the largest."""
+        staging copies as that many buffers as large as the largest (None: as the config's
+        optimizer tier lends them, its `TierSizing.staging_pool`), so every caller counts a
+        placement's bytes alike."""
 
     @abc.abstractmethod
     def spill_count(
