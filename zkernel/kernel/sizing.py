@@ -219,6 +219,7 @@ class Estimator(SizingService):
                 params=params_tier.where,
                 tier=tier.where,
                 copied_master=copied,
+                accumulation_steps=config.gradient_accumulation_steps,
             )
             buffers = layout.buffers(group, placement, c)
             if group.trainable:

@@ -163,6 +163,9 @@ class Placement:
     params: Mapping[Role, str | None]  # the params tier's placement
     tier: Mapping[Role, str | None]  # the optimizer tier's own placement, for choices made for every group
     copied_master: bool = False  # moved to the device after the first step: the fp32 master is a copy
+    # Backwards per optimizer step (gradient_accumulation_steps): with 1, a gradient accumulated
+    # over the window is reduced by the backward that made it, and never held after one.
+    accumulation_steps: int = 1
 
     def where(self, role: Role) -> str | None:
         owner = role.owner
