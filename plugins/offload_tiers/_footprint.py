@@ -14,9 +14,12 @@ holds the answers to ``memory_report()``):
   as the largest group). ``gpu_share`` keeps the optimizer of the first groups
   on the GPU ([Note: GPU share] in `_gpu_share`): module-bound groups as they are
   adopted, the others moved after the first step (their master then a copy);
-  ``"auto"`` is sized at run time from free GPU memory and is answered as 0.
+  ``"auto"`` (the default) is sized after the first step from the GPU memory
+  it left and is answered as 0: host memory holds every group until then.
 * ``nvme``: master and optimizer state in swap files, the gradient landing
-  buffer and staging copy in host memory; ``gpu_share`` (placed at adopt) and
+  buffer and staging copy in host memory; ``gpu_share`` (a number placed at
+  adopt; ``"auto"``, the default, moves groups after the first step and is
+  answered as 0, as the cpu tier's) and
   ``host_share`` keep the first groups' optimizer on the GPU and in host
   memory ([Note: spill] in `nvme`). Files stream through a
   page-locked pool (``buffer_bytes``, else `DEFAULT_BUFFER_BYTES` or two of

@@ -479,6 +479,25 @@ class OptimizerSwap:
             raise
         slot.rescue = None
 
+    def evict(self, group) -> ShardState:
+        """``group``'s newest master and state, read into host memory, and the group off the disk from
+        now on (its file stays until `close`). Main thread, between steps, once every write of the
+        last step is done (`NvmeTier.rebalance`, which moves it to the GPU share)."""
+        self.io.wait_idle()
+        with self._cv:
+            self._fence()
+        state = self.read_state(group)  # a copy of the newest image, not a pool block
+        with self._cv:
+            slot = self._swap.pop(group.index)
+            if slot in self._queue:
+                self._queue.remove(slot)
+            if slot.block is not None:
+                self._arena.free(slot.block)
+                slot.block = None
+            slot.rescue = None
+            self._pump()
+        return state
+
     # -- shutdown and accounting -----------------------------------------------------------------
 
     def close(self):

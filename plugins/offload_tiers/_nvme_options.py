@@ -36,7 +36,10 @@ class NvmeTierOptions:
     # Fractions of the trainable elements whose optimizer is not on disk ([Note: spill]): the first
     # ``gpu_share`` in module order (the next forward's order) on the GPU (master, state and fp32
     # gradient; CUDA, zero3 only), the next ``host_share`` with master and state in host memory.
-    gpu_share: float = attrs.field(default=0.0, validator=_SHARE)
+    # ``gpu_share = "auto"``: none at first; after the first step, the first-needed groups that fit
+    # the GPU memory it left move there from host memory or disk, as the cpu tier's "auto" does
+    # ([Note: a share by default]); 0 without CUDA.
+    gpu_share: float | str = attrs.field(default="auto", validator=_SHARE_OR_AUTO)
     host_share: float = attrs.field(default=0.0, validator=_SHARE)
     # Page-locked compute-dtype buffers host steps round updated parameters into before their
     # upload (the cpu tier's option: shared by all groups, each as large as the largest; as many
@@ -50,7 +53,7 @@ class NvmeTierOptions:
     device_accumulation: float | str = attrs.field(default="auto", validator=_SHARE_OR_AUTO)
 
     def __attrs_post_init__(self) -> None:
-        if self.gpu_share + self.host_share > 1.0:
+        if self.gpu_share != "auto" and self.gpu_share + self.host_share > 1.0:
             raise ConfigError(
                 f"offload.optimizer_options: gpu_share ({self.gpu_share}) + host_share ({self.host_share}) is more "
                 "than 1; they are fractions of the trainable elements, and what is left is on disk"

@@ -42,7 +42,7 @@ from zkernel.spec import hookimpl
 from zkernel.spec.tiers import SPECULATE_POLICIES, OptimizerTier, Resource
 
 from ._cpu_params import CpuParamsOptions, CpuParamsTier
-from ._gpu_share import SHARE_BYTES, GpuShare, ShareRouting, unused_device_bytes
+from ._gpu_share import SHARE_BYTES, SIZED_FRACTION, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
 from ._staging import HostUpdates
@@ -66,8 +66,9 @@ class CpuTierOptions:
     # optimizer reads it, as DeepSpeed's offload does; the norm is still taken in fp32). With
     # gradient accumulation the landing buffer stays fp32 and the host adds in fp32.
     grad_dtype: str = attrs.field(default="fp32", validator=attrs.validators.in_(("fp32", "bf16")))
-    # Fraction of trainable elements whose optimizer stays on the GPU ([Note: GPU share]), or "auto".
-    gpu_share: float | str = attrs.field(default=0.0, validator=lambda _i, _a, v: _check_share(v, "gpu_share"))
+    # Fraction of trainable elements whose optimizer stays on the GPU ([Note: GPU share]), or "auto":
+    # sized after the first step from the GPU memory it left, 0 without CUDA ([Note: a share by default]).
+    gpu_share: float | str = attrs.field(default="auto", validator=lambda _i, _a, v: _check_share(v, "gpu_share"))
     # With gradient accumulation: fraction of host-stepped elements whose gradient adds up on the GPU
     # over a window and crosses once ([Note: device accumulation]), or "auto".
     device_accumulation: float | str = attrs.field(
@@ -128,16 +129,19 @@ class CpuTier(ShareRouting, OptimizerTier):
         self._share.remember(group, state)
 
     def after_first_step(self, order):
-        if not self.cuda:
-            return
-        room = int(0.8 * unused_device_bytes(self.device))
-        moved = 0
+        if self.cuda:
+            self.rebalance(order, int(SIZED_FRACTION * unused_device_bytes(self.device)))
+
+    def rebalance(self, order, room: int) -> None:
+        """Place the GPU share and the accumulation arena within ``room`` bytes of the compute device
+        (`after_first_step` on CUDA: [Note: GPU share], [Note: device accumulation])."""
+        taken = 0
         if self.options.gpu_share != 0.0:
             arena = self._landing.sums.fraction()
             for group in self._share.place(order, room, host_numel=self._landing.numel(), arena_fraction=arena):
                 self._landing.drop(group)
-                moved += group.master.numel()
-        self._landing.place_device_accumulation(order, room - SHARE_BYTES * moved)
+                taken += group.master.numel() * self._share.bytes_per_element(group)
+        self._landing.place_device_accumulation(order, room - taken)
 
     # (gradients: `ShareRouting`, on autograd's thread and the main thread)
 

@@ -37,7 +37,11 @@ the last layers, live in swap files. That order is also the fast one: the
 step runs in the next forward's order, so the pool reads the first disk
 groups while the GPU and host groups step, and the disk groups, which the
 next forward needs last, are written back behind it. Only the disk part
-crosses the disk.
+crosses the disk. ``gpu_share = "auto"`` (the default) places none at
+adoption; after the first step (`rebalance`) the first-needed groups that fit
+the GPU memory that step left move there, those on disk read back and off
+the disk from then on ([Note: a share by default] in `_gpu_share`), so what
+crosses the disk only shrinks.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from zkernel.spec import ConfigError, hookimpl
 from zkernel.spec.tiers import OptimizerTier, Resource
 from zkernel.telemetry.log import get_logger
 
-from ._gpu_share import SHARE_BYTES, GpuShare, ShareRouting, unused_device_bytes
+from ._gpu_share import SHARE_BYTES, SIZED_FRACTION, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
 from ._nvme_optimizer import DEFAULT_BUFFER_BYTES, OptimizerSwap
@@ -122,13 +126,40 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
             self._home.adopt(group, master, state)
         self._updates.adopt(group)  # (reads the initial ``group.master``)
         self._landing.adopt(group, numel)
+        self._share.remember(group, state)
         if not on_host:
             self._disk.adopt(group, master, state)  # (empties ``group.master`` until the group steps)
 
     def after_first_step(self, order):
-        # The GPU share was placed at adoption ([Note: spill]); only the accumulation room is left.
         if self.cuda:
-            self._landing.place_device_accumulation(order, int(0.8 * unused_device_bytes(self.device)))
+            self.rebalance(order, int(SIZED_FRACTION * unused_device_bytes(self.device)))
+
+    def rebalance(self, order, room: int) -> None:
+        """Place what is sized at run time within ``room`` bytes of the compute device
+        (`after_first_step` on CUDA): a numeric GPU share was placed at adoption ([Note: spill]);
+        ``"auto"`` moves the first-needed groups that fit there now, from host memory or from disk
+        (read back, and off the disk from then on); then the accumulation arena takes what is left."""
+        taken = 0
+        if self.options.gpu_share == "auto":
+            evicted = set()
+
+            def load(group) -> None:
+                if self._disk.holds(group):
+                    state = self._disk.evict(group)
+                    group.master, group.optim_state = state.master, dict(state.state)
+                    evicted.add(group.index)
+
+            arena = self._landing.sums.fraction()
+            for group in self._share.place(order, room, host_numel=self._landing.numel(), arena_fraction=arena, load=load):
+                self._landing.drop(group)
+                taken += group.master.numel() * self._share.bytes_per_element(group)
+                if group.index not in evicted:
+                    self.host_share_numel -= group.master.numel()
+            # A group read back whose move ran out of GPU memory steps on the host from now on.
+            for group in order:
+                if group.index in evicted and not self._share.holds(group):
+                    self.host_share_numel += group.master.numel()
+        self._landing.place_device_accumulation(order, room - taken)
 
     # (gradients: `ShareRouting`, on autograd's thread and the main thread)
 

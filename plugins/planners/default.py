@@ -38,6 +38,19 @@ each module's own parameters at once: `PartitionSizing.gather_threshold`).
 
 The spill fractions are sized as [Note: sizing the spill] in `_spill` says.
 
+[Note: one rank] Partitioners that divide less are tried first because, over
+several ranks, they keep more and communicate less. On one rank nothing is
+communicated and nothing is divided, so they differ only in what they keep:
+zero3 keeps no compute-dtype copy beside its fp32 master (its gathers cast
+the master), zero1 keeps one, and both step on the device alike. There the
+order is reversed: the one keeping the least is tried first, which leaves the
+most memory for activations and for no checkpointing. It is also the fastest
+measured on one H200 (GPT-1.3B, micro-batch 16: zero3 at 1.026-1.033x FSDP2
+in 2026-11-29's calls; zero1 at 1.008-1.012x in 2026-11-21's, when zero3 was
+at 1.003-1.005x; BENCHMARKS.md), and GPT-6.7B at micro-batch 8 then trains
+with every block checkpointed without offload (zero3's 99 GiB of model states
+where zero1 needs 112 GiB of the 127 usable).
+
 Keys the config sets are kept; offload tiers that do not answer for their
 bytes, or that keep state in swap files without an ``offload.nvme_path``,
 are skipped, and the plan says so.
@@ -172,7 +185,9 @@ class _Planning(SpillSizing):
             for name in self.request.components.names(Family.PARTITIONER)
             if (layout := self._layout(name)) is not None and layout.divides
         ]
-        partitioners.sort(key=lambda name: len(self._layout(name).divides))
+        # [Note: one rank]: with nothing to communicate, those that divide more (keep less) come first.
+        one_rank = self.request.world_size == 1
+        partitioners.sort(key=lambda name: -len(self._layout(name).divides) if one_rank else len(self._layout(name).divides))
         answers = {role: {t: a for t in sorted(self.usable) if (a := self.sizing.tier(t, role)) is not None} for role in ("optimizer", "params")}
         params = sorted(answers["params"], key=lambda t: answers["params"][t].level)
         stages = []

@@ -129,7 +129,9 @@ OFFLOAD_STAGES = ("zero1", "zero2", "zero3")
 def _offload_config(stage, optimizer, precision="fp32"):
     cfg = _config(stage, precision)
     cfg["optimizer"] = {**cfg["optimizer"], "name": optimizer}
-    cfg["offload"] = {"optimizer": "cpu"}
+    # The host path: no GPU share (the default, "auto", would move these small models' optimizer
+    # to the GPU after the first step).
+    cfg["offload"] = {"optimizer": "cpu", "optimizer_options": {"gpu_share": 0.0}}
     return cfg
 
 
@@ -205,7 +207,7 @@ def test_cuda_bf16_gradient_transfer_tracks_fp32():
     configs = []
     for accum in (1, ACCUM):
         cfg = _offload_config("zero3", "cpu_adam")
-        cfg["offload"]["optimizer_options"] = {"grad_dtype": "bf16"}
+        cfg["offload"]["optimizer_options"] = {"grad_dtype": "bf16", "gpu_share": 0.0}
         cfg["gradient_accumulation_steps"] = accum
         configs.append(cfg)
     for accum, cfg in zip((1, ACCUM), configs):

@@ -84,6 +84,7 @@ def test_gradient_download_waits_for_a_lagging_backward(offload, tmp_path):
     torch.manual_seed(SEED)
     model = LaggingNet().cuda()
     offload = dict(offload)
+    offload["optimizer_options"] = {"gpu_share": 0.0}  # the host (and disk) path, every step
     if offload["optimizer"] == "nvme":
         offload["nvme_path"] = str(tmp_path)
     config = {
@@ -112,7 +113,7 @@ def test_host_accumulation_is_timed(grad_dtype):
         "gradient_accumulation_steps": accum,
         "timeline": True,
         "optimizer": {"name": "cpu_adam", "lr": 1e-3},
-        "offload": {"optimizer": "cpu", "optimizer_options": {"grad_dtype": grad_dtype, "device_accumulation": 0.0}},
+        "offload": {"optimizer": "cpu", "optimizer_options": {"grad_dtype": grad_dtype, "device_accumulation": 0.0, "gpu_share": 0.0}},
     }
     engine = zkernel.initialize(model, config)
     x = torch.randn(32, 64, device="cuda")
@@ -166,7 +167,7 @@ def test_device_accumulation_crosses_once_and_adds_as_the_host_does(stage):
             "gradient_accumulation_steps": accum,
             "timeline": True,
             "optimizer": {"name": "cpu_adam", "lr": LR, "weight_decay": 0.01},
-            "offload": {"optimizer": "cpu", "optimizer_options": {"device_accumulation": share}},
+            "offload": {"optimizer": "cpu", "optimizer_options": {"device_accumulation": share, "gpu_share": 0.0}},
         }
         if stage == "zero3":
             config["partitioner_options"] = {"persistence_threshold": 0}
@@ -211,7 +212,7 @@ def test_speculative_early_steps_run_while_the_backward_still_runs():
         "partitioner_options": {"persistence_threshold": 0},
         "gradient_clipping": 1e6,  # on, so the coefficient waits for the norm; never reached
         "optimizer": {"name": "cpu_adam", "lr": LR, "weight_decay": 0.01},
-        "offload": {"optimizer": "cpu", "optimizer_options": {"speculate": "always"}},
+        "offload": {"optimizer": "cpu", "optimizer_options": {"speculate": "always", "gpu_share": 0.0}},
     }
     engine = zkernel.initialize(model, config)
     pipeline = engine.pipeline

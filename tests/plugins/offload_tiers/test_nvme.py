@@ -496,6 +496,10 @@ def _cuda_config(stage: str, optimizer_tier: str, params_tier: str, path, precis
     cfg = test_cuda._config(stage, precision)
     cfg["optimizer"] = {**cfg["optimizer"], "name": "cpu_adam" if optimizer_tier != "none" else "adamw"}
     cfg["offload"] = {"optimizer": optimizer_tier, "params": params_tier, "nvme_path": str(path)}
+    if optimizer_tier != "none":
+        # The host and disk paths: no GPU share (the default, "auto", would move these small models'
+        # optimizer to the GPU after the first step).
+        cfg["offload"]["optimizer_options"] = {"gpu_share": 0.0}
     return cfg
 
 
@@ -547,7 +551,7 @@ def test_cuda_bf16_on_nvme_equals_the_cpu_tier_bit_for_bit(tmp_path):
     for stage, params in (("zero2", "none"), ("zero3", "none"), ("zero3", "nvme")):
         disk = _cuda_config(stage, "nvme", params, tmp_path, "bf16")
         host = _cuda_config(stage, "cpu", "cpu" if params == "nvme" else "none", tmp_path, "bf16")
-        host["offload"]["optimizer_options"] = {"speculate": "never"}  # the nvme tier never speculates
+        host["offload"]["optimizer_options"] = {"speculate": "never", "gpu_share": 0.0}  # the nvme tier never speculates
         a, b = (train(c, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)["losses"] for c in (host, disk))
         assert a == b, f"{stage} params {params}: {a} vs {b}"
 

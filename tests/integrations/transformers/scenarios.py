@@ -1,0 +1,140 @@
+"""What the ZKernelTrainer tests run on their gloo ranks: the real Trainer and ZKernelTrainer on one tiny Llama.
+
+One global set-up for both: a random-init LlamaForCausalLM (tied embeddings, hidden size 32, two layers),
+token sequences of a fixed bigram rule, two micro-batches of two per optimizer step (accumulation), a
+linear schedule with warm-up, weight decay with the Trainer's no-decay groups, and clipping that bites.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from zkernel.integrations.transformers import ZKernelTrainer  # noqa: E402
+
+hf_logging.set_verbosity_error()
+
+# transformers 5's _init_weights computes Llama's rotary buffers, which a meta-built model needs (4.x's does not).
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+VOCAB, SEQ, SAMPLES = 64, 16, 32
+STEPS, SAVE_AT = 4, 2
+LR, WD, CLIP = 3e-3, 0.1, 0.5
+
+# The DeepSpeed JSON a Hugging Face user already has: stage 3, the optimizer's state on the CPU,
+# its values "auto" (filled from the TrainingArguments); no scheduler (the Trainer's runs).
+DEEPSPEED_ZERO3_OFFLOAD = {
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                          "stage3_param_persistence_threshold": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+}
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    """Sequences x[t+1] = (5 x[t] + 3) mod VOCAB from random starts: learnable within a few steps."""
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for _ in range(SAMPLES):
+        ids = torch.empty(SEQ, dtype=torch.long)
+        ids[0] = torch.randint(0, VOCAB, (1,), generator=g)
+        for t in range(1, SEQ):
+            ids[t] = (5 * ids[t - 1] + 3) % VOCAB
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def arguments(output_dir: str, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+        learning_rate=LR, warmup_steps=1, weight_decay=WD, max_grad_norm=CLIP, logging_steps=1,
+        save_steps=SAVE_AT, save_strategy="steps", report_to=[], seed=0, disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),  # zkernel takes the GPU where one is visible: so does the Trainer
+        dataloader_num_workers=0,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def _logged(trainer) -> list[dict[str, float]]:
+    return [{k: e[k] for k in ("step", "loss", "grad_norm", "learning_rate")} for e in trainer.state.log_history
+            if "loss" in e]
+
+
+def _logits(prediction) -> torch.Tensor:
+    """The logits ``trainer.predict`` gathered from every rank."""
+    logits = prediction.predictions
+    return torch.as_tensor(logits[0] if isinstance(logits, tuple) else logits)
+
+
+def _weights(directory: str) -> dict[str, torch.Tensor]:
+    model = LlamaForCausalLM.from_pretrained(directory)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return {"tied": tied, **{k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def trainer_against_ddp(root: str) -> dict:
+    """On each rank: the plain Trainer (DDP), ZKernelTrainer (zero3, optimizer on the CPU), and a
+    ZKernelTrainer resumed from the latter's mid-run checkpoint; their logs, and (rank 0) the saved models."""
+    import torch.distributed as dist
+
+    data = dataset()
+    plain = Trainer(model=tiny_llama(), args=arguments(f"{root}/plain"), train_dataset=data, eval_dataset=data[:8])
+    plain.train()
+    plain_eval = plain.evaluate()["eval_loss"]
+    plain_logits = _logits(plain.predict(data[:4]))
+    plain.save_model(f"{root}/plain/final")
+
+    zk = ZKernelTrainer(model=tiny_llama(), args=arguments(f"{root}/zk"), train_dataset=data,
+                        eval_dataset=data[:8], zkernel_config=DEEPSPEED_ZERO3_OFFLOAD)
+    zk.train()
+    evaluated = zk.evaluate()["eval_loss"]
+    logits_diff = (_logits(zk.predict(data[:4])) - plain_logits).abs().max().item()
+    zk.save_model(f"{root}/zk/final")
+
+    resumed = ZKernelTrainer(model=tiny_llama(), args=arguments(f"{root}/zk"), train_dataset=data,
+                             zkernel_config=DEEPSPEED_ZERO3_OFFLOAD)
+    resumed.train(resume_from_checkpoint=f"{root}/zk/checkpoint-{SAVE_AT}")
+
+    # A model built on the meta device, materialised in shards by zero3, the plain run's weights loaded
+    # into it file by file: it evaluates as the plain trained model does.
+    with torch.device("meta" if TRANSFORMERS_5 else "cpu"):
+        meta_model = tiny_llama()
+    from_meta = ZKernelTrainer(model=meta_model, args=arguments(f"{root}/meta"), eval_dataset=data[:8],
+                               zkernel_config={"partitioner": "zero3"}, zkernel_pretrained=f"{root}/plain/final")
+    meta_eval = from_meta.evaluate()["eval_loss"]
+    dist.barrier()
+    out = {
+        "plain": _logged(plain), "zkernel": _logged(zk), "resumed": _logged(resumed),
+        "eval_loss": {"plain": plain_eval, "zkernel": evaluated, "from_meta": meta_eval},
+        "predicted_logits_diff": logits_diff, "predicted_logits_scale": plain_logits.abs().max().item(),
+        "engine": {"partitioner": zk.engine.config.partitioner, "offload": zk.engine.config.offload.optimizer,
+                   "optimizer": zk.engine.config.optimizer.name,
+                   "no_weight_decay": sorted(zk.engine.config.optimizer.no_weight_decay)},
+        # The Trainer's own no-decay group (its rule differs between transformers releases).
+        "trainer_no_decay": sorted({n for n, _ in plain.model.named_parameters()}
+                                   - set(plain.get_decay_parameter_names(plain.model))),
+        "checkpoint_files": sorted(os.listdir(f"{root}/zk/checkpoint-{SAVE_AT}")),
+    }
+    if dist.get_rank() == 0:
+        out["plain_weights"] = _weights(f"{root}/plain/final")
+        out["zkernel_weights"] = _weights(f"{root}/zk/final")
+    return out

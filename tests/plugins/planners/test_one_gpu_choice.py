@@ -1,0 +1,71 @@
+"""The default planner's choice for the GPT shapes BENCHMARKS.md measures on one H200 ([Note: one rank]).
+
+The machine is described, not detected: one GPU of 141 GiB, 125 GiB of RAM,
+no NVMe path; the bandwidth probes are off, so only the bytes decide. The
+fastest fixed configurations measured there: GPT-1.3B at micro-batch 16,
+zero3 without offload (1.03x FSDP2); GPT-6.7B at micro-batches of 8, which
+fits without offload once every block is recomputed (the optimizer on the CPU
+was the fastest offloaded configuration, 10,913 tokens/s).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zkernel.sizing.planning import plan
+
+H200 = {"gpu_memory": "141GiB", "ram": "125GiB"}
+GPT_1_3B = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50304, "sequence": 1024}
+GPT_6_7B = {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 50304, "sequence": 1024}
+
+
+def auto_config(micro_batch: int, machine: dict = H200) -> dict:
+    """The README's automatic placement: every key "auto", bf16, the [planner] hints and the machine."""
+    return {
+        "partitioner": "auto",
+        "precision": "bf16",
+        "offload": {"optimizer": "auto", "params": "auto"},
+        "planner": {"micro_batch": micro_batch, "options": {"measure": False}, **machine},
+    }
+
+
+def placement(decision) -> tuple:
+    return decision.partitioner, decision.offload_optimizer, decision.offload_params, decision.activation_checkpointing
+
+
+def test_gpt_1_3b_on_one_h200_is_zero3_without_offload_or_checkpointing():
+    decision = plan(GPT_1_3B, auto_config(16), 1, gpus=1)
+    assert placement(decision) == ("zero3", "none", "none", None)
+    assert decision.rejected == ()  # the first candidate tried fits
+    assert dict(decision.optimizer_options) == {}
+
+
+def test_gpt_6_7b_on_one_h200_recomputes_blocks_instead_of_offloading():
+    decision = plan(GPT_6_7B, auto_config(8), 1, gpus=1)
+    assert placement(decision) == ("zero3", "none", "none", (("_Block",), "none"))
+    device = decision.bytes["device"]
+    assert sum(device.values()) <= decision.budgets["device"]
+    # Every partitioner without checkpointing was tried first and is short of device memory; zero3
+    # keeps the least (no compute-dtype copy beside its master), so it fits with checkpointing.
+    assert any(line.startswith("zero3 optimizer@device params@device (no checkpointing)") for line in decision.rejected)
+    assert not any("zero1" in line and "checkpointed" in line for line in decision.rejected)
+
+
+@pytest.mark.parametrize("gpu_memory", ["139GiB", "141GiB"])  # torch reports an H200 as ~139.8 GiB
+def test_the_choice_holds_on_the_memory_torch_reports(gpu_memory):
+    machine = {**H200, "gpu_memory": gpu_memory}
+    assert placement(plan(GPT_6_7B, auto_config(8, machine), 1, gpus=1))[:3] == ("zero3", "none", "none")
+
+
+def test_two_ranks_keep_the_order_that_communicates_least():
+    """Over ranks the partitioner that divides less still comes first: zero1 for 1.3B on two H200s."""
+    decision = plan(GPT_1_3B, auto_config(16), 2, gpus=2)
+    assert placement(decision) == ("zero1", "none", "none", None)
+
+
+def test_an_h100_offloads_the_optimizer_with_a_gpu_share():
+    """Where 6.7B does not fit an 80 GiB GPU even recomputed, the optimizer goes to the cpu tier with
+    the first groups' optimizer kept on the GPU (sized by the planner, under zero3 at adopt)."""
+    decision = plan(GPT_6_7B, auto_config(8, {"gpu_memory": "79GiB", "ram": "125GiB"}), 1, gpus=1)
+    assert placement(decision)[:3] == ("zero3", "cpu", "none")
+    assert 0 < decision.optimizer_options["gpu_share"] < 1

@@ -1,0 +1,233 @@
+"""`ZKernelTrainer`: the Hugging Face ``Trainer`` with a zkernel engine where DDP or DeepSpeed would be.
+
+The Trainer's loop, data loading, logging, evaluation, callbacks and ``checkpoint-N`` layout stay
+the Trainer's own. What changes, each in one overridden method:
+
+* ``create_accelerator_and_postprocess``: the accelerator gets the engine's backward, gradient norm
+  and optimizer handling ([Note: the accelerator] in `zkernel.integrations.transformers.accelerator`);
+* ``_move_model_to_device``: nothing (``zkernel.initialize`` places the model, partitioned);
+* ``create_optimizer`` / ``create_scheduler``: the Trainer's optimizer becomes zkernel's ``[optimizer]``
+  and the Trainer holds a view of it ([Note: who steps] in `zkernel.integrations.transformers.optimizer`);
+* ``_wrap_model``: ``zkernel.initialize`` with the config the arguments filled ([Note: the arguments
+  fill the config] in `zkernel.integrations.transformers.config`), once, for training and evaluation;
+* ``save_model``: the consolidated state dict (collective), written by ``save_pretrained`` on the main
+  process: safetensors that ``from_pretrained`` loads, tied weights kept tied;
+* ``_save_optimizer_and_scheduler`` / ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler``: the
+  engine's sharded checkpoint in ``checkpoint-N/zkernel/`` beside the Trainer's own state, RNG states
+  and scheduler.
+
+[Note: meta-device construction] A model too large for one rank is built on the meta device
+(``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``); with zero3 the
+engine materialises each module on the ranks that own its shards, initialised by the model's own
+``_init_weights``, and ``zkernel_pretrained=<directory>`` then loads a ``save_pretrained`` directory's
+safetensors files into it one file at a time (`load_pretrained`), so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from zkernel.compat.deepspeed.config import is_deepspeed_config
+from zkernel.errors import ConfigError
+from zkernel.integrations.transformers.accelerator import bind_engine_accelerator
+from zkernel.integrations.transformers.config import check_against_arguments, has_lr_schedule, read_source, resolve
+from zkernel.integrations.transformers.model import EngineModule
+from zkernel.integrations.transformers.optimizer import ConfigScheduleView, EngineOptimizer
+from zkernel.integrations.transformers.pretrained import load_pretrained
+from zkernel.kernel.bootstrap import initialize
+from zkernel.telemetry.log import get_logger
+
+log = get_logger()
+
+# Where the engine's checkpoint sits inside the Trainer's checkpoint-N directory.
+ENGINE_CHECKPOINT = "zkernel"
+# The Trainer's file name for its lr scheduler's state (transformers.trainer.SCHEDULER_NAME).
+SCHEDULER_FILE = "scheduler.pt"
+
+
+class ZKernelTrainer(Trainer):
+    """``transformers.Trainer`` training through zkernel: ``ZKernelTrainer(model=..., args=TrainingArguments(...),
+    zkernel_config=..., ...)``, every other argument as the Trainer takes it.
+
+    ``zkernel_config``: a zkernel config (dict, .toml or .json path) or a DeepSpeed config (dict or .json
+    path), its "auto" values and the keys it leaves out filled from ``args``; a value that contradicts
+    ``args`` raises `ConfigError` here. ``zkernel_pretrained``: a ``save_pretrained`` directory whose
+    weights are loaded into the engine after it is built (for a model built on the meta device).
+    """
+
+    def __init__(self, model=None, args=None, *positional: Any, zkernel_config: Any = None,
+                 zkernel_pretrained: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        if zkernel_config is None:
+            raise ConfigError(
+                "ZKernelTrainer needs zkernel_config=: a zkernel config (dict, .toml/.json path) or a DeepSpeed "
+                "config (dict, .json path); e.g. {\"partitioner\": \"zero3\", \"offload\": {\"optimizer\": \"cpu\"}}"
+            )
+        raw = read_source(zkernel_config)
+        self.zkernel_config = zkernel_config
+        self.zkernel_pretrained = zkernel_pretrained
+        self._schedule_in_config = has_lr_schedule(raw, is_deepspeed_config(raw))
+        self._zkernel_module: EngineModule | None = None
+        self._zkernel_steps: int | None = None
+        super().__init__(model, args, *positional, **kwargs)
+        for flag, name in ((self.args.deepspeed, "deepspeed"), (self.args.fsdp, "fsdp")):
+            if flag:
+                raise ConfigError(
+                    f"TrainingArguments({name}=...) and ZKernelTrainer both partition the model; valid: "
+                    f"no {name} argument (a DeepSpeed config goes in zkernel_config=)"
+                )
+        if self.args.load_best_model_at_end:
+            raise ConfigError(
+                "TrainingArguments(load_best_model_at_end=True) is not supported by ZKernelTrainer yet (the Trainer "
+                "loads the best weights into the unpartitioned model); valid: False, then from_pretrained the "
+                "checkpoint-N that trainer.state.best_model_checkpoint names"
+            )
+        check_against_arguments(zkernel_config, self.args, self.args.world_size)
+
+    # -- the accelerator and the model's placement ------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, bound to take the engine's backward ([Note: the accelerator])."""
+        super().create_accelerator_and_postprocess()
+        bind_engine_accelerator(self.accelerator)
+
+    def _move_model_to_device(self, model, device) -> None:
+        """Nothing: ``zkernel.initialize`` moves the model (its shards, under zero3) to the engine's device."""
+
+    @property
+    def engine(self):
+        """The zkernel engine (built by the first ``train``, ``evaluate`` or ``predict``), else None."""
+        return None if self._zkernel_module is None else self._zkernel_module.engine
+
+    # -- optimizer and schedule -----------------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer (``optim``, ``learning_rate``, its no-decay groups), held as an
+        `EngineOptimizer` view ([Note: who steps]); its settings become zkernel's ``[optimizer]``."""
+        if isinstance(self.optimizer, EngineOptimizer):
+            return self.optimizer
+        built = super().create_optimizer() if model is None else super().create_optimizer(model)
+        self.optimizer = EngineOptimizer(built)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's lr scheduler over the `EngineOptimizer`; where the config has its own schedule, a
+        view of the engine's rate (`ConfigScheduleView`)."""
+        self._zkernel_steps = num_training_steps
+        if self.lr_scheduler is None and self._schedule_in_config:
+            self.lr_scheduler = ConfigScheduleView(self._engine_rates)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer=optimizer)
+
+    def _engine_rates(self) -> list[float]:
+        module = self._zkernel_module
+        if module is None:
+            return [float(self.args.learning_rate)]
+        return list(module.last_lr) or [module.engine.lr]
+
+    # -- the engine ---------------------------------------------------------------------------------
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """The `EngineModule` over the model, built at the first call (``train``, ``evaluate``, ``predict``)."""
+        if self._zkernel_module is None:
+            self._zkernel_module = self._build_engine()
+        return self._zkernel_module
+
+    def _build_engine(self) -> EngineModule:
+        model = self.model
+        engine_device = "cuda" if torch.cuda.is_available() else "cpu"  # zkernel computes on the GPU when it has one
+        if self.args.device.type != engine_device:
+            raise ConfigError(
+                f"the Trainer runs on {self.args.device} but zkernel computes on {engine_device} (it takes the GPU "
+                "whenever CUDA is visible); valid: no use_cpu=True where a GPU is visible, or "
+                "CUDA_VISIBLE_DEVICES= to train on the CPU"
+            )
+        if not isinstance(self.optimizer, EngineOptimizer):
+            self.create_optimizer()
+        # The step count: create_scheduler's (transformers 4.x calls it first), the state's in train(), the arguments'.
+        steps = self._zkernel_steps or self.state.max_steps or max(self.args.max_steps, 0)
+        config = resolve(
+            self.zkernel_config,
+            self.args,
+            model=model,
+            world_size=self.args.world_size,
+            num_training_steps=steps or None,
+            trainer_optimizer=self.optimizer.trainer_optimizer,
+        )
+        on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        init_fn = getattr(model, "_init_weights", None) if on_meta else None
+        engine = initialize(model, config, init_fn=init_fn)
+        module = EngineModule(engine, rate_source=None if self._schedule_in_config else self.optimizer)
+        self.accelerator.zkernel_model = module
+        log.info(
+            "zkernel.trainer.engine",
+            partitioner=config.partitioner,
+            precision=config.precision,
+            optimizer=config.optimizer.name,
+            offload_optimizer=config.offload.optimizer,
+            offload_params=config.offload.params,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            gradient_clipping=config.gradient_clipping,
+            schedule="config" if self._schedule_in_config else "trainer",
+            built_on_meta=on_meta,
+        )
+        if self.zkernel_pretrained is not None:
+            load_pretrained(engine, self.zkernel_pretrained)
+        return module
+
+    # -- saving and resuming ----------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write a directory ``from_pretrained`` loads (collective once the engine exists: call on every rank):
+        the engine's consolidated weights through ``save_pretrained`` on the main process."""
+        if self._zkernel_module is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = self._zkernel_module.engine.state_dict(rank0_only=True)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's checkpoint in ``output_dir/zkernel`` (every rank writes its shards) and the Trainer's
+        scheduler state beside it; the Trainer saves its own state and RNG states around this call."""
+        if self._zkernel_module is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self._zkernel_module.engine.save_checkpoint(Path(output_dir) / ENGINE_CHECKPOINT)
+        if self.args.should_save and not isinstance(self.lr_scheduler, ConfigScheduleView):
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_FILE)
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Nothing for a ZKernelTrainer checkpoint: its weights come back with the engine's state, once the
+        engine exists (`_load_optimizer_and_scheduler`). Any other checkpoint cannot resume one."""
+        if (Path(resume_from_checkpoint) / ENGINE_CHECKPOINT).is_dir():
+            return None
+        raise ConfigError(
+            f"resume_from_checkpoint={str(resume_from_checkpoint)!r} holds no {ENGINE_CHECKPOINT}/ directory: it was "
+            "not written by ZKernelTrainer, so its optimizer state cannot be restored; valid: a checkpoint-N "
+            "directory a ZKernelTrainer saved, or (to start from another run's weights) a model loaded with "
+            "from_pretrained and no resume_from_checkpoint"
+        )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The engine's weights, optimizer state, counters and RNG states from ``checkpoint/zkernel``
+        (collective), and the Trainer's scheduler from ``checkpoint/scheduler.pt``."""
+        if checkpoint is None:
+            return
+        self._load_from_checkpoint(checkpoint)  # the same check, for a resume that skipped it
+        self._zkernel_module.engine.load_checkpoint(Path(checkpoint) / ENGINE_CHECKPOINT)
+        scheduler_file = Path(checkpoint) / SCHEDULER_FILE
+        if not isinstance(self.lr_scheduler, ConfigScheduleView) and scheduler_file.is_file():
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+            # A torch scheduler sets its groups' rates when it steps, not when it loads; a plain Trainer
+            # gets them back from optimizer.pt. The next step's rates are the scheduler's last ones.
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
