@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Install zkernel with its test extras (and torch, if it is not importable yet), then run the tests.
 # Usage: bash scripts/test.sh [pytest arguments, e.g. -k cli -x]
+# Installs into PYTHON=/path/to/python when set, else the active virtual environment's python
+# ($VIRTUAL_ENV), else python3 (see scripts/install.sh). Needs a C++17 compiler (checked first).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PYTHON="${PYTHON:-python3}"
 
+ZKERNEL_EXTRAS=test
 source scripts/install.sh
 
 status=0

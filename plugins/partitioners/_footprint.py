@@ -38,8 +38,10 @@ class WholeFootprint(PartitionSizing):
     gradient and state slices of ``shards`` ways; frozen parameters whole, outside any group.
 
     ``accumulates_whole``: the window's whole fp32 gradient is kept on the device (none, zero1);
-    a landing buffer on the device is it (none) or replaces it (zero1). Otherwise (zero2) each
-    backward's gradient is reduced to this rank's slice, which the optimizer tier lands.
+    a landing buffer on the device is it (none) or replaces it (zero1). Otherwise (zero2), and
+    also for those when a window is one backward (``gradient_accumulation_steps = 1``: the whole
+    gradient is reduced by the backward that made it and released), each backward's gradient is
+    reduced to this rank's slice, which the optimizer tier lands.
     """
 
     def __init__(self, module: nn.Module, shards: int, bucket_numel: int, accumulates_whole: bool, divides: tuple[str, ...]) -> None:
@@ -56,7 +58,7 @@ class WholeFootprint(PartitionSizing):
         out = [placement.buffer(Role.PARAM_FULL, group.padded * compute_bytes)]
         if not placement.master_is_params(compute_bytes):
             out.append(placement.buffer(Role.MASTER, 4 * group.shard))
-        if self.accumulates_whole:
+        if self.accumulates_whole and placement.accumulation_steps > 1:
             out.append(placement.buffer(Role.GRAD_REDUCE, 4 * group.padded))
             if not placement.on_device(Role.GRAD_LANDING):
                 out.append(placement.buffer(Role.GRAD_LANDING, 4 * group.shard))

@@ -63,12 +63,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkernel.spec import MATERIALIZES_META, PARAMS_ON_TIER, hookimpl
+from zkernel.spec import MATERIALIZES_META, PARAMS_ON_TIER, WholeParams, hookimpl
 from zkernel.spec.config import ConfigError, str_tuple
 from zkernel.spec.options import boolean, choice, integer
 from zkernel.spec.groups import ParamGroup, Phase
 from zkernel.params.param_writes import unbind, watch
 from zkernel.telemetry.profiling import profiler_range
+from zkernel.platform.sizes import format_bytes
 from zkernel.params.released import mark_gathered, mark_released
 from zkernel.platform.streams import current_stream, record_event
 from zkernel.params.unit_modules import UNIT_POLICIES
@@ -433,6 +434,29 @@ class Zero3:
     def zkernel_memory_tensors(self, group):
         state: Zero3State = group.layout
         return {"params": [t for t in (group.param_shard, state.full) if t is not None]}
+
+    @hookimpl
+    def zkernel_memory_whole(self, group):
+        state: Zero3State = group.layout
+        if state.full is None or state.full.untyped_storage().nbytes() == 0:
+            return None
+        nbytes = state.full.untyped_storage().nbytes()
+        if state.persistent:
+            threshold = self.options.persistence_threshold
+            return WholeParams(
+                params=len(group.params),
+                nbytes=nbytes,
+                why=f"units under persistence_threshold = {threshold:,} elements stay whole on every rank "
+                "(gathering them would cost more than their memory)",
+                setting="partitioner_options.persistence_threshold",
+            )
+        return WholeParams(
+            params=len(group.params),
+            nbytes=nbytes,
+            why="units gathered now: in use, or gathered ahead of the next forward within prefetch_bytes = "
+            f"{format_bytes(self.context.config.prefetch_bytes)} (released after their use)",
+            setting="prefetch_bytes",
+        )
 
 
 def _parts(named):

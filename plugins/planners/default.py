@@ -56,7 +56,9 @@ bytes, or that keep state in swap files without an ``offload.nvme_path``,
 are skipped, and the plan says so.
 
 Measured before choosing, on rank 0: host<->device copy throughput (CUDA),
-disk write and read at ``offload.nvme_path``, the native CPU Adam's speed.
+disk write and read at ``offload.nvme_path``, the native CPU Adam's speed;
+a rate the request gives (`PlanRequest.rates`, another machine's) is used
+instead of measuring it.
 They give the chosen placement's predicted seconds of host step and
 transfers per optimizer step, in the decision.
 """
@@ -68,7 +70,7 @@ import math
 import attrs
 from torch import nn
 
-from zkernel.platform.machine import Probe, probe_copy, probe_cpu_adam, probe_disk
+from zkernel.platform.machine import RATE_NAMES, Probe, probe_copy, probe_cpu_adam, probe_disk
 from zkernel.platform.sizes import format_bytes
 from zkernel.spec import DEVICE, Buffer, Family, PartitionSizing, Role, TierSizing, hookimpl, totals
 from zkernel.spec.options import boolean, number
@@ -255,16 +257,23 @@ class _Planning(SpillSizing):
     # -- measurements --------------------------------------------------------------------------
 
     def _measure(self) -> dict[str, Probe]:
+        """The rates the request gives (`PlanRequest.rates`, reason "given"), the others measured here."""
+        given = {name: Probe(float(rate), "given") for name, rate in self.request.rates.items()}
         if not self.options.measure:
             off = Probe(None, "planner option measure = false")
-            return {"host_to_device": off, "device_to_host": off, "disk_write": off, "disk_read": off, "cpu_adam": off}
-        h2d, d2h = probe_copy(self.request.device)
-        if self._disk_tiers(self.usable):
-            write, read = probe_disk(self.config.offload.nvme_path)
-        else:
-            reason = "no usable tier keeps state in swap files here"
-            write, read = Probe(None, reason), Probe(None, reason)
-        return {"host_to_device": h2d, "device_to_host": d2h, "disk_write": write, "disk_read": read, "cpu_adam": probe_cpu_adam()}
+            return {name: given.get(name, off) for name in RATE_NAMES}
+        measured: dict[str, Probe] = {}
+        if not {"host_to_device", "device_to_host"} <= given.keys():
+            measured["host_to_device"], measured["device_to_host"] = probe_copy(self.request.device)
+        if not {"disk_write", "disk_read"} <= given.keys():
+            if self._disk_tiers(self.usable):
+                measured["disk_write"], measured["disk_read"] = probe_disk(self.config.offload.nvme_path)
+            else:
+                reason = "no usable tier keeps state in swap files here"
+                measured["disk_write"], measured["disk_read"] = Probe(None, reason), Probe(None, reason)
+        if "cpu_adam" not in given:
+            measured["cpu_adam"] = probe_cpu_adam()
+        return {name: given.get(name) or measured[name] for name in RATE_NAMES}
 
     # -- a candidate as a config -----------------------------------------------------------------
 

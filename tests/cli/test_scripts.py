@@ -46,6 +46,8 @@ def checkout(tmp_path):
     shim = tmp_path / "python"
     shim.write_text(
         "#!/usr/bin/env bash\n"
+        # ZKERNEL_TEST_NO_TORCH: the shim's environment has no torch (the look-up fails).
+        'if [ -n "${ZKERNEL_TEST_NO_TORCH:-}" ] && [[ "$*" == *"find_spec(\'torch\')"* ]]; then exit 1; fi\n'
         'if [ "$1 $2 $3" = "-m pip install" ]; then\n'
         f'  echo "$*" >> {log}\n'
         f"  cp {NATIVE} zkernel/\n"
@@ -61,16 +63,34 @@ def checkout(tmp_path):
     return clone, shim, log
 
 
-def _install(clone: Path, shim: Path, **env_extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHON=str(shim), PYTHONPATH=f"{clone}{os.pathsep}{clone.parent / 'site'}", **env_extra)
+def _env(clone: Path, shim: Path | None, **env_extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "ZKERNEL_EXTRAS")}
+    env.update(PYTHONPATH=f"{clone}{os.pathsep}{clone.parent / 'site'}", **env_extra)
+    if shim is not None:
+        env["PYTHON"] = str(shim)
+    return env
+
+
+def _install(clone: Path, shim: Path | None, **env_extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", "-c", "set -euo pipefail; source scripts/install.sh"],
-        cwd=clone, env=env, capture_output=True, text=True, timeout=120,
+        cwd=clone, env=_env(clone, shim, **env_extra), capture_output=True, text=True, timeout=120,
+    )
+
+
+def _script(clone: Path, shim: Path | None, script: str, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", f"scripts/{script}", *args],
+        cwd=clone, env=_env(clone, shim, **env_extra), capture_output=True, text=True, timeout=120,
     )
 
 
 def _installs(log: Path) -> int:
-    return len(log.read_text().splitlines()) if log.exists() else 0
+    return len(_calls(log))
+
+
+def _calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
 
 
 def test_no_cxx17_compiler_fails_with_the_hint_before_pip(checkout):
@@ -109,3 +129,59 @@ def test_install_runs_on_a_fresh_clone_then_only_when_the_build_changes(checkout
         ("plugins not this checkout's", 4),
     ]
     assert (clone / "zkernel" / NATIVE.name).exists()
+
+
+def test_no_compiler_stops_before_torch_is_installed(checkout):
+    clone, shim, log = checkout
+    result = _install(clone, shim, CXX="/bin/false", ZKERNEL_TEST_NO_TORCH="1")
+    assert result.returncode != 0
+    assert "needs a C++17 compiler" in result.stderr and "Nothing was installed" in result.stderr, result.stderr
+    assert _calls(log) == []  # neither torch nor zkernel
+
+
+def test_a_missing_torch_is_installed_first(checkout):
+    clone, shim, log = checkout
+    result = _install(clone, shim, ZKERNEL_TEST_NO_TORCH="1")
+    assert result.returncode == 0, result.stderr
+    assert _calls(log) == ["-m pip install torch==2.13.0", "-m pip install -e ."]
+
+
+def test_an_active_virtual_environment_is_used_unless_python_is_given(checkout, tmp_path):
+    clone, shim, log = checkout
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(shim)
+    result = _install(clone, None, VIRTUAL_ENV=str(venv))
+    assert result.returncode == 0, result.stderr
+    assert _installs(log) == 1  # through the environment's python (the shim)
+    other = tmp_path / "missing-python"
+    result = _install(clone, None, VIRTUAL_ENV=str(venv), PYTHON=str(other))
+    assert result.returncode != 0 and f"no Python at '{other}'" in result.stderr, result.stderr
+
+
+def test_demo_installs_without_the_test_extras_and_each_set_keeps_its_stamp(checkout):
+    clone, shim, log = checkout
+    steps = []
+
+    def run(script, *args):
+        result = _script(clone, shim, script, *args)
+        assert result.returncode == 0, result.stderr
+        steps.append((script, _calls(log)[len(steps_calls(steps)) :]))
+        return result
+
+    def steps_calls(done):
+        return [call for _, calls in done for call in calls]
+
+    demo = run("demo.sh", "--help")
+    assert "--partitioner" in demo.stdout  # the demo's own options: `python -m zkernel.cli demo` ran
+    run("demo.sh", "--help")
+    run("test.sh", "--version")
+    run("test.sh", "--version")
+    run("demo.sh", "--help")  # the [test] install serves the demo too
+    assert steps == [
+        ("demo.sh", ["-m pip install -e ."]),
+        ("demo.sh", []),
+        ("test.sh", ["-m pip install -e .[test]"]),
+        ("test.sh", []),
+        ("demo.sh", []),
+    ]

@@ -229,13 +229,16 @@ def test_activation_estimate_is_near_what_autograd_saves():
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
-def test_cli_tabulates_every_partitioner_and_marks_what_fits(capsys, restore_zkernel_logger):
+def test_cli_tabulates_every_partitioner_and_marks_what_fits(tmp_path, capsys, restore_zkernel_logger):
     from zkernel.cli.commands import format_size, main
 
     shape = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "50304", "--sequence", "1024"]
+    # Two backwards per step: none and zero1 hold the window's whole fp32 gradient.
+    config = tmp_path / "accumulate.json"
+    config.write_text('{"gradient_accumulation_steps": 2}')
     code = main([
         "estimate", *shape, "--precision", "bf16", "--world-size", "8", "--micro-batch", "4",
-        "--gpus", "8", "--gpu-memory", "12GiB", "--ram", "64GiB",
+        "--gpus", "8", "--gpu-memory", "12GiB", "--ram", "64GiB", "--config", str(config),
     ])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
@@ -247,7 +250,12 @@ def test_cli_tabulates_every_partitioner_and_marks_what_fits(capsys, restore_zke
     assert "none/none" in offloads and sorted(rows) == sorted(expected), out
     numbers = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50304, "sequence": 1024}
     for (partitioner, offload), line in rows.items():
-        cfg = {"partitioner": partitioner, "precision": "bf16", "offload": dict(zip(("optimizer", "params"), offload.split("/")))}
+        cfg = {
+            "partitioner": partitioner,
+            "precision": "bf16",
+            "gradient_accumulation_steps": 2,
+            "offload": dict(zip(("optimizer", "params"), offload.split("/"))),
+        }
         for place, nbytes in totals(zkernel.estimate(numbers, cfg, 8, device="cuda")).items():
             assert format_size(nbytes) in line, (partitioner, offload, place, line)
     # States of none (22 GiB) exceed 12 GiB; zero1's (9.2 GiB) fit only with checkpointed activations.

@@ -427,10 +427,12 @@ def test_13b_on_one_h100_box_spreads_the_optimizer_over_gpu_host_and_disk(tmp_pa
     # No one tier holds fp32 master and Adam moments (12 bytes per element): not the disk, not the RAM.
     assert 12 * numel > usable["nvme"] and 12 * numel > usable["cpu"]
     decision = plan(GPT_13B, box_config(tmp_path, H100_BOX), 1, gpus=1)
-    assert (decision.partitioner, decision.offload_optimizer, decision.offload_params) == ("zero3", "nvme", "cpu")
+    # The parameters stay on the GPU: host staging copies are the tier's pool (staging_buffers
+    # copies as large as the largest), not one per group, so the faster placement fits.
+    assert (decision.partitioner, decision.offload_optimizer, decision.offload_params) == ("zero3", "nvme", "none")
     assert decision.activation_checkpointing == (("_Block",), "none")
     g, h = decision.optimizer_options["gpu_share"], decision.optimizer_options["host_share"]
-    assert 0.2 < g < 0.35 and 0.3 < h < 0.4
+    assert 0.15 < g < 0.25 and 0.4 < h < 0.55
     NvmeTierOptions(**decision.optimizer_options)  # a valid config for the tier: fractions in [0, 1], sum <= 1
     assert f"gpu_share {g:g}, host_share {h:g}" in decision.placement
     assert any(f"gpu_share {g:g} on the GPU, host_share {h:g} in host memory, the rest in swap files" in n for n in decision.notes)
@@ -442,10 +444,11 @@ def test_13b_on_one_h100_box_spreads_the_optimizer_over_gpu_host_and_disk(tmp_pa
     states = {place: kinds["model_states"] for place, kinds in decision.bytes.items()}
     on_disk = (states["nvme"] - 200 * 4) / 12  # master and two moments (a step counter per group)
     assert numel * (1 - g - h) <= on_disk <= numel * (1 - g - h) + 2 * slack
-    on_gpu = (states["device"] - 200 * 4) / 18  # master, moments, gradient; bf16 update copy (params on CPU)
+    on_gpu = (states["device"] - 2 * numel - 200 * 4) / 16  # less the bf16 shards: master, moments, gradient
     assert numel * g - slack <= on_gpu <= numel * g
-    on_host = (states["cpu"] - 2 * numel - 4 * (numel - on_gpu)) / 12  # less the bf16 shard and landing buffers
-    assert numel * h - slack - 200 <= on_host <= numel * h
+    # The model states are what `zkernel.estimate` says of the chosen config, place by place.
+    chosen = decision.apply(load_config(box_config(tmp_path, H100_BOX)))
+    assert states == {p.replace("cuda", "device"): n for p, n in totals(zkernel.estimate(GPT_13B, chosen, 1, device="cuda")).items() if n}
     # Without the spill (the tier fixed to nvme with no fractions) the same box has no placement.
     fixed = box_config(tmp_path, H100_BOX)
     fixed["offload"] = {**fixed["offload"], "optimizer": "nvme"}
@@ -520,9 +523,10 @@ def test_a_fixed_placement_is_judged_as_given_and_the_cpu_tiers_gpu_share_counts
             assert (decision.partitioner, decision.offload_optimizer, decision.offload_params) == (partitioner, "cpu", "none")
             host[partitioner, share] = decision.bytes["cpu"]["model_states"]
     numel = 16 * (128 * 128 + 128)
-    # Half the elements leave the host: master, two moments, fp32 landing buffer and the bf16 copy
-    # their update is rounded into (18 bytes each), a step counter per group aside.
-    assert host["zero3", 0.0] - host["zero3", 0.5] == pytest.approx(18 * numel / 2, abs=64)
+    # Half the elements leave the host: master, two moments and fp32 landing buffer (16 bytes each),
+    # a step counter per group aside. The bf16 copies updates are rounded into stay: they are lent
+    # from the tier's pool (staging_buffers copies as large as the largest group), not one per group.
+    assert host["zero3", 0.0] - host["zero3", 0.5] == pytest.approx(16 * numel / 2, abs=64)
     assert host["zero1", 0.5] >= host["zero1", 0.0]
     with pytest.raises(PlacementError, match="cpu needs"):
         plan(model, fixed("zero3", 0.0, ram="64KiB"), 1, gpus=1, keys=())

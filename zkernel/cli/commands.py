@@ -1,4 +1,4 @@
-"""The ``zkernel`` command: ``plugins``, ``demo``, ``config``, ``estimate``, ``consolidate``.
+"""The ``zkernel`` command: ``plugins``, ``demo``, ``config``, ``estimate`` (`zkernel.cli.estimate`), ``consolidate``.
 
 The CLI is a front-end, so unlike the library it prints to stdout and
 configures logging (`configure_logging`): zkernel's events as console text for
@@ -228,180 +228,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- zkernel estimate -------------------------------------------------------------
+# -- zkernel estimate: zkernel.cli.estimate ------------------------------------------
 
-def parse_size(text: str) -> int:
-    """Bytes from ``"80GiB"``, ``"1.5TB"``, ``"512e6"`` (an argparse type)."""
-    from zkernel.platform.sizes import parse_size as parse
-
-    try:
-        return parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def format_size(nbytes: int | None) -> str:
-    """A table cell: `zkernel.platform.sizes.format_bytes`, ``"?"`` for unknown, ``"-"`` for nothing."""
-    from zkernel.platform.sizes import format_bytes
-
-    if nbytes is None:
-        return "?"
-    return "-" if nbytes == 0 else format_bytes(nbytes)
-
-
-def _estimate_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(what to estimate, the transformer shape or None) from the command line."""
-    from zkernel.spec.config import ConfigError
-    from zkernel.sizing.model_shape import TransformerShape
-
-    numbers = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "sequence")}
-    given = [k for k, v in numbers.items() if v is not None]
-    if args.model and given:
-        raise ConfigError(f"give either MODEL or the transformer's numbers, not both (got MODEL and --{given[0]})")
-    if args.model:
-        return args.model, None
-    missing = [k for k, v in numbers.items() if v is None]
-    if missing:
-        raise ConfigError(
-            "give MODEL (an import path 'pkg.mod:factory') or a transformer's numbers; missing: "
-            + ", ".join(f"--{k}" for k in missing)
-        )
-    shape = TransformerShape(
-        **numbers,
-        style=args.style,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        tied_embeddings=not args.untied,
-    )
-    return shape, shape
-
-
-def cmd_estimate(args: argparse.Namespace) -> int:
-    import attrs
-
-    from zkernel.kernel.config_source import load_config
-    from zkernel.platform.machine import machine_capacity
-    from zkernel.sizing.estimator import answering_tiers, estimate_table, installed_tiers, shortfalls, totals
-    from zkernel.sizing.model_shape import as_module, estimate_activations
-
-    config = load_config(args.config)
-    if args.precision:
-        config = attrs.evolve(config, precision=args.precision)
-    if args.nvme_path:
-        config = attrs.evolve(config, offload=attrs.evolve(config.offload, nvme_path=args.nvme_path))
-    model, shape = _estimate_model(args)
-    module = as_module(model)
-    detected = machine_capacity(config.offload.nvme_path)
-    capacity = attrs.evolve(
-        detected,
-        gpus=detected.gpus if args.gpus is None else args.gpus,
-        device_bytes=args.gpu_memory if args.gpu_memory is not None else detected.device_bytes,
-        host_bytes=args.ram if args.ram is not None else detected.host_bytes,
-        disk_bytes=args.disk if args.disk is not None else detected.disk_bytes,
-    )
-    device = "cuda" if capacity.gpus else "cpu"
-    world = args.world_size or max(1, capacity.gpus)
-    per_machine = min(world, capacity.gpus) if capacity.gpus else world
-    numel = sum(p.numel() for p in module.parameters())
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    what = f"{shape.style}-like transformer" if shape is not None else str(model)
-    print(f"zkernel estimate: {what}, {numel:,} parameters ({trainable:,} trainable), {config.precision}, {world} rank(s)")
-    gpu_text = f"{capacity.gpus} GPU(s) x {format_size(capacity.device_bytes)}" if capacity.gpus else "no GPU (compute on CPU)"
-    disk_text = f"{format_size(capacity.disk_bytes)} free at {config.offload.nvme_path}" if config.offload.nvme_path else "no nvme_path"
-    print(f"machine: {gpu_text}, RAM {format_size(capacity.host_bytes)} available, disk {disk_text}; {per_machine} rank(s) on it")
-
-    activations = ckpt = None
-    tiled = args.tiled_loss or config.planner.tiled_loss
-    if shape is not None and args.micro_batch:
-        activations = estimate_activations(shape, args.micro_batch, precision=config.precision, tiled_loss=tiled)["total"]
-        ckpt = estimate_activations(
-            shape, args.micro_batch, precision=config.precision, checkpointing=True, tiled_loss=tiled
-        )["total"]
-
-    rows = estimate_table(module, config, world, device=device)
-    places = [device] + [p for p in ("cpu", "nvme") if p != device and any(p in totals(r.report) for r in rows)]
-    table = []
-    for row in rows:
-        states = totals(row.report)
-        fit = "yes"
-        if shortfalls(states, capacity, per_machine, device):
-            fit = "no (" + ", ".join(shortfalls(states, capacity, per_machine, device)) + ")"
-        elif activations is not None:
-            with_acts = dict(states, **{device: states.get(device, 0) + activations})
-            with_ckpt = dict(states, **{device: states.get(device, 0) + ckpt})
-            if not shortfalls(with_acts, capacity, per_machine, device):
-                fit = "yes"
-            elif not shortfalls(with_ckpt, capacity, per_machine, device):
-                fit = "with checkpointing"
-            else:
-                fit = "no (activations)"
-        table.append(
-            (
-                row.partitioner,
-                f"{row.offload_optimizer}/{row.offload_params}",
-                *(format_size(sum(row.report[c].values())) for c in ("params", "grads", "master_weights", "optimizer_state")),
-                *(format_size(states.get(p, 0)) for p in places),
-                fit,
-            )
-        )
-    print("\nmodel states per rank (grads at their peak, after backward):")
-    header = ("PARTITIONER", "OFFLOAD OPT/PARAMS", "PARAMS", "GRADS", "MASTER", "OPTIM STATE", *(p.upper() for p in places), "FITS")
-    print(_table(header, table))
-    if activations is not None:
-        print(
-            f"\nactivations per rank, ESTIMATE (saved for backward; micro-batch {args.micro_batch} x sequence "
-            f"{shape.sequence}, {config.precision}{', the loss tiled' if tiled else ''}): "
-            f"{format_size(activations)} without checkpointing, "
-            f"{format_size(ckpt)} with every block checkpointed; FITS adds them to {device}"
-        )
-    else:
-        print("\nFITS counts model states only (activations: give the transformer's numbers and --micro-batch)")
-    listed = {name for row in rows for name in (row.offload_optimizer, row.offload_params)}
-    silent = [t for t in installed_tiers(config) if t not in listed and t not in answering_tiers("optimizer", config) + answering_tiers("params", config)]
-    if silent:
-        print(f"not estimated: offload tier(s) {', '.join(silent)} (their plugins do not answer zkernel_size_offload_tier)")
-    if args.plan:
-        return _print_plan(module if shape is None else shape, config, world, args)
-    return 0
-
-
-def _print_plan(model: Any, config: Any, world: int, args: argparse.Namespace) -> int:
-    """``estimate --plan``: what ``"auto"`` would choose here, measured, with the machine flags as overrides."""
-    import attrs
-
-    from zkernel.platform.sizes import format_bytes
-    from zkernel.spec.planner import PlacementError
-    from zkernel.sizing.planning import plan
-
-    planner = attrs.evolve(
-        config.planner,
-        micro_batch=args.micro_batch if args.micro_batch is not None else config.planner.micro_batch,
-        tiled_loss=args.tiled_loss or config.planner.tiled_loss,
-        gpu_memory=args.gpu_memory if args.gpu_memory is not None else config.planner.gpu_memory,
-        ram=args.ram if args.ram is not None else config.planner.ram,
-        disk=args.disk if args.disk is not None else config.planner.disk,
-    )
-    try:
-        decision = plan(model, attrs.evolve(config, planner=planner), world, gpus=args.gpus)
-    except PlacementError as exc:
-        print(f"\nplacement plan: {exc}")
-        return 1
-    print(f"\nplacement plan (planner {decision.planner!r}, {world} rank(s)): {decision.placement}")
-    for place, kinds in decision.bytes.items():
-        parts = ", ".join(f"{kind.replace('_', ' ')} {format_bytes(n)}" for kind, n in kinds.items() if n)
-        budget = decision.budgets.get(place)
-        print(f"  {place}: {format_bytes(sum(kinds.values()))} per rank of {format_bytes(budget)} usable ({parts or 'nothing'})")
-    units = {"host_to_device": "B", "device_to_host": "B", "disk_write": "B", "disk_read": "B", "cpu_adam": " elements"}
-    measured = ", ".join(f"{name.replace('_', ' ')} {probe.text(units.get(name, ''))}" for name, probe in decision.measurements.items())
-    print(f"  measured: {measured}")
-    if decision.predicted_seconds:
-        seconds = ", ".join(f"{name.replace('_', ' ')} {value:.3f} s" for name, value in decision.predicted_seconds.items())
-        print(f"  predicted per optimizer step: {seconds}")
-    for line in decision.rejected:
-        print(f"  does not fit: {line}")
-    for note in decision.notes:
-        print(f"  note: {note}")
-    return 0
+# The table's cell formatter and the size parser, where callers have imported them from.
+from zkernel.cli.estimate import format_size, parse_size  # noqa: E402
 
 
 # -- zkernel consolidate ------------------------------------------------------------
@@ -432,6 +262,7 @@ def _add_logging_options(parser: argparse.ArgumentParser, default: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from zkernel import __version__
     from zkernel.cli.demo.arguments import add_training_arguments
+    from zkernel.cli.estimate import add_estimate_arguments, cmd_estimate
 
     parser = argparse.ArgumentParser(
         prog="zkernel", description="ZeRO partitioning and offload for PyTorch, as a plugin microkernel."
@@ -461,39 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         "estimate",
         help="predict the memory per rank of a model for every partitioner and offload tier, and what fits here",
         description="Predict model-state bytes per rank (params, grads, master weights, optimizer state) for every "
-        "partitioner and installed offload tier, without allocating the model, and mark what fits on this "
-        "machine. The model is MODEL (an import path 'pkg.mod:factory', built on the meta device) or a "
-        "transformer's numbers (--layers --hidden --heads --vocab --sequence).",
+        "partitioner and installed offload tier, without allocating the model, mark what fits on this "
+        "machine (or the one the machine options describe) and the row \"auto\" would choose. The model is MODEL "
+        "(an import path 'pkg.mod:factory', built on the meta device) or a transformer's numbers "
+        "(--layers --hidden --heads --vocab --sequence).",
     )
-    est.add_argument("model", nargs="?", default=None, metavar="MODEL", help="import path pkg.mod:factory of a function returning the nn.Module")
-    est.add_argument("--config", default=None, help="a zkernel or DeepSpeed config (.json/.toml): precision, partitioner options, nvme_path")
-    est.add_argument("--world-size", type=int, default=None, help="ranks (default: the GPUs here, else 1)")
-    est.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="override the config's precision")
-    shape = est.add_argument_group("transformer numbers (instead of MODEL)")
-    for name in ("layers", "hidden", "heads", "vocab", "sequence"):
-        shape.add_argument(f"--{name}", type=int, default=None)
-    shape.add_argument("--style", choices=("gpt", "llama"), default="gpt", help="gpt: LayerNorm, fused qkv, 4x GELU MLP, learned positions; llama: RMSNorm, q/k/v/o, SwiGLU, rotary")
-    shape.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention; llama)")
-    shape.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 4 x hidden for gpt, 8/3 x hidden rounded to 256 for llama)")
-    shape.add_argument("--untied", action="store_true", help="the output head has its own weight (default: tied to the embedding)")
-    shape.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-batch: also estimate activations")
-    shape.add_argument(
-        "--tiled-loss",
-        action="store_true",
-        help="the model takes its loss with zkernel.tiled_cross_entropy: the head keeps no logits ([planner] tiled_loss)",
-    )
-    machine = est.add_argument_group("machine (detected; these override)")
-    machine.add_argument("--gpus", type=int, default=None, help="GPUs on this machine")
-    machine.add_argument("--gpu-memory", type=parse_size, default=None, metavar="SIZE", help="memory per GPU, e.g. 80GiB")
-    machine.add_argument("--ram", type=parse_size, default=None, metavar="SIZE", help="available CPU memory (default: MemAvailable)")
-    machine.add_argument("--disk", type=parse_size, default=None, metavar="SIZE", help="free disk at nvme_path")
-    machine.add_argument("--nvme-path", default=None, help="where an nvme tier would write (overrides the config's offload.nvme_path)")
-    est.add_argument(
-        "--plan",
-        action="store_true",
-        help="also show what partitioner/offload = \"auto\" would choose here (capacities and bandwidths measured; "
-        "the machine flags override what is detected)",
-    )
+    add_estimate_arguments(est)
     _add_logging_options(est, default=argparse.SUPPRESS)
     est.set_defaults(func=cmd_estimate)
     consolidate = sub.add_parser(

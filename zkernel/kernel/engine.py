@@ -62,6 +62,7 @@ from zkernel.platform.distributed import DistInfo
 from zkernel.spec.groups import ParamGroup, Phase, StepOptions
 from zkernel.telemetry.log import get_logger
 from zkernel.kernel.loss_scale import DynamicLossScaler
+from zkernel.kernel.memory_report import MemoryReport
 from zkernel.params import param_writes
 from zkernel.params.param_writes import WriteFolder
 from zkernel.telemetry.profiling import profiler_range
@@ -464,11 +465,14 @@ class Engine:
         )
 
     @requires_open("memory_report()")
-    def memory_report(self) -> dict[str, dict[str, int]]:
+    def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category (params, grads, master_weights, optimizer_state) and place
         (a device, or ``"nvme"`` for swap files).
 
         Each storage is counted once, under the first category that names it.
+        The result is a dict of those; its ``whole`` lists the parameters the
+        partitioner holds whole on this rank, and why (`MemoryReport`, [Note:
+        parameters kept whole]); ``report.whole_lines()`` says it in words.
         """
         seen: set[tuple[str, int]] = set()
         report: dict[str, dict[str, int]] = {c: defaultdict(int) for c in _MEMORY_CATEGORIES}
@@ -491,7 +495,8 @@ class Engine:
                         continue
                     seen.add(key)
                     report[category][place] += nbytes
-        return {c: dict(v) for c, v in report.items()}
+        whole = [w for group in self.groups for w in self.hook.zkernel_memory_whole(group=group) if w]
+        return MemoryReport({c: dict(v) for c, v in report.items()}, whole)
 
     def close(self) -> None:
         """Give the model back and free everything the engine holds (collective: call on every rank).

@@ -219,6 +219,7 @@ class Estimator(SizingService):
                 params=params_tier.where,
                 tier=tier.where,
                 copied_master=copied,
+                accumulation_steps=config.gradient_accumulation_steps,
             )
             buffers = layout.buffers(group, placement, c)
             if group.trainable:
@@ -253,6 +254,19 @@ class Estimator(SizingService):
         self, groups: Iterable[Iterable[Buffer]], config: Config, device: str, staging_pool: int | None = None
     ) -> dict[str, dict[str, int]]:
         report: dict[str, dict[str, int]] = {c: {} for c in CATEGORIES}
+        for role, by_place in self.tally_roles(groups, config, device, staging_pool).items():
+            for where, nbytes in by_place.items():
+                report[role.category][where] = report[role.category].get(where, 0) + nbytes
+        return report
+
+    def tally_roles(
+        self, groups: Iterable[Iterable[Buffer]], config: Config, device: str, staging_pool: int | None = None
+    ) -> dict[Role, dict[str, int]]:
+        """`tally` by `Role` instead of category (the same bytes): what each kind of buffer adds where."""
+        if staging_pool is None:
+            # As the selected optimizer tier lends them (None there too: one copy per group).
+            staging_pool = self.selected_tier(config, "optimizer").staging_pool
+        report: dict[Role, dict[str, int]] = {}
         pooled: dict[str, int] = {}  # place -> the largest staging copy lent from a pool there
         params_tier = self.selected_tier(config, "params")
         shards_params = self._shards_params(config)
@@ -269,9 +283,9 @@ class Estimator(SizingService):
                 if buffer.role is Role.STAGING and staging_pool is not None and where == "cpu":
                     pooled[where] = max(pooled.get(where, 0), buffer.nbytes)
                     continue
-                by_place = report[buffer.role.category]
+                by_place = report.setdefault(buffer.role, {})
                 by_place[where] = by_place.get(where, 0) + buffer.nbytes
         for where, largest in pooled.items():
-            by_place = report[Role.STAGING.category]
+            by_place = report.setdefault(Role.STAGING, {})
             by_place[where] = by_place.get(where, 0) + staging_pool * largest
         return report

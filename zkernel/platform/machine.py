@@ -167,6 +167,11 @@ def machine_capacity(nvme_path: str | os.PathLike | None = None) -> Capacity:
     return Capacity(device_bytes=device_bytes, host_bytes=available_host_bytes(), disk_bytes=free_disk_bytes(nvme_path), gpus=gpus)
 
 
+# What the probes measure, by the name a planner reports them under (and takes them given, from a
+# user describing another machine): bytes per second, elements per second for the CPU Adam step.
+RATE_NAMES = ("host_to_device", "device_to_host", "disk_write", "disk_read", "cpu_adam")
+
+
 @attrs.frozen
 class Probe:
     """A measured rate (units per second; None when not measured) and why not, or what was measured."""

@@ -50,7 +50,7 @@ from zkernel.platform.machine import Capacity
 from zkernel.sizing.model_shape import TransformerShape, as_module
 from zkernel.spec.config import Config, ConfigError, auto_keys
 from zkernel.spec.registry import Family
-from zkernel.spec.sizing import CATEGORIES, totals
+from zkernel.spec.sizing import CATEGORIES, Role, totals
 
 __all__ = [
     "CATEGORIES",
@@ -100,12 +100,19 @@ def estimate(
 
 
 def _estimate_with(sizing: Estimator, cfg: Config, world_size: int, partitioner_options: Any = None, optimizer_options: Any = None) -> dict[str, dict[str, int]]:
+    return _roles_with(sizing, cfg, world_size, partitioner_options, optimizer_options)[0]
+
+
+def _roles_with(
+    sizing: Estimator, cfg: Config, world_size: int, partitioner_options: Any = None, optimizer_options: Any = None
+) -> tuple[dict[str, dict[str, int]], dict[Role, dict[str, int]]]:
+    """(bytes by category and place, the same by `Role`) of one concrete config."""
     if partitioner_options is None:
         sizing.layout(cfg, world_size, None)  # an unknown or silent partitioner is the first error
     shares = sizing.spill_shares(cfg, optimizer_options)
     groups = sizing.groups(cfg, world_size, partitioner_options, shares=shares)
     pool = sizing.selected_tier(cfg, "optimizer", optimizer_options).staging_pool
-    return sizing.tally(groups, cfg, sizing.device, pool)
+    return sizing.tally(groups, cfg, sizing.device, pool), sizing.tally_roles(groups, cfg, sizing.device, pool)
 
 
 def installed_tiers(config: Config) -> list[str]:
@@ -132,6 +139,8 @@ class Row:
     offload_optimizer: str
     offload_params: str
     report: dict[str, dict[str, int]]
+    # The same bytes by what each buffer is for (`zkernel.spec.sizing.Role`), for explaining a row.
+    roles: dict[Role, dict[str, int]] = attrs.field(factory=dict)
 
 
 def _options_for(sizing: Estimator, config: Config, partitioner: str) -> dict[str, Any]:
@@ -180,7 +189,7 @@ def estimate_table(
                     params_options=cfg.offload.params_options if params_tier == cfg.offload.params else {},
                 )
                 variant = attrs.evolve(probe, offload=offload)
-                rows.append(Row(partitioner, optimizer_tier, params_tier, _estimate_with(sizing, variant, world_size)))
+                rows.append(Row(partitioner, optimizer_tier, params_tier, *_roles_with(sizing, variant, world_size)))
     return rows
 
 

@@ -15,7 +15,7 @@ import torch
 
 from zkernel.kernel.config_source import load_config
 from zkernel.kernel.planning import run_planner
-from zkernel.platform.machine import local_capacity
+from zkernel.platform.machine import RATE_NAMES, local_capacity
 from zkernel.spec.config import AUTO, AUTO_KEYS, Config, ConfigError, auto_keys, config_value
 from zkernel.spec.planner import Plan, PlanRequest, job_capacity
 
@@ -28,6 +28,7 @@ def plan(
     gpus: int | None = None,
     plugins: Sequence[Any] = (),
     keys: Sequence[str] | None = None,
+    rates: Mapping[str, float] | None = None,
 ) -> Plan:
     """What the planner would choose for ``model`` on ``world_size`` ranks of this machine, without training.
 
@@ -38,7 +39,10 @@ def plan(
     none, so the planner only sizes and checks the placement ``config`` fixes,
     and raises `PlacementError` when it does not fit). ``gpus`` overrides how
     many GPUs this machine has (0: train on the CPU). Capacities come from this
-    machine, replaced by ``[planner]`` ``gpu_memory``/``ram``/``disk``.
+    machine, replaced by ``[planner]`` ``gpu_memory``/``ram``/``disk``. ``rates``: the
+    planned machine's rates by name (`zkernel.platform.machine.RATE_NAMES`; bytes per second,
+    elements per second for ``cpu_adam``), used instead of measuring them here; the
+    decision's `Plan.measurements` say which were given (reason ``"given"``).
     """
     from zkernel.platform.distributed import DistInfo
     from zkernel.spec.model_shape import TransformerShape, as_module, as_shape
@@ -48,6 +52,13 @@ def plan(
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    rates = dict(rates or {})
+    unknown = sorted(set(rates) - set(RATE_NAMES))
+    if unknown:
+        raise ConfigError(f"unknown rate(s) {unknown}; rates a planner measures: {', '.join(RATE_NAMES)}")
+    bad = {name: rate for name, rate in rates.items() if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0}
+    if bad:
+        raise ConfigError(f"rates must be positive numbers (per second), got {bad}")
     cfg = load_config(config)
     if keys is not None:
         unknown = sorted(set(keys) - set(AUTO_KEYS))
@@ -90,6 +101,7 @@ def plan(
         shape=shape,
         auto=auto_keys(cfg),
         sizing=Estimator(module, device.type, installed, registry),
+        rates=rates,
     )
     dist_info = DistInfo(0, world_size, 0, device, None)
     return run_planner(selected, request, cfg, dist_info)

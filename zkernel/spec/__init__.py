@@ -78,6 +78,7 @@ _EXPORTS = {
     "Resource": "zkernel.spec.tiers",
     "ShardState": "zkernel.spec.tiers",
     "StoredBytes": "zkernel.spec.tiers",
+    "WholeParams": "zkernel.spec.tiers",
 }
 
 __all__ = [
@@ -130,6 +131,7 @@ __all__ = [
     "StoredBytes",
     "TierSizing",
     "TransformerShape",
+    "WholeParams",
     "boolean",
     "build_options",
     "choice",

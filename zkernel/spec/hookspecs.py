@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from zkernel.spec.registry import ComponentRegistry
     from zkernel.spec.runtime import RuntimeContext
     from zkernel.spec.sizing import PartitionSizing, TierSizing
+    from zkernel.spec.tiers import WholeParams
 
 PROJECT = "zkernel"
 
@@ -524,6 +525,22 @@ def zkernel_memory_tensors(group: ParamGroup) -> dict[str, list[torch.Tensor]] |
     ``"optimizer_state"``. The engine counts each storage once, by device.
     Bytes held outside memory (a swap file) are listed as
     `zkernel.spec.tiers.StoredBytes`, counted under their ``place``.
+
+    All results are collected.
+    """
+
+
+@hookspec
+def zkernel_memory_whole(group: ParamGroup) -> WholeParams | None:
+    """Say which of ``group``'s parameters this plugin holds whole on this rank now, and why.
+
+    Called by `Engine.memory_report` on the calling rank for every group, after
+    ``zkernel_memory_tensors``. A partitioner that keeps some parameters whole
+    (zero3's units under its persistence threshold, or units gathered ahead of
+    their next use) answers with a `zkernel.spec.tiers.WholeParams`: how many,
+    their bytes, why, and the config key that changes it; the report lists them
+    beside its bytes. A plugin that holds none whole for ``group``, or whose
+    whole parameters are the point (no sharding), returns None.
 
     All results are collected.
     """

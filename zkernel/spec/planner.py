@@ -64,6 +64,12 @@ class PlanRequest:
     # Bytes of any placement of `model`, from the installed components' own answers
     # (`zkernel.spec.sizing.SizingService`; [Note: components answer for their bytes]).
     sizing: Any = None
+    # Rates of the machine the plan is for, given instead of measured here, by probe name
+    # (`zkernel.platform.machine.RATE_NAMES`: bytes per second, elements per second for the
+    # CPU Adam rate); a planner uses
+    # these and measures only the others (which then describe the machine it runs on).
+    rates: Mapping[str, float] = attrs.field(factory=dict)
+
 
 
 @attrs.frozen(kw_only=True)

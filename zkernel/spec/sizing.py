@@ -163,6 +163,9 @@ class Placement:
     params: Mapping[Role, str | None]  # the params tier's placement
     tier: Mapping[Role, str | None]  # the optimizer tier's own placement, for choices made for every group
     copied_master: bool = False  # moved to the device after the first step: the fp32 master is a copy
+    # Backwards per optimizer step (gradient_accumulation_steps): with 1, a gradient accumulated
+    # over the window is reduced by the backward that made it, and never held after one.
+    accumulation_steps: int = 1
 
     def where(self, role: Role) -> str | None:
         owner = role.owner
@@ -269,7 +272,9 @@ class SizingService(abc.ABC):
         self, groups: Sequence[Sequence[Buffer]], config: Any, device: str, staging_pool: int | None = None
     ) -> dict[str, dict[str, int]]:
         """Bytes by category and place (`DEVICE` named ``device``); ``staging_pool``: count host
-        staging copies as that many buffers as large as the largest."""
+        staging copies as that many buffers as large as the largest (None: as the config's
+        optimizer tier lends them, its `TierSizing.staging_pool`), so every caller counts a
+        placement's bytes alike."""
 
     @abc.abstractmethod
     def spill_count(

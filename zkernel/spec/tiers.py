@@ -54,6 +54,21 @@ class StoredBytes:
     nbytes: int
 
 
+@attrs.frozen(kw_only=True)
+class WholeParams:
+    """Parameters a partitioner holds whole on this rank, and why, for `zkernel_memory_whole`.
+
+    `Engine.memory_report` lists them (`MemoryReport.whole`, summed over the
+    groups with the same ``why`` and ``setting``), so a report whose ``params``
+    exceed a shard says what the rest is.
+    """
+
+    params: int  # how many parameters
+    nbytes: int  # bytes of their whole copy on this rank (already in the report's ``params``)
+    why: str  # for people, e.g. "units under persistence_threshold = 100,000 elements stay whole on every rank"
+    setting: str | None = None  # the config key that changes it, e.g. "partitioner_options.persistence_threshold"
+
+
 @attrs.frozen
 class ShardState:
     """A trainable group's fp32 master and optimizer state on this rank (checkpoints, state dicts).

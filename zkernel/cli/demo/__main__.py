@@ -32,6 +32,8 @@ def print_summary(summary: dict, partitioner: str) -> None:
     )
     for rank, report in enumerate(summary["memory"]):
         print(f"  rank {rank}: {format_memory(report)}")
+        for line in report.whole_lines():  # what of `params` is not a shard, and why
+            print(f"    of params: {line}")
     if summary["sample"]:
         print(f"sample: {PROMPT}{summary['sample']}".replace("\n", "\n        "))
 

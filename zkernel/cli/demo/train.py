@@ -32,6 +32,7 @@ from zkernel.cli.demo.arguments import SHORT_MIN_STEPS, SHORT_SECONDS, add_train
 from zkernel.cli.demo.corpus import load_corpus, sample_batch
 from zkernel.cli.demo.gpt import GPT, GPTConfig
 from zkernel.telemetry.log import get_logger
+from zkernel.telemetry.progress import shown as progress_shown
 
 log = get_logger("zkernel.demo")
 
@@ -183,14 +184,17 @@ def train(args: argparse.Namespace, on_start: Callable[[str], None] | None = Non
             + (", built on the meta device" if meta_init else "")
         )
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
+    # [Note: a bar for a person only] The bar is for someone watching a terminal: on another rank,
+    # with stderr redirected to a file or a pipe, or with ZKERNEL_PROGRESS=0, nothing is drawn
+    # (the rule of `zkernel.telemetry.progress.shown`, which every zkernel bar follows).
     bar = tqdm(
         total=round(seconds),
         unit="s",
         desc="training",
         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total}s{postfix}",
-        disable=rank != 0,
+        disable=not progress_shown(),
         file=sys.stderr,
         mininterval=0.5,
         dynamic_ncols=True,
