@@ -79,7 +79,7 @@ def test_the_next_steps_state_is_read_before_its_step(pool, tmp_path):
         assert_matches(losses, reference(1), f"read-ahead through a pool of {pool}")
     else:
         host = optimizer_on_nvme("zero3", "cpu_adam", tmp_path)
-        host["offload"] = {"optimizer": "cpu"}
+        host["offload"] = {"optimizer": "cpu", "optimizer_options": {"speculate": "never"}}  # as the nvme tier
         host["precision"] = "bf16"
         assert losses == train(host, STEPS, ACCUM, MICRO, SEED)["losses"]
 
@@ -166,3 +166,19 @@ def test_a_refused_write_while_reading_ahead_loses_nothing(tmp_path):
     assert any("kept in host memory" in note for note in out["notes"]), out
     assert out["steps"] == 3 and out["same_as_clean_steps"], out
     assert out["left_after_close"] == [], out
+
+
+@pytest.mark.cuda
+def test_cuda_read_ahead_through_two_group_pools_equals_the_cpu_tier_bit_for_bit(tmp_path):
+    """On the GPU (blocks page-locked, updates uploaded on side streams): bf16 through a pool of two
+    groups, with the parameters in host memory or on disk too, equals the ``cpu`` tier exactly."""
+    from tests.kernel import test_cuda
+    from tests.plugins.offload_tiers.test_nvme import _cuda_config
+
+    for params in ("none", "cpu", "nvme"):
+        disk = _cuda_config("zero3", "nvme", params, tmp_path, "bf16")
+        disk["offload"]["optimizer_options"] = {"buffer_bytes": TWO_GROUPS}
+        host = _cuda_config("zero3", "cpu", "cpu" if params == "nvme" else params, tmp_path, "bf16")
+        host["offload"]["optimizer_options"] = {"speculate": "never"}  # the nvme tier never speculates
+        a, b = (train(c, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)["losses"] for c in (host, disk))
+        assert a == b, f"params {params}: {a} vs {b}"
