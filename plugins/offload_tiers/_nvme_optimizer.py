@@ -141,9 +141,9 @@ DEFAULT_BUFFER_BYTES = 2 << 30
 
 class _State(enum.Enum):
     ON_DISK = "on disk"  # the file (or the rescue copy) holds the newest state; no block
-    QUEUED = "queued"  # `prepare`d: waits for room in the pool
+    QUEUED = "queued"  # waits for room in the pool (wanted, or a read-ahead), or holds its written-back block
     READING = "reading"
-    RESIDENT = "resident"  # read and verified, not acquired yet
+    RESIDENT = "resident"  # read and verified (or its written-back block kept), not acquired yet
     STEPPING = "stepping"  # acquired: the optimizer works on the block
     WRITING = "writing"  # released: writes in flight from the block
 
@@ -520,7 +520,7 @@ class OptimizerSwap:
                 self._free_block(slot)
                 slot.state = _State.ON_DISK
                 self._read_ahead(slot)
-            elif slot.state is _State.QUEUED:
+            elif slot in self._queue:  # (QUEUED, or its writes not done): behind the wanted groups again
                 self._queue.remove(slot)
                 self._read_ahead(slot)
             slot.wanted = False
