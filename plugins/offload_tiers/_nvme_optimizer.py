@@ -60,7 +60,7 @@ was only logged by then.
 
 [Note: the disk phase's order] Where the disk sits in a step with
 clipping (the 15.4 B run of issue 46: zero3, ``gpu_share`` 0.454, ``host_share``
-0.292, 8 micro-batches, clipping 1.0). The groups on disk are the last layers
+0.292, micro-batch 8 x 24, clipping 1.0). The groups on disk are the last layers
 in module order ([Note: spill] in ``nvme``). Their gradients are final first
 in the last micro-batch's backward, but with clipping the step's coefficient
 is known only when backward ends, and this tier takes no speculative step
@@ -73,7 +73,7 @@ that order: read (as soon as room frees), Adam on the host worker, release
 With a pool of two groups (the default: twice the largest file image) the read
 of group i+2 waits for the writes of group i, so reads and writes overlap only
 in part, and the next forward waits for the first disk layer's update after
-about a quarter of one micro-batch's forward: every read, step and write of
+about three quarters of one micro-batch's forward: every read, step and write of
 the disk groups but the last writes is on the critical path, between the end
 of backward and that wait (measured: 46.3 of 102.8 s exposed, reads 1.57 GB/s,
 writes 1.34 GB/s). Before this tier read ahead, the pool was idle from the
