@@ -20,11 +20,16 @@ bounded pool of page-locked blocks (`PinnedArena`, ``buffer_bytes``):
 * `release` (right after the optimizer) starts writing the block back (each
   extent's CRC32C computed by the I/O threads as they write) and returns at
   once; the block goes back to the pool when its writes are done, and the
-  next queued group's reads start in its room.
+  next queued group's reads start in its room;
+* `release` also queues the group again, behind every group wanted for this
+  step, for the *next* step's read ([Note: read-ahead]): once this step's
+  groups have room, the pool's room, idle until the next step otherwise,
+  fills with the next step's first groups while forward and backward run.
 
 So disk reads of later groups, the Adam step of this one and the writes of
-earlier ones overlap, and the pool bounds the host memory the optimizer
-state takes, however large the model. Nothing waits on a device-wide
+earlier ones overlap, the first reads of the next step overlap its forward
+and backward, and the pool bounds the host memory the optimizer state takes,
+however large the model. Nothing waits on a device-wide
 synchronise; the only host waits are a group's own reads (in `acquire`).
 Rounded updates go through the tier's staging pool (`HostUpdates`, lent at
 `acquire`, given back at `release`) or into a block the params tier lends.
@@ -52,6 +57,50 @@ rescue copy and writes it again, so once the disk has room training can go
 on; `read_master` (and so `Engine.close`, which gives the model back) reads
 the rescue copy. `close` removes the files and does not raise a failure that
 was only logged by then.
+
+[Note: the disk phase's order] Where the disk sits in a step with
+clipping (the 15.4 B run of issue 46: zero3, ``gpu_share`` 0.454, ``host_share``
+0.292, micro-batch 8 x 24, clipping 1.0). The groups on disk are the last layers
+in module order ([Note: spill] in ``nvme``). Their gradients are final first
+in the last micro-batch's backward, but with clipping the step's coefficient
+is known only when backward ends, and this tier takes no speculative step
+([Note: no speculation on disk]), so nothing of theirs is stepped or written
+during backward. At `Engine.step` the pipeline prepares every host group in
+the next forward's order: the host-memory groups first (stepped at once), then
+the disk groups, whose reads start as the pool has room. Per disk group, in
+that order: read (as soon as room frees), Adam on the host worker, release
+(its writes start), its room back when they end, the next group's read in it.
+With a pool of two groups (the default: twice the largest file image) the read
+of group i+2 waits for the writes of group i, so reads and writes overlap only
+in part, and the next forward waits for the first disk layer's update after
+about three quarters of one micro-batch's forward: every read, step and write of
+the disk groups but the last writes is on the critical path, between the end
+of backward and that wait (measured: 46.3 of 102.8 s exposed, reads 1.57 GB/s,
+writes 1.34 GB/s). Before this tier read ahead, the pool was idle from the
+end of a step's last write until the next `Engine.step`.
+
+[Note: read-ahead] A group's state does not change between its release and
+its next step (only a checkpoint load, `write_state`, replaces it, and drops
+any copy in memory first). So `release` queues the group again for its next
+step at once, as *not wanted* (``_SwapSlot.wanted`` False): queued groups get
+room in queue order, and a group prepared or acquired for the step being
+taken (*wanted*) is queued ahead of every unwanted one, so a read-ahead never
+delays this step's own reads. A wanted group at the head of the queue that
+finds no room evicts read-ahead blocks already resident (the last read
+first; each goes back to the queue's end and is read again later), so a
+step whose order differs from the last one (another landing order, groups
+without gradients) cannot wait on room held for groups it steps later. A
+step not taken (`end_window` of a wanted group not stepped) leaves a group
+read, or being read, resident as a read-ahead: its state is still the file's.
+A written-back block is the newest image too: it stays in the pool
+as its group's next read until the room is needed by a group queued before
+it (the block of the group queued last goes first), so where the pool holds
+every group no read is issued at all after the first step.
+The payoff is the pool's size: that much of the next step's reads moves off
+the critical path into forward and backward, with no memory the pool did not
+already hold; the rest of the disk phase stays exposed while the disk groups'
+steps wait for the end of backward (what remains is bounded in BENCHMARKS.md,
+issue 46). A rescue copy ([Note: write failures]) is read ahead like a file.
 
 [Note: block reuse] A block may still be read after `release`: by its own
 writes, and, in fp32 runs where the master itself is the update
@@ -92,9 +141,9 @@ DEFAULT_BUFFER_BYTES = 2 << 30
 
 class _State(enum.Enum):
     ON_DISK = "on disk"  # the file (or the rescue copy) holds the newest state; no block
-    QUEUED = "queued"  # `prepare`d: waits for room in the pool
+    QUEUED = "queued"  # waits for room in the pool (wanted, or a read-ahead), or holds its written-back block
     READING = "reading"
-    RESIDENT = "resident"  # read and verified, not acquired yet
+    RESIDENT = "resident"  # read and verified (or its written-back block kept), not acquired yet
     STEPPING = "stepping"  # acquired: the optimizer works on the block
     WRITING = "writing"  # released: writes in flight from the block
 
@@ -134,7 +183,8 @@ class _SwapSlot:
     zeros: list[Extent] = attrs.field(factory=list)  # extents to fill with zeros at `acquire`
     rescue: torch.Tensor | None = None  # the newest file image, when its last write failed
     fenced: bool = True  # see [Note: block reuse]
-    discard: bool = False  # a read whose group will not step (a skipped step): free on arrival
+    wanted: bool = False  # prepared or acquired for the step being taken; else a read-ahead ([Note: read-ahead])
+    read_seq: int = 0  # when its current block's read started (evictions take the newest read-ahead first)
 
     @property
     def footprint(self) -> int:
@@ -164,6 +214,9 @@ class OptimizerSwap:
         self._queue: collections.deque[_SwapSlot] = collections.deque()
         self._arena: PinnedArena | None = None
         self._layout = Preallocation("optimizer state")
+        self._reads_started = 0
+        self._closing = False  # no read-ahead once `close` began
+        self.evictions = 0  # read-ahead blocks given back to a wanted group ([Note: read-ahead])
 
     def _pin(self) -> bool | None:
         return self.nvme_options.pin_memory
@@ -250,32 +303,86 @@ class OptimizerSwap:
         """Queue ``group`` for a block and start its reads as soon as the pool has room."""
         with self._cv:
             self._pool()  # pinned here, on a thread bound to the device, not on the I/O reaper
-            self._enqueue(self._swap[group.index])
+            self._want(self._swap[group.index])
             self._pump()
 
-    def _enqueue(self, slot: _SwapSlot) -> None:
-        """Queue ``slot`` for a block unless it has (or is getting) one for this step (``_cv`` held)."""
-        if slot.state is _State.READING:
-            slot.discard = False  # a skipped step's read, wanted again
-        elif slot.state in (_State.ON_DISK, _State.WRITING) and slot not in self._queue:
-            self._queue.append(slot)
-            if slot.state is _State.ON_DISK:
-                slot.state = _State.QUEUED
+    def _want(self, slot: _SwapSlot) -> None:
+        """Mark ``slot`` wanted for the step being taken and queue it, behind the groups wanted before it
+        and ahead of every read-ahead, unless it has (or is getting) a block ([Note: read-ahead]; ``_cv`` held)."""
+        if slot.state is _State.STEPPING:
+            return
+        if slot.wanted and (slot in self._queue or slot.state in (_State.READING, _State.RESIDENT)):
+            return
+        slot.wanted = True
+        if slot.state in (_State.READING, _State.RESIDENT):
+            return
+        if slot in self._queue:
+            self._queue.remove(slot)
+        position = next((i for i, s in enumerate(self._queue) if not s.wanted), len(self._queue))
+        self._queue.insert(position, slot)
+        if slot.state is _State.ON_DISK:
+            slot.state = _State.QUEUED
+
+    def _read_ahead(self, slot: _SwapSlot) -> None:
+        """Queue ``slot`` (just released, or evicted) for its next step's read, at the queue's end
+        ([Note: read-ahead]; ``_cv`` held)."""
+        slot.wanted = False
+        if self._closing or slot in self._queue:
+            return
+        self._queue.append(slot)
+        if slot.state is _State.ON_DISK:
+            slot.state = _State.QUEUED
 
     def _pump(self) -> None:
-        """Give queued groups room in the pool, strictly in step order, and start their reads (``_cv`` held)."""
+        """Give queued groups room in the pool, in queue order, and start their reads (``_cv`` held)."""
         while self._queue:
             slot = self._queue[0]
-            if slot.state is _State.WRITING or slot.block is not None:
-                return  # its previous writes (or fence) are not done: its file is not current yet
+            if slot.state is _State.WRITING:
+                return  # its previous writes are not done: its file is not current yet
+            if slot.block is not None:  # written back, its block kept: the newest image already in memory
+                self._queue.popleft()
+                self._resident_again(slot)
+                continue
             block = self._pool().allocate(slot.footprint)
             if block is None:
+                if self._make_room(slot):
+                    continue
                 return
             self._queue.popleft()
             self._start_read(slot, block)
 
+    def _resident_again(self, slot: _SwapSlot) -> None:
+        """``slot``'s written-back block (still the newest file image) serves as its next read (``_cv`` held)."""
+        slot.state, slot.error, slot.zeros = _State.RESIDENT, None, []
+        self._reads_started += 1
+        slot.read_seq = self._reads_started
+        self._cv.notify_all()
+
+    def _make_room(self, head: _SwapSlot) -> bool:
+        """Free one block for ``head``, the queue's head, when the pool has no room for it
+        ([Note: read-ahead]; ``_cv`` held): the block kept by the group queued last behind it (needed
+        after it), else, for a wanted head, the newest read-ahead read. False when there is none."""
+        for slot in reversed(self._queue):
+            if slot is not head and slot.state is _State.QUEUED and slot.block is not None and slot.fenced:
+                self._free_block(slot)
+                return True
+        if not head.wanted:
+            return False
+        ahead = [s for s in self._swap.values()
+                 if s.state is _State.RESIDENT and not s.wanted and s.block is not None and s.fenced]
+        if not ahead:
+            return False
+        slot = max(ahead, key=lambda s: s.read_seq)
+        self.evictions += 1
+        self._free_block(slot)
+        slot.state = _State.ON_DISK
+        self._read_ahead(slot)
+        return True
+
     def _start_read(self, slot: _SwapSlot, block: Block) -> None:
-        slot.block, slot.state, slot.error, slot.discard = block, _State.READING, None, False
+        slot.block, slot.state, slot.error = block, _State.READING, None
+        self._reads_started += 1
+        slot.read_seq = self._reads_started
         if slot.rescue is not None:  # [Note: write failures]: the newest state is in memory
             slot.zeros = []
             block.data[: slot.footprint].copy_(slot.rescue)
@@ -299,13 +406,10 @@ class OptimizerSwap:
             slot.pending -= 1
             if slot.pending == 0:
                 self._read_done(slot)
+                self._pump()  # a wanted group may wait for this read-ahead's room ([Note: read-ahead])
 
     def _read_done(self, slot: _SwapSlot) -> None:
         slot.state = _State.RESIDENT
-        if slot.discard:
-            self._free_block(slot)
-            slot.state = _State.ON_DISK
-            self._pump()
         self._cv.notify_all()
 
     def acquire(self, group):
@@ -315,7 +419,7 @@ class OptimizerSwap:
             if slot.state is _State.STEPPING:  # acquired again before its release (a step not taken)
                 return
             self._fence()
-            self._enqueue(slot)
+            self._want(slot)
             self._pump()
             while slot.state is not _State.RESIDENT:  # (a rescue copy is resident as `_pump` returns)
                 self._cv.wait()
@@ -323,7 +427,7 @@ class OptimizerSwap:
             if slot.error is not None:
                 error, slot.error = slot.error, None
                 self._free_block(slot)
-                slot.state = _State.ON_DISK
+                slot.state, slot.wanted = _State.ON_DISK, False
                 self._pump()
                 raise error
             slot.state = _State.STEPPING
@@ -346,6 +450,7 @@ class OptimizerSwap:
             for i in range(len(slot.file.extents)):
                 slot.file.write(self.io, i, slot.block.data, kind=SpanKind.NVME_WRITE, label=slot.name,
                                 done=lambda f, slot=slot: self._on_write(slot, f))
+            self._read_ahead(slot)  # read once its writes are done and it has room
 
     def _on_write(self, slot: _SwapSlot, future: Future) -> None:
         with self._cv:
@@ -364,9 +469,12 @@ class OptimizerSwap:
                 )
             else:
                 slot.rescue = None
-            slot.state = _State.ON_DISK if slot not in self._queue else _State.QUEUED
-            if slot.fenced:
-                self._free_block(slot)
+            if slot in self._queue:
+                slot.state = _State.QUEUED  # its block kept as its next read until the room is needed
+            else:
+                slot.state = _State.ON_DISK
+                if slot.fenced:
+                    self._free_block(slot)
             self._pump()
             self._cv.notify_all()
 
@@ -385,7 +493,7 @@ class OptimizerSwap:
                     event.synchronize()
         for slot in waiting:
             slot.fenced = True
-            if slot.state is not _State.WRITING and slot.state is not _State.STEPPING:
+            if slot.state is _State.ON_DISK:  # (a queued or resident block is its next read: [Note: read-ahead])
                 self._free_block(slot)
         self._pump()
         self._cv.notify_all()
@@ -404,15 +512,18 @@ class OptimizerSwap:
             slot = self._swap.get(group.index)
             if slot is None:
                 return
-            # Prepared but not stepped (a skipped step): give the room back.
-            if slot.state is _State.QUEUED:
-                self._queue.remove(slot)
-                slot.state = _State.ON_DISK
-            elif slot.state is _State.READING:
-                slot.discard = True
-            elif slot.state in (_State.RESIDENT, _State.STEPPING):  # STEPPING: acquired, its step not taken
+            if not slot.wanted:
+                return  # released (or never prepared): a read-ahead for the next step stays
+            # Prepared but not stepped (a skipped step): what is read, or being read, is the file's
+            # state still and stays as a read-ahead; an acquired block may have been written to.
+            if slot.state is _State.STEPPING:
                 self._free_block(slot)
                 slot.state = _State.ON_DISK
+                self._read_ahead(slot)
+            elif slot in self._queue:  # (QUEUED, or its writes not done): behind the wanted groups again
+                self._queue.remove(slot)
+                self._read_ahead(slot)
+            slot.wanted = False
             self._pump()
 
     # -- reading and replacing state outside a step (close, state dicts, checkpoints) -------------
@@ -458,14 +569,15 @@ class OptimizerSwap:
                 f"optimizer state of group {slot.name!r}: the nvme tier keeps exactly the declared state "
                 f"{[s.name for s in slot.segments[1:]]}; missing {missing}, undeclared {unknown}"
             )
-        self.io.wait_idle()  # no write of the old state in flight
         with self._cv:
+            if slot in self._queue:  # (a read-ahead, or prepared for a step that was not taken)
+                self._queue.remove(slot)
+            while slot.state in (_State.READING, _State.WRITING):  # no read or write of the old state in flight
+                self._cv.wait()
             self._fence()
-            if slot.state is not _State.ON_DISK:  # prepared for a step that was not taken
-                self._free_block(slot)
-                if slot in self._queue:
-                    self._queue.remove(slot)
-                slot.state = _State.ON_DISK
+            self._free_block(slot)  # a read-ahead holds the old state
+            slot.state, slot.wanted = _State.ON_DISK, False
+            self._pump()
         image = aligned_empty(slot.footprint, torch.uint8, pin=False)
         image.zero_()
         for segment in slot.segments:
@@ -503,6 +615,12 @@ class OptimizerSwap:
     def close(self):
         """Wait for the I/O in flight, give every block back, then end the traffic (`SwapTraffic.close`)."""
         try:
+            with self._cv:
+                self._closing = True  # no read starts from here on
+                for slot in self._queue:
+                    if slot.state is _State.QUEUED:
+                        slot.state = _State.ON_DISK
+                self._queue.clear()
             self.io.wait_idle()
             with self._cv:
                 self._fence()
@@ -515,6 +633,11 @@ class OptimizerSwap:
                 self._queue.clear()
         finally:
             self.traffic.close(self._arena)
+
+    def read_ahead_bytes(self) -> int:
+        """Bytes of file images read ahead for the next step and resident now ([Note: read-ahead])."""
+        with self._cv:
+            return sum(s.footprint for s in self._swap.values() if s.state is _State.RESIDENT and not s.wanted)
 
     def tensors(self, group) -> dict[str, list]:
         """The master and state of ``group`` on disk, under `zkernel_memory_tensors`'s categories."""

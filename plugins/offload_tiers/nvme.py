@@ -210,6 +210,22 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
         if self._disk.holds(group):
             self._disk.end_window(group)
 
+    @property
+    def nbytes_on_disk(self) -> int:
+        """Bytes of the optimizer's swap files (masters and state of the groups on disk)."""
+        return self._disk.nbytes()
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """Bytes of the next step's state read into the pool ahead of it, now ([Note: read-ahead] in
+        ``_nvme_optimizer``); tests and benches read it between steps."""
+        return self._disk.read_ahead_bytes()
+
+    @property
+    def read_ahead_evictions(self) -> int:
+        """How many read-ahead blocks a group wanted for a step took the room of, so far."""
+        return self._disk.evictions
+
     # -- state outside a step (main thread) -------------------------------------------------------
 
     def read_master(self, group):

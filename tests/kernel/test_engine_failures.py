@@ -65,8 +65,8 @@ def failed_engine(path: Path, fault: str):
         engine = zkernel.initialize(model, nvme_config(path, params="nvme", name="cpu_adam_failing"), plugins=[FailingStep()])
     elif fault in ("params_file", "frozen_file"):
         engine = zkernel.initialize(model, nvme_config(path, optimizer="cpu", params="nvme"))
-    else:
-        engine = zkernel.initialize(model, nvme_config(path, stage="zero2"))
+    else:  # a pool of one group: the altered file is read at the next step, not ahead ([Note: read-ahead])
+        engine = zkernel.initialize(model, nvme_config(path, stage="zero2", buffer_bytes=16384))
     steps(engine, 2)
     engine.pipeline.wait_all()
     if fault == "params_file":

@@ -67,14 +67,15 @@ def _wait_writes(engine) -> None:
             tier.wait_writes()
 
 
-def write_failure(nvme_path: str, role: str) -> dict:
+def write_failure(nvme_path: str, role: str, **tier_options) -> dict:
     """The disk refuses writes (RLIMIT_FSIZE) from step 3 on: the error names the file, and closing the
     engine gives back the model of exactly three steps (nothing lost or read back half-written).
 
     Also: a file size limit below a swap file's size at `initialize` fails its pre-allocation.
-    Returns what happened, for the test to check."""
+    ``tier_options`` go to the nvme role's options. Returns what happened, for the test to check."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
-    cfg = nvme_config(nvme_path, optimizer="nvme" if role == "optimizer" else "cpu", params="nvme" if role == "params" else "none")
+    cfg = nvme_config(nvme_path, optimizer="nvme" if role == "optimizer" else "cpu",
+                      params="nvme" if role == "params" else "none", **tier_options)
     # No gather ahead (the reads come from the rescue copies where a parameter write failed).
     cfg["prefetch_bytes"] = 0
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)

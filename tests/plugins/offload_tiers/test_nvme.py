@@ -419,7 +419,9 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def test_altered_optimizer_swap_file_is_named_and_not_trained_on(tmp_path):
-    engine = zkernel.initialize(TrickyNet(), nvme_config(tmp_path, stage="zero2"))
+    """A pool of one group, so the altered file is read at the next step, not read (or kept) ahead
+    before it was altered ([Note: read-ahead])."""
+    engine = zkernel.initialize(TrickyNet(), nvme_config(tmp_path, stage="zero2", buffer_bytes=16384))
     steps(engine, 2)
     engine.pipeline.wait_all()
     engine.optimizer_tier.wait_writes()
