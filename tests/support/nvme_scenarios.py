@@ -34,6 +34,10 @@ def nvme_config(nvme_path, *, optimizer="nvme", params="none", stage="zero3", na
     for role, tier in (("optimizer", optimizer), ("params", params)):
         if tier == "nvme":
             cfg["offload"][f"{role}_options"] = {"aio_threads": 2, **tier_options}
+    if optimizer in ("nvme", "cpu"):
+        # The host and disk paths are what these scenarios test: no GPU share (on CUDA the default,
+        # "auto", moves a small model's optimizer to the GPU after the first step).
+        cfg["offload"]["optimizer_options"] = {"gpu_share": 0.0, **cfg["offload"].get("optimizer_options", {})}
     return cfg
 
 

@@ -36,7 +36,9 @@ SMALL_IO = {"aio_threads": 2}
 def optimizer_on_nvme(stage: str, optimizer: str, path, **options) -> dict:
     cfg = config(stage)  # accumulation 2, clipping 0.5, several groups
     cfg["optimizer"] = {**cfg["optimizer"], "name": optimizer}
-    cfg["offload"] = {"optimizer": "nvme", "nvme_path": str(path), "optimizer_options": {**SMALL_IO, **options}}
+    # No GPU share: the disk path is what these tests read (on CUDA "auto" would move groups off it).
+    cfg["offload"] = {"optimizer": "nvme", "nvme_path": str(path),
+                      "optimizer_options": {**SMALL_IO, "gpu_share": 0.0, **options}}
     return cfg
 
 

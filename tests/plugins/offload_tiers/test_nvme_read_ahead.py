@@ -53,9 +53,9 @@ def test_the_next_steps_state_is_read_before_its_step(pool, tmp_path):
     losses = []
 
     def window(step, before) -> None:
-        total = torch.zeros(())  # (summed as `scenarios._train_steps` does: the cpu tier's losses below)
+        total = torch.zeros((), device=engine.device)  # (summed as `scenarios._train_steps` does)
         for micro in step:
-            tokens, targets = micro[0]
+            tokens, targets = (t.to(engine.device) for t in micro[0])
             loss = engine(tokens, targets)
             engine.backward(loss)
             if micro is step[-1] and before is not None:
@@ -79,7 +79,7 @@ def test_the_next_steps_state_is_read_before_its_step(pool, tmp_path):
         assert_matches(losses, reference(1), f"read-ahead through a pool of {pool}")
     else:
         host = optimizer_on_nvme("zero3", "cpu_adam", tmp_path)
-        host["offload"] = {"optimizer": "cpu", "optimizer_options": {"speculate": "never"}}  # as the nvme tier
+        host["offload"] = {"optimizer": "cpu", "optimizer_options": {"speculate": "never", "gpu_share": 0.0}}  # as the nvme tier
         host["precision"] = "bf16"
         assert losses == train(host, STEPS, ACCUM, MICRO, SEED)["losses"]
 
@@ -177,8 +177,8 @@ def test_cuda_read_ahead_through_two_group_pools_equals_the_cpu_tier_bit_for_bit
 
     for params in ("none", "cpu", "nvme"):
         disk = _cuda_config("zero3", "nvme", params, tmp_path, "bf16")
-        disk["offload"]["optimizer_options"] = {"buffer_bytes": TWO_GROUPS}
+        disk["offload"]["optimizer_options"]["buffer_bytes"] = TWO_GROUPS
         host = _cuda_config("zero3", "cpu", "cpu" if params == "nvme" else params, tmp_path, "bf16")
-        host["offload"]["optimizer_options"] = {"speculate": "never"}  # the nvme tier never speculates
+        host["offload"]["optimizer_options"]["speculate"] = "never"  # the nvme tier never speculates
         a, b = (train(c, test_cuda.STEPS, test_cuda.ACCUM, test_cuda.MICRO, test_cuda.SEED)["losses"] for c in (host, disk))
         assert a == b, f"params {params}: {a} vs {b}"
