@@ -71,7 +71,11 @@ def test_the_next_steps_state_is_read_before_its_step(pool, tmp_path):
         before = tier.bytes_read, tier.bytes_written
         window(step, before)
         _settle(engine)
-        assert tier.bytes_read - before[0] == read_per_step
+        read = tier.bytes_read - before[0]
+        # Each group is read at most once a step. Through the small pool, a block whose write-back ends
+        # before the read-ahead needs its room is kept as its group's next read instead of read again:
+        # whether it does depends on the disk's timing, so up to a pool's worth fewer bytes are read.
+        assert read_per_step - (ahead if read_per_step else 0) <= read <= read_per_step, (read, read_per_step)
         assert tier.bytes_written - before[1] == footprint
     assert tier.read_ahead_evictions == 0
     engine.close()
