@@ -106,15 +106,7 @@ def write_failure_mid_step(nvme_path: str, clip: float, fail_rank: int, steps: i
                     engine.backward(loss)
                     engine.step()
             except OSError as exc:
-                errors.append({"batch": i, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                               "errno": exc.errno, "filename": exc.filename,
-                               "notes": list(getattr(exc, "__notes__", []))})
-                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space freed
-                try:  # step() again, without the window's backward, is refused on every rank alike
-                    engine.step()
-                except RuntimeError as again:
-                    refused.append(str(again))
-                if len(errors) > 2:
+                if _failed_window(engine, exc, i, errors, refused, (soft, hard)):
                     break
                 continue  # run the window again
             i += 1
@@ -208,15 +200,7 @@ def params_write_failure(nvme_path: str, optimizer: str, clip: float, fail_rank:
                     resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # the disk is full from now on
                 engine.step()
             except OSError as exc:
-                errors.append({"batch": i, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                               "errno": exc.errno, "filename": exc.filename,
-                               "notes": list(getattr(exc, "__notes__", []))})
-                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space freed
-                try:  # step() again, without the window's backward, is refused on every rank alike
-                    engine.step()
-                except RuntimeError as again:
-                    refused.append(str(again))
-                if len(errors) > 2:
+                if _failed_window(engine, exc, i, errors, refused, (soft, hard)):
                     break
                 continue  # run the window again
             i += 1
@@ -226,3 +210,16 @@ def params_write_failure(nvme_path: str, optimizer: str, clip: float, fail_rank:
     engine.close()
     out["params"] = _closed(model)
     return out
+
+
+def _failed_window(engine, exc: OSError, batch: int, errors: list, refused: list, limits: tuple[int, int]) -> bool:
+    """Note a window whose step failed with ``exc``, free the disk (``limits``: RLIMIT_FSIZE's), and
+    check that ``step()`` again without the window's backward is refused; True: stop (three failures)."""
+    errors.append({"batch": batch, "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                   "errno": exc.errno, "filename": exc.filename, "notes": list(getattr(exc, "__notes__", []))})
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)  # space freed
+    try:  # step() again, without the window's backward, is refused on every rank alike
+        engine.step()
+    except RuntimeError as again:
+        refused.append(str(again))
+    return len(errors) > 2

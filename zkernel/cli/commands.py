@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from zkernel.cli.table import text_table
 from zkernel.telemetry.log import get_logger
 
 # Set by torchrun in every process it starts.
@@ -73,15 +74,6 @@ def configure_logging(*, json_output: bool = False, verbose: bool = False, rank:
 # -- zkernel plugins --------------------------------------------------------------
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
 def cmd_plugins(args: argparse.Namespace) -> int:
     from zkernel.spec.config import Config
     from zkernel.kernel.plugin_manager import get_plugin_manager, list_components
@@ -96,7 +88,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         rows.append(
             (component.family.label, component.name, source.name, source.origin, dist, component.description)
         )
-    print(_table(("FAMILY", "NAME", "PLUGIN", "ORIGIN", "DISTRIBUTION", "DESCRIPTION"), rows))
+    print(text_table(("FAMILY", "NAME", "PLUGIN", "ORIGIN", "DISTRIBUTION", "DESCRIPTION"), rows))
     return 0
 
 

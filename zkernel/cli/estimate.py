@@ -28,6 +28,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from zkernel.cli.table import text_table
+
 # What each kind of buffer is (`zkernel.spec.sizing.Role` values), for the notes under the table.
 ROLE_TEXT = {
     "param_full": "whole parameters",
@@ -253,15 +255,6 @@ def offload_notes(rows: Sequence[Any], device: str) -> list[str]:
     return notes
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
 def cmd_estimate(args: argparse.Namespace) -> int:
     """``zkernel estimate``: print the table (and ``--plan``'s decision); 0, or 1 when ``--plan`` finds nothing that fits."""
     import attrs
@@ -338,7 +331,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         )
     print("\nmodel states per rank (grads at their peak, after backward):")
     header = ("PARTITIONER", "OFFLOAD OPT/PARAMS", "PARAMS", "GRADS", "MASTER", "OPTIM STATE", *(p.upper() for p in places), "AUTO", "FITS")
-    print(_table(header, table))
+    print(text_table(header, table))
     if decision is not None:
         print(
             f"\nAUTO *: what partitioner/offload = \"auto\" would choose here (planner {decision.planner!r}): "

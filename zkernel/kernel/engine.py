@@ -53,7 +53,7 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
-from torch.utils._pytree import SequenceKey, MappingKey, tree_map_with_path
+from torch.utils._pytree import tree_map_with_path
 from torch.utils.checkpoint import CheckpointError
 
 from zkernel.kernel import closing, lifecycle
@@ -61,6 +61,7 @@ from zkernel.spec.config import Config
 from zkernel.platform.distributed import DistInfo
 from zkernel.spec.groups import ParamGroup, Phase, StepOptions
 from zkernel.telemetry.log import get_logger
+from zkernel.kernel.engine_inputs import input_name, prepare_input, scaled_by
 from zkernel.kernel.loss_scale import DynamicLossScaler
 from zkernel.kernel.memory_report import MemoryReport
 from zkernel.params import param_writes
@@ -276,7 +277,9 @@ class Engine:
         `backward`, so user code between the two (a regulariser on a weight, say)
         may read parameters too, as long as every rank does the same reads.
         """
-        args, kwargs = tree_map_with_path(lambda path, v: self._prepare_input(v, _input_name(path)), (args, kwargs))
+        args, kwargs = tree_map_with_path(
+            lambda path, v: prepare_input(v, self.device, self.compute_dtype, input_name(path)), (args, kwargs)
+        )
         try:
             with profiler_range("zkernel::forward"), self._compute_span("forward"):
                 out = self._module(*args, **kwargs)
@@ -340,11 +343,8 @@ class Engine:
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
         steps = self.config.gradient_accumulation_steps
-        if steps > 1 and not self._warned_scaled_twice and _scaled_by(loss, self._output_fn, steps):
-            # [Note: a loss scaled twice] The most common porting mistake from a plain loop: the loss
-            # divided by the accumulation steps before `backward`, which already averages over them.
-            # Seen only where it is cheap: the loss is the forward's own scalar output divided by
-            # (or multiplied by the inverse of) exactly that number, a constant held on the host.
+        if steps > 1 and not self._warned_scaled_twice and scaled_by(loss, self._output_fn, steps):
+            # [Note: a loss scaled twice] in `zkernel.kernel.engine_inputs`.
             self._warned_scaled_twice = True
             log.warning(
                 "zkernel.backward.loss_scaled_twice",
@@ -697,19 +697,6 @@ class Engine:
     def _exit_guard(self) -> None:
         self.scheduler.guarding = False
 
-    def _prepare_input(self, value: Any, where: str = "an input") -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if value.is_meta:
-            raise ValueError(
-                f"{where} of the engine's forward is a meta-device tensor (shape {tuple(value.shape)}, "
-                f"{value.dtype}), which holds no values: inputs must be real tensors (on the CPU or "
-                f"{self.device}); build them outside a `with torch.device('meta')` block"
-            )
-        if value.is_floating_point() and value.dtype != self.compute_dtype:
-            return value.to(device=self.device, dtype=self.compute_dtype)
-        return value.to(self.device)
-
     def _needs_norm(self) -> bool:
         return self.config.gradient_clipping > 0 or self.loss_scaler is not None
 
@@ -744,35 +731,6 @@ class Engine:
         clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
         return unscale * clip
 
-
-def _scaled_by(loss: torch.Tensor, output_fn: Any, steps: int) -> bool:
-    """Whether ``loss`` is the forward's scalar output (``output_fn``: its grad_fn) divided by
-    ``steps`` or multiplied by ``1 / steps`` ([Note: a loss scaled twice]); reads no device value."""
-    fn = loss.grad_fn
-    if output_fn is None or fn is None or fn.name() not in ("DivBackward0", "MulBackward0"):
-        return False
-    if not fn.next_functions or fn.next_functions[0][0] is not output_fn:
-        return False
-    other = getattr(fn, "_saved_other", None)
-    if not isinstance(other, torch.Tensor) or other.numel() != 1 or other.device.type != "cpu":
-        return False
-    expected = steps if fn.name() == "DivBackward0" else 1.0 / steps
-    return math.isclose(float(other), expected, rel_tol=1e-6)
-
-
-def _input_name(path) -> str:
-    """``path`` into ``(args, kwargs)`` as the caller wrote it: "argument 0", "argument 'mask'", "argument 1[2]"."""
-    if not path:
-        return "an input"
-    head, *rest = path
-    first = path[1] if len(path) > 1 else None
-    if isinstance(head, SequenceKey) and head.idx == 0 and isinstance(first, SequenceKey):
-        name = f"argument {first.idx}"
-    elif isinstance(head, SequenceKey) and head.idx == 1 and isinstance(first, MappingKey):
-        name = f"argument {first.key!r}"
-    else:
-        return "an input"
-    return name + "".join(str(k) for k in rest[1:])
 
 
 def log_context(rank: int, step: int):
