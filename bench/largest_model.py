@@ -66,7 +66,9 @@ def _config(args) -> dict:
     if "nvme" in (offload.get("optimizer"), offload.get("params")) or "auto" in (offload.get("optimizer"), offload.get("params")):
         os.makedirs(args.nvme_path, exist_ok=True)
         offload.setdefault("nvme_path", args.nvme_path)
-    config["timeline"] = args.timeline
+    config["timeline"] = args.timeline or bool(args.trace)
+    if args.trace:
+        config["timeline_path"] = args.trace
     return config
 
 
@@ -148,6 +150,7 @@ def _worker(args) -> None:
         if i == args.warmup:
             disk = _disk_counters(engine)
         batch = [learnable_sequences(args.micro_batch, SEQ, VOCAB, device, g) for _ in range(args.accum)]
+        before = _disk_counters(engine)
         sync()
         t0 = time.perf_counter()
         loss = train_step(batch).detach().float()
@@ -159,10 +162,15 @@ def _worker(args) -> None:
         seconds = time.perf_counter() - t0
         times.append(seconds)
         if rank == 0:
-            print("STEP " + json.dumps({"step": i, "loss": losses[-1], "seconds": round(seconds, 3),
-                                         "tokens_per_s": round(tokens_per_step / seconds, 1),
-                                         "tflops_per_gpu": round(fpt * tokens_per_step / world / seconds / 1e12, 1)}),
-                  flush=True)
+            line = {"step": i, "loss": losses[-1], "seconds": round(seconds, 3),
+                    "tokens_per_s": round(tokens_per_step / seconds, 1),
+                    "tflops_per_gpu": round(fpt * tokens_per_step / world / seconds / 1e12, 1)}
+            moved = [b - a for a, b in zip(before, _disk_counters(engine))]
+            if any(moved):  # the disk bytes counted while this step's call ran (a step's tail runs into the next)
+                line["disk_read_gb"], line["disk_written_gb"] = round(moved[0] / 1e9, 2), round(moved[1] / 1e9, 2)
+            if engine is not None and engine.timeline.summaries:
+                line["timeline"] = engine.timeline.summaries[-1].log_fields()
+            print("STEP " + json.dumps(line), flush=True)
     measured = times[args.warmup:] or times[-1:]
     step = statistics.median(measured)
     result = {
@@ -224,6 +232,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--nvme-path", default="/tmp/zkernel-nvme")
     parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--trace", help="write the timeline as a Chrome trace to this path (implies --timeline)")
     parser.add_argument("--deadline", type=float, default=0.0, help="seconds: no step starts that would end after it")
     parser.add_argument("--log-level", default="", help="log zkernel's events to stderr at this level (info, debug)")
     parser.add_argument("--dump-stacks", type=float, default=0.0, help="seconds: dump every thread's stack this often")
