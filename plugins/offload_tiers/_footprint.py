@@ -22,8 +22,8 @@ holds the answers to ``memory_report()``):
   answered as 0, as the cpu tier's) and
   ``host_share`` keep the first groups' optimizer on the GPU and in host
   memory ([Note: spill] in `nvme`). Files stream through a
-  page-locked pool (``buffer_bytes``, else `DEFAULT_BUFFER_BYTES` or four of
-  the largest group's file image, capped at all of them: `default_pool_bytes`). As the params tier,
+  page-locked pool (``buffer_bytes``, else `DEFAULT_BUFFER_BYTES` or two of
+  the largest group's file image, capped at all of them). As the params tier,
   the shard in swap files, read through its own pool (``buffer_bytes``, else
   the host look-ahead plus four of the largest shard, capped at twice all);
   it lends the optimizer a buffer for each update, so no staging copy is kept.
@@ -66,7 +66,7 @@ def cpu_footprint(role: str, options) -> TierSizing:
 
 
 def nvme_footprint(role: str, options) -> TierSizing:
-    from ._nvme_optimizer import default_pool_bytes
+    from ._nvme_optimizer import DEFAULT_BUFFER_BYTES
 
     if role == "params":
 
@@ -82,7 +82,7 @@ def nvme_footprint(role: str, options) -> TierSizing:
         files = [f for f in (sum(aligned(n) for n in group) for group in groups) if f]
         if not files:
             return 0
-        return options.buffer_bytes or default_pool_bytes(files)
+        return options.buffer_bytes or min(sum(files), max(DEFAULT_BUFFER_BYTES, 2 * max(files)))
 
     return TierSizing(
         role=role,

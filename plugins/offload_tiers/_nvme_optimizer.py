@@ -59,35 +59,25 @@ the rescue copy. `close` removes the files and does not raise a failure that
 was only logged by then.
 
 [Note: the disk phase's order] Where the disk sits in a step with
-clipping (the 15.4 B run of issue 46: zero3, micro-batch 8 x 24, clipping 1.0,
-placed by ``"auto"``: 34 GB of state in 36 files of 0.31-1.26 GB). The groups on
-disk are the last layers in module order ([Note: spill] in ``nvme``). Their
-gradients are final first in the last micro-batch's backward, but with clipping
-the step's coefficient is known only when backward ends, and this tier takes no
-speculative step ([Note: no speculation on disk]), so nothing of theirs is
-stepped or written during backward. At `Engine.step` the pipeline prepares every
-host group in the next forward's order: the host-memory groups first (stepped at
-once), then the disk groups, whose reads start as the pool has room. Per disk
-group, in that order: read (as soon as room frees), Adam on the host worker,
-release (its writes start), its room back when they end, the next group's read
-in it. The next forward waits for the first disk layer's update after about
-three quarters of one micro-batch's forward, so every read, step and write of
-the disk groups but the last writes is on the critical path, between the end of
-backward and that wait; only what the pool read ahead ([Note: read-ahead]) is
-off it.
-
-[Note: the pool's depth] How many blocks the pool holds decides whether that
-phase runs at the disk's read rate. With two of the largest file image (the
-default until issue 46) the read of group i+2 waits for the writes of group i:
-the trace of a steady step of that run shows reads and writes taking turns,
-3.8 GB moved every 2 s (about 0.95 GB/s of reads), and the disk phase taking
-35 s of an 88 s step. With four, two blocks read while the two before them are
-written, so reads can stream at the rate the disk gives them beside writes
-(1.24-1.30 GB/s with both in flight, 1.39 GB/s alone, on that machine). The
-default is therefore four of the largest file image (or `DEFAULT_BUFFER_BYTES`,
-whichever is more, never more than all files: `default_pool_bytes`), and the
-planner counts it as host memory; it comes out of ``host_share``, so as much
-more state is on disk, but that much is read ahead during forward and backward.
+clipping (the 15.4 B run of issue 46: zero3, ``gpu_share`` 0.454, ``host_share``
+0.292, micro-batch 8 x 24, clipping 1.0). The groups on disk are the last layers
+in module order ([Note: spill] in ``nvme``). Their gradients are final first
+in the last micro-batch's backward, but with clipping the step's coefficient
+is known only when backward ends, and this tier takes no speculative step
+([Note: no speculation on disk]), so nothing of theirs is stepped or written
+during backward. At `Engine.step` the pipeline prepares every host group in
+the next forward's order: the host-memory groups first (stepped at once), then
+the disk groups, whose reads start as the pool has room. Per disk group, in
+that order: read (as soon as room frees), Adam on the host worker, release
+(its writes start), its room back when they end, the next group's read in it.
+With a pool of two groups (the default: twice the largest file image) the read
+of group i+2 waits for the writes of group i, so reads and writes overlap only
+in part, and the next forward waits for the first disk layer's update after
+about three quarters of one micro-batch's forward: every read, step and write of
+the disk groups but the last writes is on the critical path, between the end
+of backward and that wait (measured: 46.3 of 102.8 s exposed, reads 1.57 GB/s,
+writes 1.34 GB/s). Before this tier read ahead, the pool was idle from the
+end of a step's last write until the next `Engine.step`.
 
 [Note: read-ahead] A group's state does not change between its release and
 its next step (only a checkpoint load, `write_state`, replaces it, and drops
@@ -144,18 +134,9 @@ from ._progress import Preallocation
 from ._swap_file import Extent, SwapFile, extents_of
 from ._swap_traffic import SwapTraffic
 
-# Pool size when ``buffer_bytes`` is not given: this, or `POOL_DEPTH` of the largest group's file
-# image, whichever is more, but never more than all files together ([Note: the pool's depth]).
+# Pool size when ``buffer_bytes`` is not given: this, or two of the largest group's file image,
+# whichever is more, but never more than all files together.
 DEFAULT_BUFFER_BYTES = 2 << 30
-POOL_DEPTH = 4
-
-
-def default_pool_bytes(footprints) -> int:
-    """The pool's bytes when ``buffer_bytes`` is not given, for files of ``footprints`` bytes."""
-    footprints = list(footprints)
-    if not footprints:
-        return 0
-    return min(sum(footprints), max(DEFAULT_BUFFER_BYTES, POOL_DEPTH * max(footprints)))
 
 
 class _State(enum.Enum):
@@ -286,8 +267,8 @@ class OptimizerSwap:
         if limit is not None and nbytes > limit:
             raise ConfigError(
                 f"offload.optimizer_options.buffer_bytes = {limit} cannot hold group {group.name!r}: its master "
-                f"and optimizer state take {nbytes} bytes; raise buffer_bytes to at least {nbytes} (four or more "
-                "groups' worth lets reads stream beside writes), or make groups smaller "
+                f"and optimizer state take {nbytes} bytes; raise buffer_bytes to at least {nbytes} (two or more "
+                "groups' worth lets reads, the step and writes overlap), or make groups smaller "
                 "(partitioner_options.bucket_size, or zero3)"
             )
 
@@ -305,7 +286,10 @@ class OptimizerSwap:
 
     def _pool(self) -> PinnedArena:
         if self._arena is None:
-            size = self.nvme_options.buffer_bytes or default_pool_bytes(s.footprint for s in self._swap.values())
+            footprints = [s.footprint for s in self._swap.values()]
+            size = self.nvme_options.buffer_bytes or min(
+                sum(footprints), max(DEFAULT_BUFFER_BYTES, 2 * max(footprints, default=0))
+            )
             self._arena = PinnedArena(size, pin=self._pin(), name="optimizer")
         return self._arena
 

@@ -26,7 +26,7 @@ class NvmeTierOptions:
     # Elements of one tensor per swap-file request: the unit of a read or write and of its CRC32C.
     sub_group_size: int = attrs.field(default=1 << 24, validator=integer(minimum=1024))
     # Bytes of page-locked host memory the step streams masters and state through; None: 2 GiB or
-    # four of the largest group's master and state, whichever is more, capped at all of them.
+    # twice the largest group's master and state, whichever is more, capped at all of them.
     buffer_bytes: int | None = attrs.field(default=None, validator=integer(minimum=ALIGNMENT, optional=True))
     # Page-lock the buffers (pool and gradient landing): None = where CUDA is available.
     pin_memory: bool | None = None
