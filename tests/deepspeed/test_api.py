@@ -229,9 +229,10 @@ def test_parameters_carry_their_whole_sizes_as_ds_numel():
 
 def test_a_client_optimizer_without_an_equivalent_is_an_error():
     import zkernel.deepspeed as deepspeed
+    from zkernel.errors import ConfigError
 
     model = Net()
-    with pytest.raises(TypeError, match="SGD cannot be mapped"):
+    with pytest.raises(ConfigError, match="SGD cannot be mapped"):
         deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              config={"train_micro_batch_size_per_gpu": 1})
 

@@ -1,1 +1,2 @@
-"""Compatibility with other ZeRO implementations' inputs."""
+"""Compatibility with other trainers' inputs: DeepSpeed configs and lr schedulers (`deepspeed`), and torch
+Adam/AdamW optimizers (`torch_optim`)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from zkernel.checkpoint.reader import committed_tags
+from zkernel.kernel.torch_optim_sync import TorchOptimizerSync
 from zkernel.telemetry.log import get_logger
 
 log = get_logger()
@@ -104,18 +105,20 @@ class ConfigScheduler:
 
 
 class _ClientScheduler:
-    """A client's torch lr scheduler over its torch optimizer: stepped after each optimizer step of the
-    engine, its rate copied into the engine."""
+    """A client's torch lr scheduler over its torch optimizer (``mapping``, the optimizer as mapped):
+    stepped after each optimizer step of the engine, the optimizer's groups then carried into the engine
+    ([Note: following a torch optimizer] in `zkernel.kernel.torch_optim_sync`)."""
 
-    def __init__(self, engine, scheduler, optimizer) -> None:
-        self._engine, self.scheduler, self._optimizer = engine, scheduler, optimizer
-        engine.lr = optimizer.param_groups[0]["lr"]
+    def __init__(self, engine, scheduler, mapping) -> None:
+        self.scheduler = scheduler
+        self._sync = TorchOptimizerSync(mapping, engine, owns_rate=True)
+        self._sync.sync()
 
     def advance(self) -> None:
         with warnings.catch_warnings():  # the torch optimizer never steps: the engine's does
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()
-        self._engine.lr = self._optimizer.param_groups[0]["lr"]
+        self._sync.sync()
 
 
 class DeepSpeedEngine:

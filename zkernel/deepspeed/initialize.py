@@ -8,14 +8,21 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
 from zkernel.compat.deepspeed.config import from_deepspeed_config, read_deepspeed_json
+from zkernel.compat.torch_optim import Origin, TorchAdam
 from zkernel.deepspeed import zero
 from zkernel.deepspeed.engine import DeepSpeedEngine, _ClientScheduler
 from zkernel.errors import ConfigError
 from zkernel.kernel.bootstrap import initialize as zkernel_initialize
+
+_CLIENT = Origin(
+    whose="the client",
+    instead="give the optimizer as the config's 'optimizer' section (Adam/AdamW)",
+)
 
 
 def add_config_arguments(parser):
@@ -61,7 +68,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     The config comes from ``config``, ``config_params`` or ``args.deepspeed_config`` (a dict or a
     path to the JSON). ``optimizer``: None (the config's ``optimizer`` section), or a
-    ``torch.optim.AdamW``/``Adam`` whose hyperparameters become that section.
+    ``torch.optim.AdamW``/``Adam`` over the model's parameters whose class and parameter groups become
+    that section and its per-group overrides (`zkernel.compat.torch_optim`).
     ``lr_scheduler``: None (the config's ``scheduler`` section), or a torch lr scheduler over that
     optimizer, stepped after each optimizer step of the engine. ``training_data``: a dataset,
     loaded in micro-batches (a ``DistributedSampler`` across ranks). ``mpu`` and ``mesh_param``
@@ -73,11 +81,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("zkernel.deepspeed.initialize: mpu and mesh_param (model or sequence parallelism) are not "
                          "supported; zkernel trains data parallel")
     raw = _read_config(args, config, config_params)
+    client = None
     if optimizer is not None:
         if "optimizer" in raw:
             raise ConfigError("an optimizer was passed to initialize and the config has an 'optimizer' section too; "
                               "keep one of them (as DeepSpeed asserts)")
-        raw["optimizer"] = _optimizer_section(optimizer)
+        client = TorchAdam(optimizer, model, _CLIENT)
+        raw["optimizer"] = client.deepspeed_section()
     if lr_scheduler is not None:
         if "scheduler" in raw:
             raise ConfigError("an lr_scheduler was passed to initialize and the config has a 'scheduler' section "
@@ -87,12 +97,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                             f"(got {type(lr_scheduler).__name__}); or give the schedule as the config's 'scheduler' "
                             "section (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)")
     _check_model_parameters(model_parameters)
-    engine = zkernel_initialize(model, from_deepspeed_config(raw))
+    zk_config = from_deepspeed_config(raw)
+    if client is not None:
+        zk_config = attrs.evolve(zk_config, optimizer=client.with_groups(zk_config.optimizer))
+    engine = zkernel_initialize(model, zk_config)
     zero.track(engine)
     _set_ds_sizes(engine)
     micro = _micro_batch(raw, engine.config.gradient_accumulation_steps, engine.dist.world_size)
-    client = _ClientScheduler(engine, lr_scheduler, optimizer) if lr_scheduler is not None else None
-    wrapped = DeepSpeedEngine(engine, micro, client_scheduler=client)
+    schedule = _ClientScheduler(engine, lr_scheduler, client) if lr_scheduler is not None else None
+    wrapped = DeepSpeedEngine(engine, micro, client_scheduler=schedule)
     loader = None
     if training_data is not None:
         loader = _dataloader(training_data, micro, collate_fn, raw, engine.dist)
@@ -126,48 +139,16 @@ def _read_config(args, config, config_params) -> dict[str, Any]:
     return copy.deepcopy(dict(source))
 
 
-def _optimizer_section(optimizer) -> dict[str, Any]:
-    """The config's ``optimizer`` section for a client optimizer zkernel has the equivalent of."""
-    fix = ("give the optimizer as the config's 'optimizer' section (Adam/AdamW) instead, or pass a "
-           "torch.optim.AdamW or torch.optim.Adam")
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"an optimizer factory ({optimizer!r}) cannot be mapped: {fix}")
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError(f"a client optimizer {type(optimizer).__name__} cannot be mapped: zkernel steps its own "
-                        f"optimizer, and has only Adam/AdamW: {fix}")
-    keys = ("lr", "betas", "eps", "weight_decay")
-    first = optimizer.param_groups[0]
-    for i, group in enumerate(optimizer.param_groups[1:], start=1):
-        differs = [k for k in keys if group[k] != first[k]]
-        if differs:
-            raise ValueError(f"the client optimizer's param_groups[{i}] has other {differs} than param_groups[0]; "
-                             "zkernel takes per-group settings from the config: [optimizer] param_groups or "
-                             "no_weight_decay patterns")
-    for flag in ("amsgrad", "maximize"):
-        if first.get(flag):
-            raise ValueError(f"the client optimizer's {flag}=True has no zkernel equivalent")
-    lr = first["lr"]
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(first.get("decoupled_weight_decay", False))
-    params = {
-        "lr": float(lr.item() if isinstance(lr, torch.Tensor) else lr),
-        "betas": [float(b) for b in first["betas"]],
-        "eps": float(first["eps"]),
-        "weight_decay": float(first["weight_decay"]),
-    }
-    if decoupled:
-        return {"type": "AdamW", "params": params}
-    return {"type": "Adam", "params": {**params, "adam_w_mode": False}}
-
-
 def _check_model_parameters(model_parameters) -> None:
     if model_parameters is None:
         return
     if isinstance(model_parameters, (list, tuple)) and model_parameters and isinstance(model_parameters[0], Mapping):
         extra = sorted({k for g in model_parameters for k in g if k != "params"})
         if extra:
-            raise ValueError(f"model_parameters with per-group settings {extra} cannot be mapped: give them as the "
-                             "config's [optimizer] param_groups (or no_weight_decay) patterns; the engine trains "
-                             "every parameter that requires grad")
+            raise ValueError(f"model_parameters with per-group settings {extra} cannot be mapped: pass "
+                             "optimizer=torch.optim.AdamW(those groups) instead, or give them as the config's "
+                             "[optimizer] param_groups (or no_weight_decay) patterns; the engine trains every "
+                             "parameter that requires grad")
 
 
 def _micro_batch(raw: Mapping[str, Any], accumulation: int, world: int) -> int:

@@ -12,7 +12,8 @@ from torch import nn
 
 import zkernel
 from zkernel.errors import ConfigError
-from zkernel.integrations.lightning.optimizer import OptimizerMap, OptimizerSync
+from zkernel.integrations.lightning.optimizer import OptimizerMap
+from zkernel.kernel.torch_optim_sync import TorchOptimizerSync
 from zkernel.spec.config import Config
 
 pytest.importorskip("pytorch_lightning")
@@ -53,7 +54,7 @@ def test_a_torch_scheduler_drives_the_engine_like_torch(kind, schedule):
     mapping = OptimizerMap(view, model)
     config = attrs.evolve(Config(), optimizer=mapping.section(Config().optimizer, offloaded=False))
     engine = zkernel.initialize(model, config)
-    sync = OptimizerSync(mapping, engine, owns_rate=True)
+    sync = TorchOptimizerSync(mapping, engine, owns_rate=True)
     data = torch.randn(6, 4, 6, generator=torch.Generator().manual_seed(2))
     try:
         for x in data:
@@ -79,14 +80,15 @@ def test_a_torch_scheduler_drives_the_engine_like_torch(kind, schedule):
         engine.close()
 
 
-def test_groups_become_param_group_entries():
+def test_groups_become_the_section_and_param_group_entries():
+    """The first group (the largest rate and weight decay) is the section; the other differs: an entry."""
     model = _model()
     optimizer = torch.optim.Adam(_groups(model), lr=0.01, betas=(0.9, 0.95))
     section = OptimizerMap(optimizer, model).section(Config().optimizer, offloaded=True)
     assert section.name == "cpu_adam" and section.lr == 0.01 and section.options["decoupled_weight_decay"] is False
-    first, second = section.param_groups
-    assert first.params == ("0.weight", "3.weight") and first.lr_scale == 1.0 and first.weight_decay == 0.1
-    assert second.params == ("0.bias", "1.weight", "1.bias", "3.bias")
+    assert section.weight_decay == 0.1 and section.betas == (0.9, 0.95) and not section.no_weight_decay
+    (second,) = section.param_groups
+    assert second.params == ("0.bias", "1.weight", "1.bias", "3.bias") and second.weight_decay == 0.0
     assert second.lr_scale == pytest.approx(0.4) and second.betas == (0.8, 0.99) and second.eps == 1e-6
 
 

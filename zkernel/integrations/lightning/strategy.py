@@ -48,9 +48,10 @@ from torch import nn
 
 from zkernel.errors import ConfigError
 from zkernel.integrations.lightning import settings
-from zkernel.integrations.lightning.optimizer import OptimizerMap, OptimizerSync
+from zkernel.integrations.lightning.optimizer import OptimizerMap
 from zkernel.kernel.bootstrap import initialize
 from zkernel.kernel.plugin_manager import collect_components, get_plugin_manager, resolve_components
+from zkernel.kernel.torch_optim_sync import TorchOptimizerSync
 from zkernel.spec.config import auto_keys
 from zkernel.telemetry.log import get_logger
 
@@ -146,7 +147,7 @@ class _Strategy:
         self._init_fn = init_fn
         self._engine: Any = None
         self._engine_config: Any = None
-        self._sync: OptimizerSync | None = None
+        self._sync: TorchOptimizerSync | None = None
         self._accumulation = 1
         self._stepping = False  # inside optimizer_step: the backward in its closure ends a window
         self._backward_pending = False
@@ -253,7 +254,7 @@ class _Strategy:
             engine = initialize(module, config, init_fn=self._init_fn)
             self._engine, self._engine_config = engine, config
         self.model = EngineModule(engine)
-        self._sync = OptimizerSync(mapping, engine, owns_rate=config.lr_schedule.name == "none") if mapping else None
+        self._sync = TorchOptimizerSync(mapping, engine, owns_rate=config.lr_schedule.name == "none") if mapping else None
         self.barrier()
 
     def teardown(self) -> None:

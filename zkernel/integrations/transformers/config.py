@@ -16,8 +16,8 @@ may repeat them. As the Trainer does with a DeepSpeed config (its ``HfTrainerDee
   (`resolve`), with the step count the Trainer computed.
 
 The Trainer's parameter groups (no weight decay on biases and normalisation weights) become
-``[optimizer] no_weight_decay`` / ``param_groups`` (`zkernel.integrations.transformers.optimizer`),
-unless a zkernel config names its own.
+``[optimizer] no_weight_decay`` / ``param_groups`` (`zkernel.compat.torch_optim`), unless a zkernel
+config names its own.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import attrs
 
 from zkernel.compat.deepspeed.config import from_deepspeed_config, is_deepspeed_config, read_deepspeed_json
 from zkernel.errors import ConfigError
-from zkernel.integrations.transformers.optimizer import decoupled, deepspeed_section, group_overrides
+from zkernel.compat.torch_optim import TorchAdam
+from zkernel.integrations.transformers.optimizer import TRAINER_ORIGIN
 from zkernel.spec.config import Config, config_from_dict
 
 # A DeepSpeed scheduler's params the Trainer fills from the step count (``trainer_config_finalize``).
@@ -223,32 +224,31 @@ def resolve(source: Any, args, *, model, world_size: int, num_training_steps: in
     that needs them is then an error).
     """
     raw, filler, deepspeed = _filled(source, args, world_size)
+    mapping = TorchAdam(trainer_optimizer, model, TRAINER_ORIGIN)  # refuses an optimizer zkernel does not have
     if deepspeed:
         _finalize_deepspeed(filler, args, model, num_training_steps)
         filler.raise_mismatches()
         if "optimizer" not in raw:
-            raw["optimizer"] = deepspeed_section(trainer_optimizer)
+            raw["optimizer"] = mapping.deepspeed_section()
         config = from_deepspeed_config(raw)
     else:
         filler.raise_mismatches()
-        config = config_from_dict(_zkernel_optimizer(raw, trainer_optimizer))
+        config = config_from_dict(_zkernel_optimizer(raw, mapping))
     if config.optimizer.no_weight_decay or config.optimizer.param_groups:
         return config  # a zkernel config's own groups
-    groups = group_overrides(trainer_optimizer, model)
-    return attrs.evolve(config, optimizer=attrs.evolve(config.optimizer, **groups)) if groups else config
+    return attrs.evolve(config, optimizer=mapping.with_groups(config.optimizer))
 
 
-def _zkernel_optimizer(raw: dict[str, Any], trainer_optimizer) -> dict[str, Any]:
+def _zkernel_optimizer(raw: dict[str, Any], mapping: TorchAdam) -> dict[str, Any]:
     """A zkernel config's ``[optimizer]`` without a ``name``: the Trainer's optimizer, as DeepSpeed's maps
     (the CPU Adam where its state lives off the device)."""
     optimizer = raw.setdefault("optimizer", {})
     if not isinstance(optimizer, dict) or "name" in optimizer:
         return raw
-    deepspeed_section(trainer_optimizer)  # refuses an optimizer zkernel does not have
     offload = raw.get("offload", {})
     if isinstance(offload, Mapping) and offload.get("optimizer", "none") not in ("none", "auto"):
         optimizer["name"] = "cpu_adam"
-    if not decoupled(trainer_optimizer) and trainer_optimizer.param_groups[0].get("weight_decay"):
+    if not mapping.decoupled and mapping.base()[1].weight_decay:
         optimizer.setdefault("decoupled_weight_decay", False)
     return raw
 
