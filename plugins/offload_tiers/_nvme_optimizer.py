@@ -59,8 +59,8 @@ the rescue copy. `close` removes the files and does not raise a failure that
 was only logged by then.
 
 [Note: the disk phase's order] Where the disk sits in a step with
-clipping (the 15.4 B run of issue 46: zero3, ``gpu_share`` 0.454, ``host_share``
-0.292, micro-batch 8 x 24, clipping 1.0). The groups on disk are the last layers
+clipping (the 15.4 B run of issue 46: zero3, micro-batch 8 x 24, clipping 1.0,
+34 GB of state in 36 files). The groups on disk are the last layers
 in module order ([Note: spill] in ``nvme``). Their gradients are final first
 in the last micro-batch's backward, but with clipping the step's coefficient
 is known only when backward ends, and this tier takes no speculative step
@@ -70,14 +70,18 @@ the next forward's order: the host-memory groups first (stepped at once), then
 the disk groups, whose reads start as the pool has room. Per disk group, in
 that order: read (as soon as room frees), Adam on the host worker, release
 (its writes start), its room back when they end, the next group's read in it.
-With a pool of two groups (the default: twice the largest file image) the read
-of group i+2 waits for the writes of group i, so reads and writes overlap only
-in part, and the next forward waits for the first disk layer's update after
-about three quarters of one micro-batch's forward: every read, step and write of
-the disk groups but the last writes is on the critical path, between the end
-of backward and that wait (measured: 46.3 of 102.8 s exposed, reads 1.57 GB/s,
-writes 1.34 GB/s). Before this tier read ahead, the pool was idle from the
-end of a step's last write until the next `Engine.step`.
+The next forward waits for the first disk layer's update after about three
+quarters of one micro-batch's forward, so every read, step and write of the
+disk groups but the last writes is on the critical path, between the end of
+backward and that wait; only what the pool read ahead ([Note: read-ahead]) is
+off it. With a pool of two groups (the default: twice the largest file image)
+the read of group i+2 waits for the writes of group i, so reads and writes
+take turns; a pool of four lets reads stream beside the writes, but measured
+on that run the phase is no shorter (about 36 s of an 85-92 s step either way):
+the disk moves about 2.0 GB/s of reads and writes together however they are
+ordered, and the larger pool's host memory puts as much more state on disk.
+So this phase is bound by the bytes on disk and the disk's combined rate, not
+by the pool (the numbers, and what would shorten it: BENCHMARKS.md, issue 46).
 
 [Note: read-ahead] A group's state does not change between its release and
 its next step (only a checkpoint load, `write_state`, replaces it, and drops
