@@ -1,0 +1,54 @@
+"""The Trainer's parameter count with an engine's whole shapes: `count_with_engines`, `register_engine`.
+
+[Note: counting released parameters] The Trainer logs "Number of trainable parameters" from
+``transformers.trainer_pt_utils.get_model_param_count(model, trainable_only=True)``, a sum of
+``p.numel()`` over the wrapped model's parameters. Under zero3 a released parameter is empty
+(``numel() == 0``), so the sum misses almost all of the model. transformers corrects it for
+DeepSpeed's zero3 inside that function (``ds_numel``, read when its global DeepSpeed config says
+zero3); nothing there can be told about zkernel's engine, and the Trainer reaches the function by
+its name in ``transformers.trainer``. `count_with_engines` therefore puts `model_param_count` under
+that name there and in ``transformers.trainer_pt_utils``: for a model an engine runs (the
+Trainer's `EngineModule`, or the model a ZKernelTrainer built its engine from) it answers
+`Engine.num_parameters`, which counts the whole shapes the engine was built from, tied parameters
+once; for any other model it calls the function it replaced. A module that imported the function
+before that keeps transformers' own.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from zkernel.integrations.transformers.model import EngineModule
+
+# The model each ZKernelTrainer built an engine from -> that engine (gone with the model).
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The function `count_with_engines` replaced (transformers' own), once it has.
+_REPLACED: list = []
+
+
+def register_engine(engine) -> None:
+    """Count ``engine.module`` with ``engine``'s whole shapes; called by `ZKernelTrainer` when it builds
+    its engine."""
+    _ENGINES[engine.module] = engine
+
+
+def model_param_count(model, trainable_only: bool = False) -> int:
+    """``get_model_param_count`` as the Trainer calls it: the engine's count (`Engine.num_parameters`) for a
+    model an engine runs, transformers' own count for any other ([Note: counting released parameters])."""
+    engine = model.engine if isinstance(model, EngineModule) else _ENGINES.get(model)
+    if engine is not None:
+        return engine.num_parameters(trainable_only=trainable_only)
+    return _REPLACED[0](model, trainable_only=trainable_only)
+
+
+def count_with_engines() -> None:
+    """Put `model_param_count` under transformers' ``get_model_param_count`` in ``transformers.trainer``
+    and ``transformers.trainer_pt_utils``; called by each `ZKernelTrainer.__init__` (once is enough,
+    again changes nothing)."""
+    from transformers import trainer, trainer_pt_utils
+
+    if not _REPLACED:
+        _REPLACED.append(trainer_pt_utils.get_model_param_count)
+    for module in (trainer, trainer_pt_utils):
+        if getattr(module, "get_model_param_count", None) is not None:
+            module.get_model_param_count = model_param_count
