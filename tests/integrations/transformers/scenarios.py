@@ -126,6 +126,7 @@ def trainer_against_ddp(root: str) -> dict:
     out = {
         "plain": _logged(plain), "zkernel": _logged(zk), "resumed": _logged(resumed),
         "eval_loss": {"plain": plain_eval, "zkernel": evaluated, "from_meta": meta_eval},
+        "total_flos": {"plain": plain.state.total_flos, "zkernel": zk.state.total_flos},
         "predicted_logits_diff": logits_diff, "predicted_logits_scale": plain_logits.abs().max().item(),
         "engine": {"partitioner": zk.engine.config.partitioner, "offload": zk.engine.config.offload.optimizer,
                    "optimizer": zk.engine.config.optimizer.name,

@@ -58,6 +58,8 @@ def test_logs_the_plain_trainers_losses(against_ddp):
             assert z["learning_rate"] == pytest.approx(p["learning_rate"], rel=1e-12, abs=0.0)
         assert max(e["grad_norm"] for e in plain) > scenarios.CLIP  # clipping changed the steps
         assert zk[-1]["loss"] < zk[0]["loss"] - 0.1  # it learned
+        flos = rank["total_flos"]
+        assert flos["zkernel"] == flos["plain"] > 0  # counted with zero3's released parameters whole
         assert rank["engine"] == {"partitioner": "zero3", "offload": "cpu", "optimizer": "cpu_adam",
                                   "no_weight_decay": rank["trainer_no_decay"]}
         assert rank["trainer_no_decay"]  # the norms' weights: the groups are part of what is compared

@@ -1,4 +1,5 @@
-"""The Trainer's parameter count with an engine's whole shapes: `count_with_engines`, `register_engine`.
+"""The Trainer's parameter counts with an engine's whole shapes: `count_with_engines`, `register_engine`,
+`non_embedding_count`.
 
 [Note: counting released parameters] The Trainer logs "Number of trainable parameters" from
 ``transformers.trainer_pt_utils.get_model_param_count(model, trainable_only=True)``, a sum of
@@ -11,12 +12,16 @@ that name there and in ``transformers.trainer_pt_utils``: for a model an engine 
 Trainer's `EngineModule`, or the model a ZKernelTrainer built its engine from) it answers
 `Engine.num_parameters`, which counts the whole shapes the engine was built from, tied parameters
 once; for any other model it calls the function it replaced. A module that imported the function
-before that keeps transformers' own.
+before that keeps transformers' own. The Trainer's ``total_flos`` (6 x tokens x the parameters outside
+embeddings, in ``Trainer.floating_point_ops``, which ZKernelTrainer overrides) takes
+`non_embedding_count` for the same reason.
 """
 
 from __future__ import annotations
 
 import weakref
+
+from torch import nn
 
 from zkernel.integrations.transformers.model import EngineModule
 
@@ -52,3 +57,16 @@ def count_with_engines() -> None:
     for module in (trainer, trainer_pt_utils):
         if getattr(module, "get_model_param_count", None) is not None:
             module.get_model_param_count = model_param_count
+
+
+def non_embedding_count(engine) -> int:
+    """Elements of ``engine``'s model's parameters outside ``nn.Embedding`` weights, whole shapes, tied
+    parameters once: ``PreTrainedModel.num_parameters(exclude_embeddings=True)`` of the model before the
+    engine partitioned it. Called by `ZKernelTrainer.floating_point_ops` for each micro-batch."""
+    model = engine.module
+    embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
+    return sum(
+        engine.original_tensors.get(name, (p.shape, p.dtype))[0].numel()
+        for name, p in model.named_parameters()
+        if name not in embeddings
+    )

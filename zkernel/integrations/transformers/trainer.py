@@ -18,8 +18,9 @@ the Trainer's own. What changes, each in one overridden method:
 * ``_load_best_model``: the best checkpoint's engine state back into the engine at the end of
   ``train`` ([Note: the best model at the end]).
 
-The Trainer's "Number of trainable parameters" comes from the engine's whole shapes under zero3
-([Note: counting released parameters] in `zkernel.integrations.transformers.param_count`).
+The Trainer's "Number of trainable parameters" and ``floating_point_ops`` (its ``total_flos``) count
+the engine's whole shapes, also under zero3 ([Note: counting released parameters] in
+`zkernel.integrations.transformers.param_count`).
 
 [Note: meta-device construction] A model too large for one rank is built on the meta device
 (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``); with zero3 the
@@ -58,7 +59,7 @@ from zkernel.integrations.transformers.accelerator import bind_engine_accelerato
 from zkernel.integrations.transformers.config import check_against_arguments, has_lr_schedule, read_source, resolve
 from zkernel.integrations.transformers.model import EngineModule
 from zkernel.integrations.transformers.optimizer import ConfigScheduleView, EngineOptimizer
-from zkernel.integrations.transformers.param_count import count_with_engines, register_engine
+from zkernel.integrations.transformers.param_count import count_with_engines, non_embedding_count, register_engine
 from zkernel.integrations.transformers.pretrained import load_pretrained
 from zkernel.kernel.bootstrap import initialize
 from zkernel.telemetry.log import get_logger
@@ -202,6 +203,15 @@ class ZKernelTrainer(Trainer):
         if self.zkernel_pretrained is not None:
             load_pretrained(engine, self.zkernel_pretrained)
         return module
+
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's estimate for one micro-batch's forward and backward, 6 x input tokens x the model's
+        parameters outside its embeddings, counted whole ([Note: counting released parameters]); the
+        Trainer's ``training_step`` loop adds it to ``total_flos``."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if self._zkernel_module is None or main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main_input].numel() * non_embedding_count(self._zkernel_module.engine)
 
     # -- saving and resuming ----------------------------------------------------------------------
 
