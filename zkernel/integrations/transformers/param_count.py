@@ -25,7 +25,8 @@ from torch import nn
 
 from zkernel.integrations.transformers.model import EngineModule
 
-# The model each ZKernelTrainer built an engine from -> that engine (gone with the model).
+# The model each ZKernelTrainer built an engine from -> a weak reference to that engine: the engine holds
+# the model, so a strong one would keep both alive for good.
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # The function `count_with_engines` replaced (transformers' own), once it has.
 _REPLACED: list = []
@@ -34,13 +35,17 @@ _REPLACED: list = []
 def register_engine(engine) -> None:
     """Count ``engine.module`` with ``engine``'s whole shapes; called by `ZKernelTrainer` when it builds
     its engine."""
-    _ENGINES[engine.module] = engine
+    _ENGINES[engine.module] = weakref.ref(engine)
 
 
 def model_param_count(model, trainable_only: bool = False) -> int:
     """``get_model_param_count`` as the Trainer calls it: the engine's count (`Engine.num_parameters`) for a
     model an engine runs, transformers' own count for any other ([Note: counting released parameters])."""
-    engine = model.engine if isinstance(model, EngineModule) else _ENGINES.get(model)
+    if isinstance(model, EngineModule):
+        engine = model.engine
+    else:
+        engine_ref = _ENGINES.get(model)
+        engine = None if engine_ref is None else engine_ref()
     if engine is not None:
         return engine.num_parameters(trainable_only=trainable_only)
     return _REPLACED[0](model, trainable_only=trainable_only)
