@@ -189,8 +189,10 @@ def best_model_at_end(root: str) -> dict:
     out: dict = {"true_count": true_count}
     for name, (config, limit) in BEST_RUNS.items():
         directory = f"{root}/{name}"
-        args = arguments(directory, eval_strategy="steps", eval_steps=1, save_steps=1, save_total_limit=limit,
-                         load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+        # No warm-up: the first step moves the weights (its rate would be 0 with one warm-up step).
+        args = arguments(directory, warmup_steps=0, eval_strategy="steps", eval_steps=1, save_steps=1,
+                         save_total_limit=limit, load_best_model_at_end=True, metric_for_best_model="loss",
+                         greater_is_better=True)
         trainer = ZKernelTrainer(model=tiny_llama(), args=args, train_dataset=data, eval_dataset=data[:8],
                                  zkernel_config=config)
         lines = _Lines()
@@ -211,6 +213,7 @@ def best_model_at_end(root: str) -> dict:
             "evals": evals,
             "eval_after": trainer.evaluate()["eval_loss"],
             "equals_best": _equal(state, _safetensors(f"{directory}/{best}/model.safetensors")),
+            "equals_initial": _equal(state, tiny_llama().state_dict()),
             "count_logged": [line for line in lines.lines if "Number of trainable parameters" in line],
             # Read from the module once a ZKernelTrainer is built ([Note: counting released parameters]).
             "count_wrapped": trainer_pt_utils.get_model_param_count(trainer.model_wrapped, trainable_only=True),

@@ -102,6 +102,7 @@ def test_the_best_checkpoint_is_loaded_at_the_end(best_at_end, run):
         assert max(evals.values()) == evals[1] > evals[scenarios.STEPS]  # the first checkpoint is the best
         assert got["best"] == "checkpoint-1"
         assert got["equals_best"]  # the engine's consolidated weights are checkpoint-1's, bit for bit
+        assert got["equals_initial"] is False  # ... which one step moved
         assert got["eval_after"] == evals[1]  # evaluate() runs them
         if limit == 1:  # the Trainer's rotation kept the best alone
             assert got["checkpoints"] == ["checkpoint-1"]

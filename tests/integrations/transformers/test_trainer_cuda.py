@@ -57,7 +57,7 @@ def test_bf16_zero3_offload_ends_with_the_best_checkpoint(tmp_path):
     from zkernel.integrations.transformers import ZKernelTrainer
 
     data = scenarios.dataset()
-    args = scenarios.arguments(str(tmp_path), bf16=True, eval_strategy="steps", eval_steps=1, save_steps=1,
+    args = scenarios.arguments(str(tmp_path), bf16=True, warmup_steps=0, eval_strategy="steps", eval_steps=1, save_steps=1,
                                save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="loss",
                                greater_is_better=True)
     trainer = ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=data, eval_dataset=data[:8],
