@@ -215,9 +215,9 @@ def best_model_at_end(root: str) -> dict:
             "equals_best": _equal(state, _safetensors(f"{directory}/{best}/model.safetensors")),
             "equals_initial": _equal(state, tiny_llama().state_dict()),
             "count_logged": [line for line in lines.lines if "Number of trainable parameters" in line],
-            # Read from the module once a ZKernelTrainer is built ([Note: counting released parameters]).
-            "count_wrapped": trainer_pt_utils.get_model_param_count(trainer.model_wrapped, trainable_only=True),
-            "count_model": trainer_pt_utils.get_model_param_count(trainer.model),
+            # Outside train() transformers' own function is back ([Note: counting released parameters]).
+            "count_restored": trainer_pt_utils.get_model_param_count.__module__ == "transformers.trainer_pt_utils",
+            "count_engine": trainer.engine.num_parameters(trainable_only=True),
             "numel_held": sum(p.numel() for p in trainer.model.parameters()),
         }
         last = f"{directory}/checkpoint-{STEPS}/model.safetensors"

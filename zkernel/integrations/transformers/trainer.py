@@ -59,7 +59,7 @@ from zkernel.integrations.transformers.accelerator import bind_engine_accelerato
 from zkernel.integrations.transformers.config import check_against_arguments, has_lr_schedule, read_source, resolve
 from zkernel.integrations.transformers.model import EngineModule
 from zkernel.integrations.transformers.optimizer import ConfigScheduleView, EngineOptimizer
-from zkernel.integrations.transformers.param_count import count_with_engines, non_embedding_count, register_engine
+from zkernel.integrations.transformers.param_count import engine_counts, non_embedding_count, register_engine
 from zkernel.integrations.transformers.pretrained import load_pretrained
 from zkernel.kernel.bootstrap import initialize
 from zkernel.telemetry.log import get_logger
@@ -109,7 +109,12 @@ class ZKernelTrainer(Trainer):
                 "([Note: the best model at the end]); valid: save_only_model=False, or load_best_model_at_end=False"
             )
         check_against_arguments(zkernel_config, self.args, self.args.world_size)
-        count_with_engines()
+
+    def train(self, *args: Any, **kwargs: Any):
+        """The Trainer's ``train``, its parameter counts taken from the engine while it runs ([Note: counting
+        released parameters] in `zkernel.integrations.transformers.param_count`)."""
+        with engine_counts():
+            return super().train(*args, **kwargs)
 
     # -- the accelerator and the model's placement ------------------------------------------------
 
