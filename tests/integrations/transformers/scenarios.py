@@ -7,6 +7,7 @@ linear schedule with warm-up, weight decay with the Trainer's no-decay groups, a
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -125,6 +126,7 @@ def trainer_against_ddp(root: str) -> dict:
     out = {
         "plain": _logged(plain), "zkernel": _logged(zk), "resumed": _logged(resumed),
         "eval_loss": {"plain": plain_eval, "zkernel": evaluated, "from_meta": meta_eval},
+        "total_flos": {"plain": plain.state.total_flos, "zkernel": zk.state.total_flos},
         "predicted_logits_diff": logits_diff, "predicted_logits_scale": plain_logits.abs().max().item(),
         "engine": {"partitioner": zk.engine.config.partitioner, "offload": zk.engine.config.offload.optimizer,
                    "optimizer": zk.engine.config.optimizer.name,
@@ -137,4 +139,95 @@ def trainer_against_ddp(root: str) -> dict:
     if dist.get_rank() == 0:
         out["plain_weights"] = _weights(f"{root}/plain/final")
         out["zkernel_weights"] = _weights(f"{root}/zk/final")
+    return out
+
+
+# -- load_best_model_at_end -----------------------------------------------------------------------------
+
+# Each partitioner, the optimizer in device memory or offloaded; save_total_limit 1 or 2 (the Trainer keeps
+# the best checkpoint either way, and with 1 deletes the others when training ends).
+BEST_RUNS = {
+    "zero1": ({"partitioner": "zero1"}, 1),
+    "zero2_offload": ({"partitioner": "zero2", "offload": {"optimizer": "cpu"}}, 2),
+    "zero3_offload": (DEEPSPEED_ZERO3_OFFLOAD, 2),
+}
+TRAINER_LOGGER = "transformers.trainer"
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def _equal(state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> bool:
+    """Whether every tensor ``saved`` holds is in ``state``, bit for bit (``save_pretrained`` stores a tied
+    weight once: the state dict has it under each name)."""
+    return saved.keys() <= state.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+def best_model_at_end(root: str) -> dict:
+    """On each rank, per `BEST_RUNS` entry: ZKernelTrainer evaluating and saving every step with
+    ``load_best_model_at_end`` and ``metric_for_best_model="loss"``, ``greater_is_better=True`` (the run
+    learns, so checkpoint-1's eval loss is the largest: an early checkpoint is the best); what the engine
+    holds after ``train()`` against the checkpoints' saved weights, what ``evaluate()`` and ``save_model()``
+    give then, which checkpoints are left; and the Trainer's logged parameter count."""
+    import torch.distributed as dist
+    from transformers import trainer_pt_utils
+
+    data = dataset()
+    true_count = sum(p.numel() for p in tiny_llama().parameters() if p.requires_grad)
+    out: dict = {"true_count": true_count}
+    for name, (config, limit) in BEST_RUNS.items():
+        directory = f"{root}/{name}"
+        # No warm-up: the first step moves the weights (its rate would be 0 with one warm-up step).
+        args = arguments(directory, warmup_steps=0, eval_strategy="steps", eval_steps=1, save_steps=1,
+                         save_total_limit=limit, load_best_model_at_end=True, metric_for_best_model="loss",
+                         greater_is_better=True)
+        trainer = ZKernelTrainer(model=tiny_llama(), args=args, train_dataset=data, eval_dataset=data[:8],
+                                 zkernel_config=config)
+        lines = _Lines()
+        trainer_logger = logging.getLogger(TRAINER_LOGGER)
+        level = trainer_logger.level
+        trainer_logger.setLevel(logging.INFO)
+        trainer_logger.addHandler(lines)
+        try:
+            trainer.train()
+        finally:
+            trainer_logger.removeHandler(lines)
+            trainer_logger.setLevel(level)
+        evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+        state = trainer.engine.state_dict()  # every rank: the consolidated weights the engine holds now
+        best = os.path.basename(trainer.state.best_model_checkpoint)
+        run = {
+            "best": best,
+            "evals": evals,
+            "eval_after": trainer.evaluate()["eval_loss"],
+            "equals_best": _equal(state, _safetensors(f"{directory}/{best}/model.safetensors")),
+            "equals_initial": _equal(state, tiny_llama().state_dict()),
+            "count_logged": [line for line in lines.lines if "Number of trainable parameters" in line],
+            # Outside train() transformers' own function is back ([Note: counting released parameters]).
+            "count_restored": trainer_pt_utils.get_model_param_count.__module__ == "transformers.trainer_pt_utils",
+            "count_engine": trainer.engine.num_parameters(trainable_only=True),
+            "numel_held": sum(p.numel() for p in trainer.model.parameters()),
+        }
+        last = f"{directory}/checkpoint-{STEPS}/model.safetensors"
+        if os.path.exists(last):
+            run["equals_last"] = _equal(state, _safetensors(last))
+        trainer.save_model(f"{directory}/final")
+        dist.barrier()
+        run["checkpoints"] = sorted(d for d in os.listdir(directory) if d.startswith("checkpoint-"))
+        if dist.get_rank() == 0:
+            run["saved_equals_best"] = _equal(_safetensors(f"{directory}/final/model.safetensors"),
+                                              _safetensors(f"{directory}/{best}/model.safetensors"))
+        out[name] = run
     return out

@@ -6,7 +6,10 @@ warm-up and clipping, log the same ``loss``/``grad_norm``/``learning_rate``; a r
 mid-run ``checkpoint-N`` logs the same later steps; ``save_model`` writes what ``from_pretrained`` loads,
 equal to the plain Trainer's; evaluate() and predict() under zero3 give the plain Trainer's loss and
 logits; a model built on the meta device with those weights loaded evaluates as the plain one.
-In-process: contradictions between the config and the arguments, and an optimizer zkernel cannot step,
+With ``load_best_model_at_end`` (zero1, zero2 and zero3, the optimizer offloaded) the engine ends
+holding an early best checkpoint's weights on every rank, and evaluate() and save_model() use them;
+under zero3 the Trainer logs the model's whole parameter count.
+In-process: a best checkpoint that cannot be loaded is an error; contradictions between the config and the arguments, and an optimizer zkernel cannot step,
 are errors before training; "auto" values take the arguments'; a short last window steps; zero1, zero2
 and offload placements train as the plain Trainer; a config's own schedule sets the rate and resumes.
 """
@@ -35,6 +38,12 @@ def against_ddp(tmp_path_factory):
     return run_ranks(2, scenarios.trainer_against_ddp, str(root))
 
 
+@pytest.fixture(scope="module")
+def best_at_end(tmp_path_factory):
+    root = tmp_path_factory.mktemp("best")
+    return run_ranks(2, scenarios.best_model_at_end, str(root))
+
+
 def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
@@ -49,6 +58,8 @@ def test_logs_the_plain_trainers_losses(against_ddp):
             assert z["learning_rate"] == pytest.approx(p["learning_rate"], rel=1e-12, abs=0.0)
         assert max(e["grad_norm"] for e in plain) > scenarios.CLIP  # clipping changed the steps
         assert zk[-1]["loss"] < zk[0]["loss"] - 0.1  # it learned
+        flos = rank["total_flos"]
+        assert flos["zkernel"] == flos["plain"] > 0  # counted with zero3's released parameters whole
         assert rank["engine"] == {"partitioner": "zero3", "offload": "cpu", "optimizer": "cpu_adam",
                                   "no_weight_decay": rank["trainer_no_decay"]}
         assert rank["trainer_no_decay"]  # the norms' weights: the groups are part of what is compared
@@ -79,6 +90,36 @@ def test_evaluation_and_prediction_under_zero3_and_from_meta(against_ddp):
         assert _close(evals["zkernel"], evals["plain"], 1e-4), evals
         assert _close(evals["from_meta"], evals["plain"], 1e-5), evals
         assert rank["predicted_logits_diff"] <= 1e-4 * rank["predicted_logits_scale"]  # predict() under zero3
+
+
+@pytest.mark.parametrize("run", list(scenarios.BEST_RUNS))
+def test_the_best_checkpoint_is_loaded_at_the_end(best_at_end, run):
+    limit = scenarios.BEST_RUNS[run][1]
+    for rank in best_at_end:
+        got = rank[run]
+        evals = got["evals"]
+        assert sorted(evals) == list(range(1, scenarios.STEPS + 1))
+        assert max(evals.values()) == evals[1] > evals[scenarios.STEPS]  # the first checkpoint is the best
+        assert got["best"] == "checkpoint-1"
+        assert got["equals_best"]  # the engine's consolidated weights are checkpoint-1's, bit for bit
+        assert got["equals_initial"] is False  # ... which one step moved
+        assert got["eval_after"] == evals[1]  # evaluate() runs them
+        if limit == 1:  # the Trainer's rotation kept the best alone
+            assert got["checkpoints"] == ["checkpoint-1"]
+        else:  # ... the best and the last
+            assert got["checkpoints"] == ["checkpoint-1", f"checkpoint-{scenarios.STEPS}"]
+            assert got["equals_last"] is False
+    assert best_at_end[0][run]["saved_equals_best"]  # save_model() wrote them
+
+
+def test_the_logged_parameter_count_is_the_whole_models(best_at_end):
+    for rank in best_at_end:
+        true_count = rank["true_count"]
+        for run in scenarios.BEST_RUNS:
+            got = rank[run]
+            assert got["count_logged"] == [f"  Number of trainable parameters = {true_count:,}"], run
+            assert got["count_engine"] == true_count and got["count_restored"], run
+        assert rank["zero3_offload"]["numel_held"] < true_count  # zero3 released what the count still counts
 
 
 # -- in one process -----------------------------------------------------------------------------------
@@ -215,3 +256,39 @@ def test_a_config_schedule_sets_the_rate_and_resumes(tmp_path):
     assert [rate for rate, _ in runs[0]] == pytest.approx(expected, rel=1e-12)
     assert max(expected) == pytest.approx(scenarios.LR)
     assert runs[1] == runs[0]
+
+
+def test_a_best_checkpoint_that_cannot_be_loaded_is_an_error(tmp_path):
+    """checkpoint-1 is the best but its engine checkpoint is gone by the end: train() raises, naming it,
+    and the engine keeps the last step's weights whole (nothing partly loaded)."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from zkernel.checkpoint import CheckpointError
+
+    class RemoveFirstEngineCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                shutil.rmtree(tmp_path / "checkpoint-1" / "zkernel")
+
+    data = scenarios.dataset()
+    args = scenarios.arguments(str(tmp_path), max_steps=2, eval_strategy="steps", eval_steps=1, save_steps=1,
+                               load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    trainer = ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=data, eval_dataset=data[:4],
+                             zkernel_config={"partitioner": "zero2"}, callbacks=[RemoveFirstEngineCheckpoint()])
+    with pytest.raises(CheckpointError, match=r"load_best_model_at_end: .*checkpoint-1/zkernel holds no engine"):
+        trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
+    last = load_file(str(tmp_path / "checkpoint-2" / "model.safetensors"))
+    state = trainer.engine.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in last.items())
+
+
+def test_best_model_at_end_with_save_only_model_is_an_error(tmp_path):
+    args = scenarios.arguments(str(tmp_path), eval_strategy="steps", eval_steps=1, save_steps=1,
+                               load_best_model_at_end=True, save_only_model=True)
+    with pytest.raises(ConfigError, match=r"save_only_model=True.*checkpoint-N/zkernel/.*valid: save_only_model=False"):
+        ZKernelTrainer(model=scenarios.tiny_llama(), args=args, eval_dataset=scenarios.dataset()[:4],
+                       zkernel_config={"partitioner": "zero2"})

@@ -1,4 +1,5 @@
-"""`ZKernelTrainer` on a GPU: bf16 through a DeepSpeed config, zero3 with the optimizer on the CPU.
+"""`ZKernelTrainer` on a GPU: bf16 through a DeepSpeed config, zero3 with the optimizer on the CPU; with
+``load_best_model_at_end`` the engine ends with the best checkpoint's weights.
 
 Run on the GPU machine: ``python -m pytest -q tests/integrations/transformers/test_trainer_cuda.py``.
 """
@@ -44,3 +45,41 @@ def test_bf16_zero3_offload_trains_near_the_fp32_trainer(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "zk" / f"checkpoint-{scenarios.SAVE_AT}"))
     later = [e["loss"] for e in resumed.state.log_history if "loss" in e][scenarios.SAVE_AT:]
     assert later == pytest.approx(got[scenarios.SAVE_AT:], rel=1e-3)
+
+
+def test_bf16_zero3_offload_ends_with_the_best_checkpoint(tmp_path):
+    """load_best_model_at_end on the GPU: the engine's parameters on the device come back from checkpoint-1
+    (the best: greater_is_better on a falling loss), and the logged parameter count is the whole model's."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from zkernel.integrations.transformers import ZKernelTrainer
+
+    data = scenarios.dataset()
+    args = scenarios.arguments(str(tmp_path), bf16=True, warmup_steps=0, eval_strategy="steps", eval_steps=1, save_steps=1,
+                               save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="loss",
+                               greater_is_better=True)
+    trainer = ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=data, eval_dataset=data[:8],
+                             zkernel_config={**scenarios.DEEPSPEED_ZERO3_OFFLOAD, "bf16": {"enabled": "auto"}})
+    lines = scenarios._Lines()
+    trainer_logger = logging.getLogger(scenarios.TRAINER_LOGGER)
+    trainer_logger.setLevel(logging.INFO)
+    trainer_logger.addHandler(lines)
+    try:
+        trainer.train()
+    finally:
+        trainer_logger.removeHandler(lines)
+        trainer_logger.setLevel(logging.NOTSET)
+    assert trainer.engine.device.type == "cuda"
+    true_count = sum(p.numel() for p in scenarios.tiny_llama().parameters())
+    assert [line for line in lines.lines if "Number of trainable" in line] == [
+        f"  Number of trainable parameters = {true_count:,}"
+    ]
+    evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-1") and evals[0] > evals[-1]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    saved = load_file(str(tmp_path / "checkpoint-1" / "model.safetensors"))
+    state = trainer.engine.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[0], rel=1e-5)

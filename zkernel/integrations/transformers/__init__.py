@@ -4,7 +4,8 @@ Importing this package imports transformers (``pip install "zkernel[transformers
 never does. Modules: `trainer` (the Trainer subclass), `config` (the Trainer's arguments in the engine's
 config), `optimizer` (the Trainer's optimizer and scheduler over the engine's), `accelerator` (the
 engine's backward behind the Trainer's accelerator), `model` (the engine as the module the Trainer
-drives), `pretrained` (a ``save_pretrained`` directory loaded into a partitioned model).
+drives), `pretrained` (a ``save_pretrained`` directory loaded into a partitioned model), `param_count`
+(the Trainer's parameter count from the engine's whole shapes).
 """
 
 from zkernel.integrations.transformers.trainer import ZKernelTrainer

@@ -14,13 +14,33 @@ the Trainer's own. What changes, each in one overridden method:
   process: safetensors that ``from_pretrained`` loads, tied weights kept tied;
 * ``_save_optimizer_and_scheduler`` / ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler``: the
   engine's sharded checkpoint in ``checkpoint-N/zkernel/`` beside the Trainer's own state, RNG states
-  and scheduler.
+  and scheduler;
+* ``_load_best_model``: the best checkpoint's engine state back into the engine at the end of
+  ``train`` ([Note: the best model at the end]).
+
+The Trainer's "Number of trainable parameters" and ``floating_point_ops`` (its ``total_flos``) count
+the engine's whole shapes, also under zero3 ([Note: counting released parameters] in
+`zkernel.integrations.transformers.param_count`).
 
 [Note: meta-device construction] A model too large for one rank is built on the meta device
 (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``); with zero3 the
 engine materialises each module on the ranks that own its shards, initialised by the model's own
 ``_init_weights``, and ``zkernel_pretrained=<directory>`` then loads a ``save_pretrained`` directory's
 safetensors files into it one file at a time (`load_pretrained`), so no rank ever holds the whole model.
+
+[Note: the best model at the end] With ``load_best_model_at_end`` the Trainer, once its loop is done,
+calls ``_load_best_model`` on every rank; under DeepSpeed that loads the DeepSpeed checkpoint of
+``state.best_model_checkpoint`` into the engine with its optimizer and lr scheduler states. A
+ZKernelTrainer does the same with the engine's checkpoint in ``checkpoint-N/zkernel/`` (weights,
+optimizer state, counters, the config's schedule) and the Trainer's scheduler from
+``checkpoint-N/scheduler.pt``: the engine is as it was after the best step, so ``save_model``,
+``evaluate`` and further training see the best weights on every rank, whatever the partitioner or
+offload. The Trainer's ``state`` (its step count, log history) stays the finished run's, as with
+DeepSpeed. The weights Trainer-side loading would read (``model.safetensors``) are written by the main
+process alone; the engine's checkpoint has every rank's shards, so nothing is gathered or broadcast.
+A best checkpoint without an engine checkpoint (deleted, or never written) raises `CheckpointError`
+on every rank rather than leave the last step's weights in place; ``save_only_model=True``, whose
+checkpoints have none, is refused when the trainer is built, as the Trainer refuses it with DeepSpeed.
 """
 
 from __future__ import annotations
@@ -32,12 +52,14 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from zkernel.checkpoint.format import CheckpointError
 from zkernel.compat.deepspeed.config import is_deepspeed_config
 from zkernel.errors import ConfigError
 from zkernel.integrations.transformers.accelerator import bind_engine_accelerator
 from zkernel.integrations.transformers.config import check_against_arguments, has_lr_schedule, read_source, resolve
 from zkernel.integrations.transformers.model import EngineModule
 from zkernel.integrations.transformers.optimizer import ConfigScheduleView, EngineOptimizer
+from zkernel.integrations.transformers.param_count import engine_counts, non_embedding_count, register_engine
 from zkernel.integrations.transformers.pretrained import load_pretrained
 from zkernel.kernel.bootstrap import initialize
 from zkernel.telemetry.log import get_logger
@@ -80,13 +102,19 @@ class ZKernelTrainer(Trainer):
                     f"TrainingArguments({name}=...) and ZKernelTrainer both partition the model; valid: "
                     f"no {name} argument (a DeepSpeed config goes in zkernel_config=)"
                 )
-        if self.args.load_best_model_at_end:
+        if self.args.load_best_model_at_end and self.args.save_only_model:
             raise ConfigError(
-                "TrainingArguments(load_best_model_at_end=True) is not supported by ZKernelTrainer yet (the Trainer "
-                "loads the best weights into the unpartitioned model); valid: False, then from_pretrained the "
-                "checkpoint-N that trainer.state.best_model_checkpoint names"
+                "TrainingArguments(load_best_model_at_end=True, save_only_model=True): ZKernelTrainer loads the best "
+                f"checkpoint's engine state from checkpoint-N/{ENGINE_CHECKPOINT}/, which save_only_model leaves out "
+                "([Note: the best model at the end]); valid: save_only_model=False, or load_best_model_at_end=False"
             )
         check_against_arguments(zkernel_config, self.args, self.args.world_size)
+
+    def train(self, *args: Any, **kwargs: Any):
+        """The Trainer's ``train``, its parameter counts taken from the engine while it runs ([Note: counting
+        released parameters] in `zkernel.integrations.transformers.param_count`)."""
+        with engine_counts():
+            return super().train(*args, **kwargs)
 
     # -- the accelerator and the model's placement ------------------------------------------------
 
@@ -163,6 +191,7 @@ class ZKernelTrainer(Trainer):
         init_fn = getattr(model, "_init_weights", None) if on_meta else None
         engine = initialize(model, config, init_fn=init_fn)
         module = EngineModule(engine, rate_source=None if self._schedule_in_config else self.optimizer)
+        register_engine(engine)
         self.accelerator.zkernel_model = module
         log.info(
             "zkernel.trainer.engine",
@@ -179,6 +208,15 @@ class ZKernelTrainer(Trainer):
         if self.zkernel_pretrained is not None:
             load_pretrained(engine, self.zkernel_pretrained)
         return module
+
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's estimate for one micro-batch's forward and backward, 6 x input tokens x the model's
+        parameters outside its embeddings, counted whole ([Note: counting released parameters]); the
+        Trainer's ``training_step`` loop adds it to ``total_flos``."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if self._zkernel_module is None or main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main_input].numel() * non_embedding_count(self._zkernel_module.engine)
 
     # -- saving and resuming ----------------------------------------------------------------------
 
@@ -223,7 +261,31 @@ class ZKernelTrainer(Trainer):
         if checkpoint is None:
             return
         self._load_from_checkpoint(checkpoint)  # the same check, for a resume that skipped it
-        self._zkernel_module.engine.load_checkpoint(Path(checkpoint) / ENGINE_CHECKPOINT)
+        self._load_engine_state(checkpoint, "resume_from_checkpoint")
+
+    def _load_best_model(self) -> None:
+        """The engine's state at ``state.best_model_checkpoint``, as DeepSpeed's engine loads its own there
+        ([Note: the best model at the end]); the Trainer's ``train`` calls it on every rank when it ends with
+        ``load_best_model_at_end``. Collective."""
+        if self._zkernel_module is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        log.info("zkernel.trainer.best_model", checkpoint=str(best), metric=self.args.metric_for_best_model,
+                 score=self.state.best_metric)
+        self._load_engine_state(best, "load_best_model_at_end")
+        return None
+
+    def _load_engine_state(self, checkpoint: str, purpose: str) -> None:
+        """Load ``checkpoint/zkernel`` into the engine (collective) and ``checkpoint/scheduler.pt`` into the
+        Trainer's scheduler; a checkpoint whose engine directory holds none raises `CheckpointError` on every
+        rank (the engine then unchanged). ``purpose``: the argument that asked, for the message."""
+        directory = Path(checkpoint) / ENGINE_CHECKPOINT
+        if self._zkernel_module.engine.load_checkpoint(directory) is None:  # None on every rank alike
+            raise CheckpointError(
+                f"{purpose}: {directory} holds no engine checkpoint (no 'latest' file: it was deleted or never "
+                f"written), so the engine cannot take {checkpoint}'s state and would keep its own; valid: a "
+                f"checkpoint-N directory a ZKernelTrainer saved, with its {ENGINE_CHECKPOINT}/ directory whole"
+            )
         scheduler_file = Path(checkpoint) / SCHEDULER_FILE
         if not isinstance(self.lr_scheduler, ConfigScheduleView) and scheduler_file.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
