@@ -22,7 +22,9 @@ from torch import nn
 from tests.support.harness import run_ranks
 
 WORLD, MICRO, ACCUM, STEPS, DIM, LR, WD = 2, 2, 2, 2, 5, 1e-2, 0.01
-SCENARIOS = {"zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"), "zero3_cpu": (3, "cpu")}
+SCENARIOS = {"zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"), "zero3_cpu": (3, "cpu"),
+             "zero3_nvme": (3, "nvme")}
+HOST_STEPPED = ("zero3_cpu", "zero3_nvme")
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 
 
@@ -44,7 +46,7 @@ def _batch(step: int, rank: int, micro: int):
     return torch.randn(MICRO, DIM, generator=g), torch.randn(MICRO, DIM, generator=g)
 
 
-def _config(stage: int, offload: str, precision: str = "fp32") -> dict:
+def _config(stage: int, offload: str, precision: str = "fp32", nvme_path: str | None = None) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
@@ -54,6 +56,8 @@ def _config(stage: int, offload: str, precision: str = "fp32") -> dict:
     }
     if stage == 3:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if offload == "nvme":
+        config["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_path
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config
@@ -63,7 +67,7 @@ def _adam_state(opt, model, key: str) -> dict:
     return {n: opt.state[p][key].clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _train(stage: int, offload: str, checkpoint: str | None) -> dict:
+def _train(stage: int, offload: str, checkpoint: str | None, nvme_path: str) -> dict:
     """One engine beside its torch reference; what the utils answered and what torch has."""
     import zkernel.deepspeed as deepspeed
     from zkernel.deepspeed.utils import (
@@ -77,7 +81,7 @@ def _train(stage: int, offload: str, checkpoint: str | None) -> dict:
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
-    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage, offload))
+    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage, offload, nvme_path=nvme_path))
     reference = Net()
     reference.load_state_dict(engine.state_dict())
     opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
@@ -145,6 +149,10 @@ def _train(stage: int, offload: str, checkpoint: str | None) -> dict:
     if checkpoint is not None:
         engine.save_checkpoint(checkpoint)
     engine.destroy()
+    try:
+        safe_get_full_fp32_param(engine.module.fc1.weight)
+    except RuntimeError as exc:
+        out["closed"] = str(exc)
     return out
 
 
@@ -192,11 +200,11 @@ def _save_16bit(directory: str) -> dict:
     return out
 
 
-def _script(checkpoint: str, sixteen: str) -> dict:
+def _script(checkpoint: str, sixteen: str, nvme_path: str) -> dict:
     import zkernel.deepspeed as deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    out = {name: _train(stage, offload, checkpoint if name == "zero3" else None)
+    out = {name: _train(stage, offload, checkpoint if name == "zero3" else None, nvme_path)
            for name, (stage, offload) in SCENARIOS.items()}  # fmt: skip
     out["skipped"] = _skipped_step()
     out["16bit"] = _save_16bit(sixteen)
@@ -210,7 +218,8 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(checkpoint_dir, tmp_path_factory):
-    return run_ranks(WORLD, _script, str(checkpoint_dir), str(tmp_path_factory.mktemp("sixteen")))
+    return run_ranks(WORLD, _script, str(checkpoint_dir), str(tmp_path_factory.mktemp("sixteen")),
+                     str(tmp_path_factory.mktemp("nvme")))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -252,8 +261,13 @@ def test_masters_read_in_the_last_backward_are_the_last_steps_or_refused_while_t
     for out in (r[name] for r in results for name in ("zero1", "zero2", "zero3")):
         for got, expected in zip(out["mid"], out["mid_ref"]):
             torch.testing.assert_close(got, expected, **CLOSE)
-    for out in (r["zero3_cpu"] for r in results):
+    for out in (r[name] for r in results for name in HOST_STEPPED):
         assert all(isinstance(m, str) and "after engine.step()" in m for m in out["mid"])
+
+
+def test_a_closed_engines_parameter_is_an_error(results):
+    for out in (r[name] for r in results for name in SCENARIOS):
+        assert "after engine.close()" in out["closed"]
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero3"])
@@ -348,3 +362,14 @@ def test_the_command_line_writes_one_safetensors_file(results, checkpoint_dir, t
     got = load_file(out)
     for key, value in _trained_state(results).items():
         assert torch.equal(got[key], value), key
+
+
+def test_the_utils_are_reached_as_deepspeeds_are():
+    import zkernel.deepspeed as deepspeed
+    from zkernel.deepspeed.utils import safe_get_full_grad
+    from zkernel.deepspeed.utils.tensor_fragment import safe_get_full_fp32_param
+
+    assert deepspeed.utils.safe_get_full_grad is safe_get_full_grad
+    plain = nn.Linear(2, 2)  # of no engine: DeepSpeed answers .grad for the gradient, None for the rest
+    plain(torch.ones(1, 2)).sum().backward()
+    assert safe_get_full_grad(plain.weight) is plain.weight.grad and safe_get_full_fp32_param(plain.weight) is None
