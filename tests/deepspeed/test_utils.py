@@ -1,13 +1,15 @@
 """`zkernel.deepspeed.utils` and the engine's 16-bit save, norm and step accessors, on 2 gloo ranks against torch.
 
 One rank script (module-scoped: the ranks start once) trains the same tiny model
-under zero1, zero2, zero3 and zero3 with the optimizer on the CPU, with gradient
-accumulation 2, beside single-process torch AdamW over the same global batches;
-it reads every parameter's full gradient after each window's last backward,
-the fp32 masters and Adam moments after each step, sets a master and a moment,
-and steps once more. The zero3 run leaves a checkpoint that the tests convert
-offline (`zero_to_fp32`, in this process, with no process group), and a bf16
-zero3 engine saves its 16-bit weights."""
+under plain data parallel, zero1, zero2, zero3, and zero3 with the optimizer on
+the CPU and on NVMe, with gradient accumulation 2, beside single-process torch
+AdamW over the same global batches; it reads every parameter's full gradient
+after each window's last backward, the fp32 masters and Adam moments after each
+step, sets a master and a moment, and steps once more. The zero3 run leaves a
+checkpoint that the tests convert offline (`zero_to_fp32`, in this process,
+with no process group); an fp16 engine shows the gradient's loss scale, one
+with a NaN window a skipped step, and a bf16 zero3 engine saves its 16-bit
+weights."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from torch import nn
 from tests.support.harness import run_ranks
 
 WORLD, MICRO, ACCUM, STEPS, DIM, LR, WD = 2, 2, 2, 2, 5, 1e-2, 0.01
-SCENARIOS = {"zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"), "zero3_cpu": (3, "cpu"),
+SCENARIOS = {"none": (0, "none"), "zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"), "zero3_cpu": (3, "cpu"),
              "zero3_nvme": (3, "nvme")}
 HOST_STEPPED = ("zero3_cpu", "zero3_nvme")
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
@@ -60,6 +62,8 @@ def _config(stage: int, offload: str, precision: str = "fp32", nvme_path: str | 
         config["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_path
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return config
 
 
@@ -174,6 +178,28 @@ def _skipped_step() -> dict:
     return out
 
 
+def _fp16_grads() -> dict:
+    """Under fp16 the full gradient still holds the loss scale, as DeepSpeed's (zero2, one window)."""
+    import zkernel.deepspeed as deepspeed
+    from zkernel.deepspeed.utils import safe_get_full_grad
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=Net(), config=_config(2, "none", "fp16"))
+    reference = Net()
+    reference.load_state_dict(engine.state_dict())
+    for micro in range(ACCUM):
+        engine.backward(engine(*_batch(0, rank, micro)))
+        if micro == ACCUM - 1:
+            out = {"scale": engine.loss_scaler.scale,
+                   "grads": {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}}  # fmt: skip
+        engine.step()
+    torch.stack([reference(*_batch(0, r, m)) for r in range(WORLD) for m in range(ACCUM)]).mean().backward()
+    out["grads_ref"] = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    engine.destroy()
+    return out
+
+
 def _save_16bit(directory: str) -> dict:
     """A bf16 zero3 engine after one step writes its 16-bit weights on rank 0."""
     import zkernel.deepspeed as deepspeed
@@ -207,6 +233,7 @@ def _script(checkpoint: str, sixteen: str, nvme_path: str) -> dict:
     out = {name: _train(stage, offload, checkpoint if name == "zero3" else None, nvme_path)
            for name, (stage, offload) in SCENARIOS.items()}  # fmt: skip
     out["skipped"] = _skipped_step()
+    out["fp16"] = _fp16_grads()
     out["16bit"] = _save_16bit(sixteen)
     return out
 
@@ -258,7 +285,7 @@ def test_a_set_master_and_moment_are_where_the_next_step_starts(results, name):
 
 
 def test_masters_read_in_the_last_backward_are_the_last_steps_or_refused_while_the_host_steps(results):
-    for out in (r[name] for r in results for name in ("zero1", "zero2", "zero3")):
+    for out in (r[name] for r in results for name in ("none", "zero1", "zero2", "zero3")):
         for got, expected in zip(out["mid"], out["mid_ref"]):
             torch.testing.assert_close(got, expected, **CLOSE)
     for out in (r[name] for r in results for name in HOST_STEPPED):
@@ -280,6 +307,20 @@ def test_local_fp32_params_are_this_ranks_elements(results, name):
         pieces = [out["local"][STEPS][key] for out in runs]  # rank 0's shard comes first in the flat layout
         assert all(p.dim() == 1 for p in pieces)
         assert torch.equal(torch.cat(pieces), full.reshape(-1)), key
+
+
+def test_fp16_grads_hold_the_loss_scale(results):
+    for out in (r["fp16"] for r in results):
+        assert out["scale"] == 2.0**8
+        for key, value in out["grads_ref"].items():
+            torch.testing.assert_close(out["grads"][key] / out["scale"], value, rtol=2e-2, atol=2e-3, msg=key)
+
+
+def test_local_fp32_params_of_plain_data_parallel_are_whole(results):
+    for out in (r["none"] for r in results):
+        for key, full in out["fp32"][STEPS].items():
+            if full is not None:
+                assert torch.equal(out["local"][STEPS][key], full.reshape(-1)), key
 
 
 def test_was_step_applied_is_false_after_a_skipped_step(results):
