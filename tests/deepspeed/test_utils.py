@@ -24,8 +24,8 @@ from torch import nn
 from tests.support.harness import run_ranks
 
 WORLD, MICRO, ACCUM, STEPS, DIM, LR, WD = 2, 2, 2, 2, 5, 1e-2, 0.01
-SCENARIOS = {"none": (0, "none"), "zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"), "zero3_cpu": (3, "cpu"),
-             "zero3_nvme": (3, "nvme")}
+SCENARIOS = {"none": (0, "none"), "zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"),
+             "zero3_cpu": (3, "cpu"), "zero3_nvme": (3, "nvme")}
 HOST_STEPPED = ("zero3_cpu", "zero3_nvme")
 CLOSE = {"rtol": 1e-4, "atol": 1e-5}
 

@@ -303,7 +303,6 @@ class DeepSpeedEngine:
             return None, None
         return str(loaded[0]), loaded[1]
 
-
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective: rank 0 writes the model's state dict in the compute dtype (bf16/fp16, or fp32 in an

@@ -63,7 +63,9 @@ def write_state_dict(state: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def write_sharded(state: dict[str, torch.Tensor], directory: Path, name: str, max_shard_bytes: int | None) -> list[Path]:
+def write_sharded(
+    state: dict[str, torch.Tensor], directory: Path, name: str, max_shard_bytes: int | None
+) -> list[Path]:
     """Write ``state`` into ``directory`` as ``name`` (one file), or, where it holds more than
     ``max_shard_bytes``, as shards of at most that size (a larger tensor alone in its shard) with the
     index file; returns the files written (the index last)."""
@@ -79,7 +81,8 @@ def write_sharded(state: dict[str, torch.Tensor], directory: Path, name: str, ma
         weight_map.update(dict.fromkeys(keys, file))
     total = sum(_nbytes(v) for v in state.values())
     index = directory / f"{name}.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+    content = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return [*written, index]
 
 

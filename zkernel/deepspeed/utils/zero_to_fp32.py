@@ -61,7 +61,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
     return state
 
 
-def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike, tag: str | None = None) -> nn.Module:
+def load_state_dict_from_zero_checkpoint(
+    model: nn.Module, checkpoint_dir: str | os.PathLike, tag: str | None = None
+) -> nn.Module:
     """Move ``model`` to the CPU and load the checkpoint's fp32 state dict into it (``strict=False``, as
     DeepSpeed's); returns the model. A model an engine still holds is refused: close the engine first."""
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
@@ -107,13 +109,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
         description="Write the whole fp32 state dict of a zkernel checkpoint (engine.save_checkpoint) for "
         "torch.load + load_state_dict, on the CPU, without a process group.",
     )
-    parser.add_argument("checkpoint_dir", help="the directory save_checkpoint wrote (holding 'latest' and the tags)")
-    parser.add_argument("output_dir", help="a directory, or a file name ending in .bin, .pt, .pth or .safetensors")
-    parser.add_argument("--max_shard_size", default="5GB", help="largest shard in a directory output (default 5GB)")
-    parser.add_argument("--safe_serialization", action="store_true", help="write model.safetensors in a directory output")
-    parser.add_argument("-t", "--tag", default=None, help="the checkpoint to read, e.g. global_step14 (default: latest)")
-    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out parameters that did not train")
-    parser.add_argument("-d", "--debug", action="store_true", help="accepted for DeepSpeed's command line; no effect")
+    add = parser.add_argument
+    add("checkpoint_dir", help="the directory save_checkpoint wrote (holding 'latest' and the tags)")
+    add("output_dir", help="a directory, or a file name ending in .bin, .pt, .pth or .safetensors")
+    add("--max_shard_size", default="5GB", help="largest shard in a directory output (default 5GB)")
+    add("--safe_serialization", action="store_true", help="write model.safetensors in a directory output")
+    add("-t", "--tag", default=None, help="the checkpoint to read, e.g. global_step14 (default: latest)")
+    add("--exclude_frozen_parameters", action="store_true", help="leave out parameters that did not train")
+    add("-d", "--debug", action="store_true", help="accepted for DeepSpeed's command line; no effect")
     args = parser.parse_args(argv)
     return convert_zero_checkpoint_to_fp32_state_dict(
         args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
