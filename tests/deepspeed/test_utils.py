@@ -414,3 +414,38 @@ def test_the_utils_are_reached_as_deepspeeds_are():
     plain = nn.Linear(2, 2)  # of no engine: DeepSpeed answers .grad for the gradient, None for the rest
     plain(torch.ones(1, 2)).sum().backward()
     assert safe_get_full_grad(plain.weight) is plain.weight.grad and safe_get_full_fp32_param(plain.weight) is None
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_a_master_set_after_the_last_backward_is_where_that_step_starts(offload):
+    """As DeepSpeed's: a master set between the window's last backward and its step is what the step
+    updates (the step then applies the window's gradient to it); where the optimizer is on the host
+    that step has started, and the set is refused, changing nothing."""
+    import zkernel.deepspeed as deepspeed
+    from zkernel.deepspeed.utils import safe_get_full_grad, safe_set_full_fp32_param
+
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=Net(), config=_config(3, offload))
+    reference = Net()
+    reference.load_state_dict(engine.state_dict())
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    value = torch.full((2 * DIM, DIM), 0.25)
+    torch.stack([reference(*_batch(0, 0, m)) for m in range(ACCUM)]).mean().backward()
+    for micro in range(ACCUM):
+        engine.backward(engine(*_batch(0, 0, micro)))
+        if micro < ACCUM - 1:
+            engine.step()
+    assert safe_get_full_grad(engine.module.fc1.weight) is not None
+    if offload == "cpu":
+        with pytest.raises(RuntimeError, match="between the last backward of an accumulation window and engine.step"):
+            safe_set_full_fp32_param(engine.module.fc1.weight, value)
+    else:
+        safe_set_full_fp32_param(engine.module.fc1.weight, value)
+        with torch.no_grad():
+            reference.fc1.weight.copy_(value)
+    engine.step()
+    opt.step()
+    state = engine.state_dict()
+    engine.destroy()
+    for key, expected in reference.state_dict().items():
+        torch.testing.assert_close(state[key], expected, **CLOSE, msg=key)
