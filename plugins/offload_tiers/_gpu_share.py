@@ -244,3 +244,8 @@ class ShareRouting:
 
     def steps_on_host(self, group):
         return not self._share.holds(group)
+
+    def read_grad(self, group):
+        if self._share.holds(group):
+            return self._share.tier.read_grad(group)
+        return self._landing.read(group)

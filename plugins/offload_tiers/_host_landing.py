@@ -202,6 +202,22 @@ class HostLanding:
                 out.append(sq_norm(slot.landing))
         return out
 
+    def read(self, group) -> torch.Tensor | None:
+        """``group``'s gradient of the window so far (main thread, after a backward, read only): the
+        device sum while later micro-batches still add up on the GPU, else the landing buffer once
+        its copies and adds are done; None where none landed in this window."""
+        slot = self._slots[group.index]
+        if slot.device_sum is not None and slot.device_sum.live:
+            return slot.device_sum.view  # added on the compute stream, in its order
+        if not slot.landed:
+            return None
+        accumulation, landed = slot.accumulation, slot.landed_event  # the step's acquire may clear them
+        if accumulation is not None:
+            accumulation.result()
+        if landed is not None:
+            landed.synchronize()
+        return slot.landing
+
     # -- the step (the host worker) -----------------------------------------------------------------
 
     def acquire(self, group) -> None:

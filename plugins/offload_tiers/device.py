@@ -135,6 +135,10 @@ class DeviceOptimizerTier(OptimizerTier):
         self._unwaited.pop(group.index, None)  # a skipped step: its memory waits for the stream itself
         group.grad = None
 
+    def read_grad(self, group):
+        self._wait_landed(group)
+        return group.grad
+
     def read_master(self, group):
         return group.master
 

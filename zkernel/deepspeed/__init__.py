@@ -26,12 +26,14 @@ Beside ``initialize``, scripts reach ``deepspeed.comm`` (`zkernel.deepspeed.comm
 world size, barrier and the collectives, a group of one in a single process) and
 ``deepspeed.accelerator.get_accelerator()`` (`zkernel.deepspeed.accelerator`: the device
 zkernel computes on); their imports change the same way
-(``from zkernel.deepspeed.accelerator import get_accelerator``).
+(``from zkernel.deepspeed.accelerator import get_accelerator``). ``deepspeed.utils``
+(`zkernel.deepspeed.utils`) has the ``safe_get_full_*``/``safe_set_full_*`` accessors of a
+parameter's fp32 master, optimizer state and gradient, and ``zero_to_fp32``.
 """
 
 from __future__ import annotations
 
-from zkernel.deepspeed import comm, zero
+from zkernel.deepspeed import comm, utils, zero
 from zkernel.deepspeed.accelerator import get_accelerator
 from zkernel.deepspeed.engine import ClientOptimizer, ConfigScheduler, DeepSpeedEngine
 from zkernel.deepspeed.initialize import add_config_arguments, init_distributed, initialize
@@ -45,5 +47,6 @@ __all__ = [
     "get_accelerator",
     "init_distributed",
     "initialize",
+    "utils",
     "zero",
 ]

@@ -249,6 +249,22 @@ class DeepSpeedEngine:
     def gradient_clipping(self) -> float:
         return self.engine.config.gradient_clipping
 
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the last boundary's gradients (after the fp16 unscale, before clipping),
+        as the engine measured it for clipping and the non-finite check; inf for an overflow; None
+        where it was not measured (no clipping, no fp16, every group stepped on a GPU: [Note:
+        non-finite gradients] in `zkernel.kernel.engine`), as DeepSpeed's is None when its optimizer
+        computes none."""
+        return self.engine.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` changed the parameters: False inside an accumulation window and
+        after a skipped step (an fp16 overflow, a non-finite gradient), as DeepSpeed's."""
+        engine = self.engine
+        _ = engine.skipped_steps  # reads a pending non-finite flag of the last step first
+        at_boundary = engine.micro_steps > 0 and engine.micro_steps % engine.config.gradient_accumulation_steps == 0
+        return at_boundary and engine.pipeline.last_applied
+
     # -- checkpoints ----------------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -286,6 +302,29 @@ class DeepSpeedEngine:
         if loaded is None:  # an engine that answers an empty directory itself
             return None, None
         return str(loaded[0]), loaded[1]
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: rank 0 writes the model's state dict in the compute dtype (bf16/fp16, or fp32 in an
+        fp32 run; integer buffers as they are) to ``save_dir/save_filename``, loadable into the plain
+        model with ``load_state_dict``: a pickle by ``torch.save``, or a safetensors file where the name
+        ends in ``.safetensors``. ZeRO-3 parameters are gathered whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says. Returns True, as DeepSpeed's does when it saved."""
+        from zkernel.deepspeed.model_file import on_rank0, sixteen_bit_state_dict, write_state_dict
+
+        state = sixteen_bit_state_dict(self.engine, exclude_frozen_parameters)
+        path = Path(save_dir) / save_filename
+
+        def write() -> None:
+            log.info("zkernel.deepspeed.save_16bit_model", path=str(path), tensors=len(state))
+            write_state_dict(state, path)
+
+        on_rank0(self.engine.dist, write, f"save_16bit_model could not write {path}")
+        return True
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
 
 def _under_module(prefix: str) -> str:

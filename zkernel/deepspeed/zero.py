@@ -35,6 +35,11 @@ def track(engine) -> None:
     _engines.add(engine)
 
 
+def tracked() -> list:
+    """The live engines `track` recorded (for `zkernel.deepspeed.utils`, which finds a parameter's engine)."""
+    return list(_engines)
+
+
 class Init:
     """Construct modules inside the block on the meta device, for ZeRO stage 3 to materialise.
 

@@ -163,6 +163,9 @@ class StepPipeline:
         self._found_inf: DeviceFlag | None = None
         self._late: LateRead | None = None
         self._flag_host: torch.Tensor | None = None
+        # Whether the last boundary step changed the parameters (False: none yet, skipped, not taken);
+        # a step skipped by its device flag turns False when the flag is read (`settle_found_inf`).
+        self.last_applied = False
         self.rollbacks = 0
         self.early_steps = 0
         self.aborted_speculations = 0  # windows whose speculation a group's own gradient stopped
@@ -295,6 +298,7 @@ class StepPipeline:
         `Publisher.prefetch_updated` for module-bound groups whose device update is queued.
         """
         self._last_clean = coefficient is not None and (self._early_exact or coefficient == self._speculative)
+        self.last_applied = coefficient is not None
         if self._late is not None:
             raise RuntimeError("the previous step's non-finite flag was not read before this step (settle_found_inf)")
         found_inf = self._found_inf.ready() if self._found_inf is not None and coefficient is not None else None
@@ -486,6 +490,7 @@ class StepPipeline:
         late, self._late = self._late, None
         if late is None or not late.is_set():
             return False
+        self.last_applied = False
         for group, options in late.stepped:
             if not self.hook.zkernel_uncount_step(group=group, options=options):
                 raise RuntimeError(

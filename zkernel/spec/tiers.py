@@ -208,6 +208,19 @@ class OptimizerTier(abc.ABC):
             f"offload tier {type(self).__name__} does not implement write_state, so checkpoints cannot be loaded with it"
         )
 
+    def read_grad(self, group: ParamGroup) -> torch.Tensor | None:
+        """``group``'s gradient of the accumulation window so far, as the optimizer will read it: the
+        shard's reduced gradient (averaged over ranks, summed over the window's micro-batches, times
+        the fp16 loss scale), the master's numel, in the dtype it landed in; None where no gradient
+        landed in this window (before a backward, after the step).
+
+        Called on the main thread after a backward and before its `Engine.step`, to inspect it
+        (`zkernel.deepspeed.utils.safe_get_full_grad`): waits for the landings started so far and
+        returns the tier's own buffer, which the caller only reads, before the step. A step that
+        started during backward reads the same buffer and does not change it. Default: not
+        supported (the caller's error names the tier)."""
+        raise NotImplementedError(f"offload tier {type(self).__name__} does not implement read_grad")
+
     def take_write_failures(self, wait: bool = False) -> list[BaseException]:
         """The failures of writes back (disk full, an I/O error) since the last call, taken.
 
