@@ -17,7 +17,7 @@
 The config is read by `zkernel.from_deepspeed_config` (what maps and what is refused is
 listed in docs/guide/deepspeed.md). A client optimizer is mapped into the
 config's ``optimizer`` section where zkernel has its equivalent (``torch.optim.AdamW`` and
-``torch.optim.Adam``, one set of hyperparameters); anything else is an error that says
+``torch.optim.Adam``, with any parameter groups: `zkernel.compat.torch_optim`); anything else is an error that says
 what to write instead. The objects returned for the optimizer and the scheduler are views
 of the engine (`ClientOptimizer`, `ConfigScheduler`): the engine steps, zeroes gradients and
 schedules the learning rate itself.
