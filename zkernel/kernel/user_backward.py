@@ -1,0 +1,204 @@
+"""A backward through the engine's model that nobody announced: ``loss.backward()`` after ``engine(...)``.
+
+[Note: a backward the engine is not told of] `Engine.backward` brackets
+its pass itself: a prologue (the window's boundary, the gradient scale,
+``pipeline.begin_backward``, ``scheduler.begin_backward``), then
+``backward()``, then an epilogue (``scheduler.finish_backward``,
+``pipeline.end_backward``, the step's coefficient, the micro-batch counted).
+A script written for plain torch calls ``loss.backward()`` (or
+``output.backward(grad)``, or one backward over the losses of two engines)
+and the engine never hears of it. `BackwardPass` hears of it from autograd:
+
+* the end of every forward pass with autograd on (the root's bracket, [Note:
+  forward entry] in `zkernel.kernel.scheduler`, however the model was called)
+  registers a gradient hook on each of its outputs that requires grad (at the
+  output's base where it is a view, as the scheduler's own hooks are: [Note:
+  outputs modified in place]); a tensor hook, not an identity autograd
+  Function, because a Function's outputs are views that the caller may not
+  modify in place, and it leaves the outputs the very tensors the model
+  returned;
+* every engine event of a backward calls `BackwardPass.enter` first: those
+  output hooks, the scheduler's backward fetches on a module's outputs (which
+  may come first: they were registered on the same tensors earlier), and its
+  post-accumulate-grad hooks on the parameters (a loss term that reaches a
+  parameter without going through an output). The first such event of a
+  graph task opens the pass: the engine's prologue runs there, inside the
+  backward, before any gradient of the model exists, and the epilogue is
+  queued to run when autograd has finished the whole graph task
+  (``queue_callback``, as torch's FSDP queues its post-backward callback);
+* the output hooks multiply the incoming gradient by 1 / gradient_accumulation_steps,
+  what `Engine.backward` multiplies its loss by (with fp16 the loss scale
+  comes from `Engine.scale`; a bare backward under fp16 without it raises
+  before anything changed, since its gradients would be unscaled ones that
+  the step then divides by the scale). With an accumulation of 1 the hooks
+  return nothing and the gradient passes untouched.
+
+While `Engine.backward` runs (``driven``) the hooks pass everything through
+at the cost of one attribute test, so it keeps its behaviour and cost.
+
+A graph task that accumulates no gradient into the model's parameters
+(``torch.autograd.grad`` of an output for a gradient penalty,
+``backward(inputs=...)`` of inputs only) is not a training backward: it opens
+nothing and its gradients are not scaled. Which it is, autograd says through
+``_will_engine_execute_node`` on the parameters' gradient accumulators, which
+`BackwardPass` holds so that every graph uses the same ones; asked once per
+graph task.
+
+A graph task inside the open pass (a reentrant checkpoint runs its own
+backward) belongs to it. A pass whose backward raised never reaches its
+epilogue (autograd runs queued callbacks only for a task that completed): the
+next forward or step finds it stale and drops it, as `Engine.backward` leaves
+an exception (the micro-batch is not counted, the next backward begins
+afresh).
+
+What the hooks cannot see: a loss term that reaches a parameter without
+going through an output of a forward (a regulariser on a weight, read outside
+the model) gets no 1 / accumulation factor, and an output fed into another
+forward of the same model is scaled once per output it passes through; the
+documentation says to use `Engine.backward` for those. The search for
+parameters the graph cannot reach ([Note: reduction order]) starts from the
+outputs marked since the last backward; where one of them is gone already
+(held by nobody but the graph) there is no search, which costs overlap, never
+correctness.
+
+Threads: the prologue runs on the thread that runs the backward's hooks
+(autograd's device thread on CUDA, the calling thread on the CPU), the
+epilogue on the thread that completes the graph task, with the streams that
+were current when ``backward()`` was called (autograd's post-processing sets
+them and first makes them wait for the leaf streams); the thread that called
+``backward()`` waits for both.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zkernel.kernel.scheduler import hook_target
+from zkernel.telemetry.log import get_logger
+
+log = get_logger()
+
+__all__ = ["BackwardPass"]
+
+_PRUNE_AT = 64  # marked outputs kept before the dead ones are dropped
+
+
+class BackwardPass:
+    """Whether a backward through the engine's model is running, and its start and end when nobody
+    announced it ([Note: a backward the engine is not told of]).
+
+    Built by `Engine.__init__` over the trainable parameters; the engine's hooks in
+    ``begin``/``end`` are reached through a weak reference to the engine ([Note: weak links] in
+    `zkernel.kernel.wiring`). The scheduler calls `mark` at the end of each forward pass and
+    `enter` at each backward event; the engine sets ``driven`` around its own backward."""
+
+    def __init__(self, engine: Any, params: Iterable[torch.Tensor]) -> None:
+        self._engine = weakref.ref(engine)
+        # Held so that every graph accumulates into these very nodes (a parameter keeps its
+        # accumulator only while something holds it), which autograd is asked about.
+        self._accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
+        self.driven = False  # `Engine.backward` runs the pass itself
+        self.task: int | None = None  # the graph task of the open pass nobody announced
+        self._ignored = -1  # the last graph task found to accumulate no parameter gradient
+        self.scaled = False  # `Engine.scale` gave the loss of the next backward its loss scale
+        self.factor = 1.0  # what the output hooks multiply gradients by in the open pass
+        self._outputs: list[weakref.ref] = []  # outputs marked since the last backward began
+
+    # -- forward ------------------------------------------------------------------
+
+    def mark(self, output: Any) -> None:
+        """Called by the scheduler at the end of a forward pass with autograd on: hook each output
+        tensor that requires grad (a view at its base)."""
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        targets = {id(h): h for h in map(hook_target, tensors)}.values()
+        me = weakref.ref(self)  # the hook lives in the graph: it must not hold the engine's side
+        if len(self._outputs) >= _PRUNE_AT:
+            self._outputs = [r for r in self._outputs if r() is not None]
+        for target in targets:
+            target.register_hook(functools.partial(_output_grad, me))
+            self._outputs.append(weakref.ref(target))
+
+    def forward_begins(self) -> None:
+        """Called by the scheduler when a forward pass begins (not a recomputation): a pass still
+        open is one whose backward raised before its end ([Note: a backward the engine is not told
+        of]); it is dropped."""
+        if self.task is not None:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Forget an open pass whose epilogue will never run (its backward raised)."""
+        log.debug("zkernel.backward.abandoned", task=self.task)
+        self.task = None
+        self.factor = 1.0
+        engine = self._engine()
+        if engine is not None:
+            engine._exit_guard()
+
+    # -- backward -----------------------------------------------------------------
+
+    def enter(self) -> bool:
+        """Called at each backward event of the model: whether it belongs to a training backward,
+        opening the pass (the engine's prologue, the epilogue queued) at the first event of one."""
+        if self.driven:
+            return True
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return False
+        if self.task is not None:
+            return True  # this pass's task, or one nested in it (a reentrant checkpoint)
+        if task == self._ignored:
+            return False
+        if not any(torch._C._will_engine_execute_node(node) for node in self._accumulators):
+            self._ignored = task  # torch.autograd.grad, or backward(inputs=...) of inputs only
+            return False
+        engine = self._engine()
+        if engine is None or engine.closed:
+            return False
+        roots = self._take_outputs()
+        self.factor = engine._begin_user_backward(roots)  # may raise: nothing is open then
+        self.task = task
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_end, weakref.ref(self)))
+        return True
+
+    def begin_driven(self) -> None:
+        """`Engine.backward` starts its own pass: the marked outputs are its roots no more."""
+        self._outputs.clear()
+        self.driven = True
+
+    def _take_outputs(self) -> list[torch.Tensor] | None:
+        """The outputs marked since the last backward, as roots for the search of unreachable
+        parameters; None where one of them is gone (its graph is unknown)."""
+        refs, self._outputs = self._outputs, []
+        outputs = [r() for r in refs]
+        return None if not outputs or any(t is None for t in outputs) else outputs
+
+    def _end(self) -> None:
+        engine = self._engine()
+        self.task = None
+        self.factor = 1.0
+        if engine is not None:
+            engine._end_user_backward()
+
+
+def _output_grad(me: weakref.ref, grad: torch.Tensor) -> torch.Tensor | None:
+    """The gradient hook on a marked output: opens the pass at the first event of a training
+    backward nobody announced, and scales the gradient as `Engine.backward` scales its loss."""
+    bp = me()
+    if bp is None or bp.driven or grad is None or not bp.enter():
+        return None
+    return grad * bp.factor if bp.factor != 1.0 else None
+
+
+def _end(me: weakref.ref) -> None:
+    """Autograd's final callback of the graph task that opened the pass."""
+    bp = me()
+    if bp is not None and bp.task is not None:
+        bp._end()
