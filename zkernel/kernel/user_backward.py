@@ -40,9 +40,8 @@ A graph task that accumulates no gradient into the model's parameters
 (``torch.autograd.grad`` of an output for a gradient penalty,
 ``backward(inputs=...)`` of inputs only) is not a training backward: it opens
 nothing and its gradients are not scaled. Which it is, autograd says through
-``_will_engine_execute_node`` on the parameters' gradient accumulators, which
-`BackwardPass` holds so that every graph uses the same ones; asked once per
-graph task.
+``_will_engine_execute_node`` on the parameters' gradient accumulators (the
+graph's own, taken inside the backward), asked once per graph task.
 
 A graph task inside the open pass (a reentrant checkpoint runs its own
 backward) belongs to it. A pass whose backward raised never reaches its
@@ -100,9 +99,7 @@ class BackwardPass:
 
     def __init__(self, engine: Any, params: Iterable[torch.Tensor]) -> None:
         self._engine = weakref.ref(engine)
-        # Held so that every graph accumulates into these very nodes (a parameter keeps its
-        # accumulator only while something holds it), which autograd is asked about.
-        self._accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
+        self._params = list(params)
         self.driven = False  # `Engine.backward` runs the pass itself
         self.task: int | None = None  # the graph task of the open pass nobody announced
         self._ignored = -1  # the last graph task found to accumulate no parameter gradient
@@ -156,7 +153,7 @@ class BackwardPass:
             return True  # this pass's task, or one nested in it (a reentrant checkpoint)
         if task == self._ignored:
             return False
-        if not any(torch._C._will_engine_execute_node(node) for node in self._accumulators):
+        if not self._accumulates():
             self._ignored = task  # torch.autograd.grad, or backward(inputs=...) of inputs only
             return False
         engine = self._engine()
@@ -167,6 +164,16 @@ class BackwardPass:
         self.task = task
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_end, weakref.ref(self)))
         return True
+
+    def _accumulates(self) -> bool:
+        """Whether the running graph task accumulates a gradient into a parameter of the model.
+
+        A parameter's accumulator is the graph's own while a graph holds it; one made here for a
+        parameter no graph uses is dropped at once (made before a forward, it would keep the shape
+        of a released zero3 parameter). Taking it is a view, not a read of the values."""
+        edge = torch.autograd.graph.get_gradient_edge
+        with torch._C.DisableTorchFunctionSubclass():
+            return any(torch._C._will_engine_execute_node(edge(p).node) for p in self._params)
 
     def begin_driven(self) -> None:
         """`Engine.backward` starts its own pass: the marked outputs are its roots no more."""

@@ -1,0 +1,139 @@
+"""``loss.backward()`` through the engine's outputs trains as `Engine.backward` does and as torch does.
+
+[Note: a backward the engine is not told of] in `zkernel.kernel.user_backward`. The scenarios of
+DeepSpeed's PyTorch-compatible backward (a loss function outside the model, a non-scalar
+``output.backward(gradient)``, one backward over two engines' losses, ``scale_wrt_gas=False``,
+``engine.scale``), on 2 gloo ranks with accumulation and clipping, against torch AdamW with DDP's
+gradient; the single-process cases a script hits (retained graphs, ``torch.autograd.grad``,
+evaluation, a backward that raises, activation checkpointing) beside them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from structlog.testing import capture_logs
+
+import zkernel
+from tests.support.harness import run_ranks
+from tests.support.user_backward_scenarios import (
+    ACCUM,
+    Net,
+    batch,
+    config,
+    every_way,
+    fp16_backward_without_scale,
+    reference,
+    reference_two_engines,
+)
+
+CONFIGS = {
+    "zero1": config("zero1"),
+    "zero2": config("zero2"),
+    "zero3": config("zero3"),
+    "zero3, optimizer on cpu": config("zero3", "cpu"),
+}
+
+
+def _close(result: dict, expected: dict, label: str) -> None:
+    assert result.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(result[name].float(), value, rtol=1e-5, atol=1e-6, msg=f"{label}: {name}")
+
+
+def _equal(result: dict, expected: dict, label: str) -> None:
+    for name, value in expected.items():
+        assert torch.equal(result[name], value), f"{label}: {name} differs from engine.backward's"
+
+
+@pytest.mark.parametrize("label", list(CONFIGS))
+def test_a_plain_backward_trains_as_engine_backward_and_as_torch(label):
+    for rank_result in run_ranks(2, every_way, CONFIGS[label]):
+        ways, two = rank_result["ways"], rank_result["two"]
+        for way in ("loss.backward", "model loss", "engine.scale"):
+            _equal(ways[way], ways["engine.backward"], f"{label}, {way}")
+        _equal(ways["output.backward"], ways["engine.backward sum"], f"{label}, output.backward")
+        for way, state in ways.items():
+            _close(state, reference(way, 2), f"{label}, {way}")
+        for i, (state, expected) in enumerate(zip(two, reference_two_engines(2), strict=True)):
+            _close(state, expected, f"{label}, engine {i} of two under one backward")
+
+
+def test_fp16_needs_engine_scale_for_a_plain_backward():
+    for result in run_ranks(2, fp16_backward_without_scale):
+        assert result["message"] is not None and "Loss scaling is required" in result["message"]
+        assert "engine.scale(loss).backward()" in result["message"]
+        assert result["counted"] == 0
+        _equal(result["states"]["engine.scale"], result["states"]["engine.backward"], "fp16 engine.scale")
+
+
+# -- one process -------------------------------------------------------------------------
+
+
+def _engine(**extra):
+    torch.manual_seed(0)
+    return zkernel.initialize(Net(), config("zero3", **extra))
+
+
+def test_two_backwards_without_a_step_raise_and_a_raised_backward_is_not_counted():
+    engine = _engine()
+    x, y = batch(0, 0, 0)
+    F.mse_loss(engine(x), y).backward()
+    with pytest.raises(RuntimeError, match="without engine.step"):
+        F.mse_loss(engine(x), y).backward()
+    engine.step()
+    assert engine.micro_steps == 1
+    # A backward that raises inside the model's graph: nothing counted, the next micro-batch trains.
+    out = engine(x)
+    boom = out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("boom")))
+    with pytest.raises(ValueError, match="boom"):
+        F.mse_loss(out, y).backward()
+    boom.remove()
+    with capture_logs() as logs:
+        engine.step()
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["zkernel.step.no_backward"]
+    F.mse_loss(engine(x), y).backward()
+    engine.step()
+    assert engine.micro_steps == 2
+    engine.close()
+
+
+def test_retained_graph_autograd_grad_and_evaluation():
+    engine = _engine()
+    x, y = batch(0, 0, 0)
+    x.requires_grad_(True)
+    out = engine(x)
+    # torch.autograd.grad accumulates into no parameter: not a training backward, not scaled.
+    (gx,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
+    plain = Net()
+    torch.manual_seed(0)
+    plain = Net()
+    (expected,) = torch.autograd.grad(plain(x).sum(), x)
+    torch.testing.assert_close(gx, expected)
+    assert engine.micro_steps == 0 and not engine._backward_done
+    loss = F.mse_loss(out, y)
+    loss.backward(retain_graph=True)
+    engine.step()
+    loss.backward()  # the retained graph, a second micro-batch: the window's end
+    engine.step()
+    assert (engine.micro_steps, engine.global_steps) == (2, 1)
+    with torch.no_grad():
+        engine(x)
+    assert engine.backward_pass._outputs == []  # evaluation marks nothing
+    engine.close()
+
+
+def test_activation_checkpointing_recomputes_under_a_plain_backward():
+    states = []
+    for way in ("engine.backward", "loss.backward"):
+        engine = _engine(activation_checkpointing={"modules": ["fc1", "fc2"]})
+        for step in range(2):
+            for micro in range(ACCUM):
+                x, y = batch(step, micro, 0)
+                loss = F.mse_loss(engine(x), y)
+                engine.backward(loss) if way == "engine.backward" else loss.backward()
+                engine.step()
+        states.append(engine.state_dict())
+        engine.close()
+    _equal(states[1], states[0], "checkpointed, loss.backward")
