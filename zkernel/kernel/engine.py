@@ -365,7 +365,7 @@ class Engine:
                 advice="engine.backward already averages the gradients over gradient_accumulation_steps "
                 "micro-batches (as DeepSpeed's engine does); pass the forward's loss without dividing it",
             )
-        self._check_one_backward("engine.backward")
+        self._check_one_backward("engine.backward was called")
         scale = 1.0 / steps if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
@@ -408,7 +408,7 @@ class Engine:
             # batches than configured), and at a boundary it would add gradients to a window whose
             # optimizer step may already have started.
             raise RuntimeError(
-                f"{what} ran after a backward without engine.step() between them: step() counts "
+                f"{what} twice without engine.step() between them: step() counts "
                 f"micro-batches (gradient_accumulation_steps = {self.config.gradient_accumulation_steps}), so "
                 "call it after every backward; for several losses of one micro-batch, backward their sum"
             )
@@ -442,7 +442,7 @@ class Engine:
                 "engine.scale(loss).backward()"
             )
         self.backward_pass.scaled = False
-        self._check_one_backward("a backward through the engine's model")
+        self._check_one_backward("a backward through the engine's model ran")
         with profiler_range("zkernel::backward_begin"):
             self._begin_pass(roots)
         return 1.0 / self.config.gradient_accumulation_steps
