@@ -137,3 +137,62 @@ def test_activation_checkpointing_recomputes_under_a_plain_backward():
         states.append(engine.state_dict())
         engine.close()
     _equal(states[1], states[0], "checkpointed, loss.backward")
+
+
+def test_two_forwards_one_backward_and_a_penalty_outside_the_outputs():
+    """Two micro-batches' forwards under one plain backward count one micro-batch; a penalty on a
+    weight read outside the forward reaches the parameter outside the outputs, and opens the pass
+    there if it comes first (with one accumulation step nothing is divided: exact)."""
+    engine = _engine()
+    (x0, y0), (x1, y1) = batch(0, 0, 0), batch(0, 1, 0)
+    (F.mse_loss(engine(x0), y0) + F.mse_loss(engine(x1), y1)).backward()
+    engine.step()
+    assert engine.micro_steps == 1
+    engine.close()
+    states = []
+    for way in ("engine.backward", "loss.backward"):
+        torch.manual_seed(0)
+        engine = zkernel.initialize(Net(), config("zero3", gradient_accumulation_steps=1))
+        for step in range(3):
+            x, y = batch(step, 0, 0)
+            loss = engine.module.fc1.weight.pow(2).sum() * 0.01 + F.mse_loss(engine(x), y)
+            engine.backward(loss) if way == "engine.backward" else loss.backward()
+            engine.step()
+        states.append(engine.state_dict())
+        engine.close()
+    _equal(states[1], states[0], "penalty on a weight, loss.backward")
+
+
+def test_chained_engines_under_engine_backward_train_as_torch_and_a_plain_one_warns():
+    """``b(a(x))``: ``b.backward(loss)`` divides once, and ``a`` counts its micro-batch (torch's
+    result); a plain backward would divide at both outputs, and says so ([Note: an output fed to a
+    forward])."""
+    torch.manual_seed(0)
+    a = zkernel.initialize(Net(), config("zero3"))
+    torch.manual_seed(1)
+    b = zkernel.initialize(Net(), config("zero2"))
+    torch.manual_seed(0)
+    ref_a = Net()
+    torch.manual_seed(1)
+    ref_b = Net()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (ref_a, ref_b)]
+    for step in range(2):
+        for micro in range(ACCUM):
+            x, y = batch(step, micro, 0)
+            b.backward(F.mse_loss(b(a(x)), y))
+            a.step()
+            b.step()
+            (F.mse_loss(ref_b(ref_a(x)), y) / ACCUM).backward()
+        for m, opt in zip((ref_a, ref_b), opts):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    assert (a.global_steps, b.global_steps) == (2, 2)
+    for engine, ref in ((a, ref_a), (b, ref_b)):
+        _close(engine.state_dict(), ref.state_dict(), "chained")
+    x, y = batch(0, 0, 0)
+    with capture_logs() as logs:
+        F.mse_loss(b(a(x)), y).backward()
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["zkernel.backward.output_fed_to_forward"]
+    a.close()
+    b.close()

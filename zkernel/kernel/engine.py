@@ -162,7 +162,9 @@ class Engine:
         self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.params.unset`
         self.writes = WriteFolder(self)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         # [Note: a backward the engine is not told of] in `zkernel.kernel.user_backward`
-        self.backward_pass = BackwardPass(self, [p for g in self.trainable_groups for p in g.params])
+        self.backward_pass = BackwardPass(
+            self, [p for g in self.trainable_groups for p in g.params], config.gradient_accumulation_steps
+        )
         self.scheduler = Scheduler(
             self.hook,
             self.groups,
@@ -380,7 +382,7 @@ class Engine:
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
-            self.backward_pass.driven = False
+            self.backward_pass.end_driven()
             self._exit_guard()
         self._end_pass(boundary, norm)
 

@@ -286,7 +286,7 @@ class Scheduler:
         if self._forward_depth == 0 and self._unset is not None:
             self._unset.require("A forward of the model")
         if self._forward_depth == 0 and self._backward is not None:
-            self._backward.forward_begins()
+            self._backward.forward_begins(_args)
         self._forward_depth += 1
         if self._forward_depth == 1:
             self.begin_forward(*self._window())

@@ -41,7 +41,10 @@ A graph task that accumulates no gradient into the model's parameters
 ``backward(inputs=...)`` of inputs only) is not a training backward: it opens
 nothing and its gradients are not scaled. Which it is, autograd says through
 ``_will_engine_execute_node`` on the parameters' gradient accumulators (the
-graph's own, taken inside the backward), asked once per graph task.
+graph's own, taken inside the backward), asked once per graph task: for a
+plain ``backward()`` each question walks the graph in autograd's C++ (about
+0.1 ms for a thousand nodes), so the parameter the last training backward
+reached is asked first and the answer is usually the first one.
 
 A graph task inside the open pass (a reentrant checkpoint runs its own
 backward) belongs to it. A pass whose backward raised never reaches its
@@ -53,8 +56,14 @@ afresh).
 What the hooks cannot see: a loss term that reaches a parameter without
 going through an output of a forward (a regulariser on a weight, read outside
 the model) gets no 1 / accumulation factor, and an output fed into another
-forward of the same model is scaled once per output it passes through; the
-documentation says to use `Engine.backward` for those. The search for
+forward (of this model or another engine's) is scaled once per output it
+passes through; the
+documentation says to use `Engine.backward` for those ([Note: an output fed
+to a forward] warns of the second). `Engine.backward` divides its loss once:
+another engine whose outputs that backward reaches opens its pass as above
+(the micro-batch is counted for its ``step()``) but divides nothing more, so
+engines chained in one loss (``b(a(x))``) train right under
+``b.backward(loss)``. The search for
 parameters the graph cannot reach ([Note: reduction order]) starts from the
 outputs marked since the last backward; where one of them is gone already
 (held by nobody but the graph) there is no search, which costs overlap, never
@@ -71,6 +80,7 @@ them and first makes them wait for the leaf streams); the thread that called
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -86,6 +96,11 @@ log = get_logger()
 __all__ = ["BackwardPass"]
 
 _PRUNE_AT = 64  # marked outputs kept before the dead ones are dropped
+# Set on each output a forward returned, to the accumulation steps its hooks divide by: a forward
+# that takes it as an argument divides its gradient again ([Note: an output fed to a forward]).
+_MARK = "_zkernel_divides_by"
+# How many engines run `Engine.backward` now (any thread: autograd's device threads run the hooks).
+_driving = [0]
 
 
 class BackwardPass:
@@ -97,9 +112,13 @@ class BackwardPass:
     `zkernel.kernel.wiring`). The scheduler calls `mark` at the end of each forward pass and
     `enter` at each backward event; the engine sets ``driven`` around its own backward."""
 
-    def __init__(self, engine: Any, params: Iterable[torch.Tensor]) -> None:
+    def __init__(self, engine: Any, params: Iterable[torch.Tensor], accumulation_steps: int) -> None:
         self._engine = weakref.ref(engine)
+        self._steps = accumulation_steps
+        self._warned_fed = False
+        self._fed = False  # a forward since the last backward took a marked output as an argument
         self._params = list(params)
+        self._hit = 0  # the parameter a training backward reached last time
         self.driven = False  # `Engine.backward` runs the pass itself
         self.task: int | None = None  # the graph task of the open pass nobody announced
         self._ignored = -1  # the last graph task found to accumulate no parameter gradient
@@ -122,13 +141,41 @@ class BackwardPass:
         for target in targets:
             target.register_hook(functools.partial(_output_grad, me))
             self._outputs.append(weakref.ref(target))
+        for t in tensors:
+            setattr(t, _MARK, self._steps)
 
-    def forward_begins(self) -> None:
-        """Called by the scheduler when a forward pass begins (not a recomputation): a pass still
-        open is one whose backward raised before its end ([Note: a backward the engine is not told
-        of]); it is dropped."""
+    def forward_begins(self, args: tuple) -> None:
+        """Called by the scheduler when a forward pass begins (not a recomputation), with its
+        positional arguments: a pass still open is one whose backward raised before its end
+        ([Note: a backward the engine is not told of]); it is dropped.
+
+        [Note: an output fed to a forward] A marked output passed to another forward (of this
+        model or another engine's: ``b(a(x))``, an encoder's output to the decoder's pass) has
+        its gradient divided by the accumulation steps at both outputs under a plain backward;
+        under `Engine.backward` it is divided once. So a plain backward that opens after such a
+        forward warns once, where either output divides (the arguments themselves are looked at,
+        not what was computed from them, nor keyword arguments)."""
         if self.task is not None:
             self.abandon()
+        if self._warned_fed or self._fed:
+            return
+        for arg in args:
+            steps = getattr(arg, _MARK, None) if isinstance(arg, torch.Tensor) else None
+            if steps is not None and max(steps, self._steps) > 1:
+                self._fed = True
+                return
+
+    def _warn_fed(self) -> None:
+        """A plain backward opens after a forward that took a marked output ([Note: an output fed
+        to a forward])."""
+        self._warned_fed = True
+        log.warning(
+            "zkernel.backward.output_fed_to_forward",
+            gradient_accumulation_steps=self._steps,
+            advice="a forward took another forward's output as an argument, and loss.backward() divides "
+            "the gradient by the accumulation steps at both outputs; back-propagate with "
+            "engine.backward(loss) there (it divides once, at the loss)",
+        )
 
     def abandon(self) -> None:
         """Forget an open pass whose epilogue will never run (its backward raised)."""
@@ -160,7 +207,12 @@ class BackwardPass:
         if engine is None or engine.closed:
             return False
         roots = self._take_outputs()
-        self.factor = engine._begin_user_backward(roots)  # may raise: nothing is open then
+        factor = engine._begin_user_backward(roots)  # may raise: nothing is open then
+        # Inside another engine's `Engine.backward` the loss was divided once already.
+        self.factor = 1.0 if _driving[0] else factor
+        if self._fed and not _driving[0] and not self._warned_fed:
+            self._warn_fed()
+        self._fed = False
         self.task = task
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_end, weakref.ref(self)))
         return True
@@ -172,13 +224,26 @@ class BackwardPass:
         parameter no graph uses is dropped at once (made before a forward, it would keep the shape
         of a released zero3 parameter). Taking it is a view, not a read of the values."""
         edge = torch.autograd.graph.get_gradient_edge
+        params = self._params
         with torch._C.DisableTorchFunctionSubclass():
-            return any(torch._C._will_engine_execute_node(edge(p).node) for p in self._params)
+            for i in itertools.chain((self._hit,), range(len(params))) if params else ():
+                if torch._C._will_engine_execute_node(edge(params[i]).node):
+                    self._hit = i  # asked first next time: each question is a walk of the graph
+                    return True
+        return False
 
     def begin_driven(self) -> None:
         """`Engine.backward` starts its own pass: the marked outputs are its roots no more."""
         self._outputs.clear()
+        self._fed = False
         self.driven = True
+        _driving[0] += 1
+
+    def end_driven(self) -> None:
+        """`Engine.backward`'s pass ended (or raised)."""
+        if self.driven:
+            self.driven = False
+            _driving[0] -= 1
 
     def _take_outputs(self) -> list[torch.Tensor] | None:
         """The outputs marked since the last backward, as roots for the search of unreachable
