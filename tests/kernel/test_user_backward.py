@@ -196,3 +196,11 @@ def test_chained_engines_under_engine_backward_train_as_torch_and_a_plain_one_wa
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["zkernel.backward.output_fed_to_forward"]
     a.close()
     b.close()
+
+
+def test_a_plain_backward_is_a_backward_span_of_the_timeline():
+    engine = _engine(timeline=True)
+    x, y = batch(0, 0, 0)
+    F.mse_loss(engine(x), y).backward()
+    assert [r.label for r in engine.timeline._host if r.label in ("forward", "backward")] == ["forward", "backward"]
+    engine.close()

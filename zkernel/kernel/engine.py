@@ -186,6 +186,7 @@ class Engine:
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._pass_boundary = False  # whether the backward running now ends a window
+        self._user_span: Any = None  # the timeline span of a backward nobody announced, while it runs
         # See `_reads_norm`. Tests set it False to take the device-flag path on a CPU device ([Note: a
         # non-finite flag read one step late] in `zkernel.kernel.found_inf`).
         self._norm_is_free: bool | None = None
@@ -447,7 +448,17 @@ class Engine:
         self._check_one_backward("a backward through the engine's model ran")
         with profiler_range("zkernel::backward_begin"):
             self._begin_pass(roots)
+        # The timeline's backward span, from the model's first backward event to the end of the
+        # pass (entered here, left by `_end_user_backward`, maybe on another thread).
+        self._user_span = self._compute_span("backward")
+        self._user_span.__enter__()
         return 1.0 / self.config.gradient_accumulation_steps
+
+    def _abandon_user_backward(self) -> None:
+        """Called by `BackwardPass.abandon`: the backward `_begin_user_backward` opened raised, and
+        its epilogue will not run. The micro-batch is not counted; the next backward begins afresh."""
+        self._user_span = None
+        self._exit_guard()
 
     def _end_user_backward(self) -> None:
         """Called by autograd at the end of the graph task that `_begin_user_backward` opened: the
@@ -459,6 +470,9 @@ class Engine:
                 norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
         finally:
             self._exit_guard()
+            span, self._user_span = self._user_span, None
+            if span is not None:
+                span.__exit__(None, None, None)
         self._end_pass(boundary, norm)
 
     @requires_open("step()")

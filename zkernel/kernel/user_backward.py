@@ -184,7 +184,7 @@ class BackwardPass:
         self.factor = 1.0
         engine = self._engine()
         if engine is not None:
-            engine._exit_guard()
+            engine._abandon_user_backward()
 
     # -- backward -----------------------------------------------------------------
 
