@@ -5,7 +5,10 @@ applies the optimizer only at an accumulation boundary. `Engine.backward`
 divides the loss by the accumulation steps (and multiplies it by the fp16 loss
 scale); partitioners average over ranks when they reduce. So the applied
 gradient is the mean over every sample of the global batch, as with DDP and
-DeepSpeed, when the loss is a per-sample mean.
+DeepSpeed, when the loss is a per-sample mean. A plain ``loss.backward()``
+divides the gradients where they enter the model's outputs instead, and runs
+the same prologue and epilogue from autograd's hooks ([Note: a backward the
+engine is not told of] in `zkernel.kernel.user_backward`).
 
 The optimizer phase is `zkernel.kernel.step_pipeline.StepPipeline` (see its notes):
 gradients are handed to the optimizer tier as they are reduced during

@@ -164,8 +164,11 @@ class Scheduler:
     for backward, release, reduce, the handoff to the step pipeline) run on
     autograd's thread for the device (the training thread in a CPU backward). The
     engine's calls (`begin_backward`, `finish_backward`, `release_kept`, `publish`,
-    `prefetch_updated`, `prefetch_next_forward`) come from the training thread;
-    never from the host worker. CUDA: a fetch is waited for on the current
+    `prefetch_updated`, `prefetch_next_forward`) come from the training thread,
+    except under a plain ``loss.backward()``, whose prologue and epilogue call
+    `begin_backward` and `finish_backward` from autograd's thread while the
+    training thread waits in ``backward()`` ([Note: a backward the engine is not
+    told of] in `zkernel.kernel.user_backward`); never from the host worker. CUDA: a fetch is waited for on the current
     (compute) stream; a prefetched gather runs under the side streams'
     `prefetch_context` where the parameters' tier is off the compute device, and
     work crosses streams through events."""
