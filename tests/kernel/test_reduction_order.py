@@ -89,6 +89,9 @@ def test_unreachable_params_finds_what_the_graph_cannot_reach_and_gives_up_on_re
     assert unreachable_params(loss, params) == {id(p) for p in unused.parameters()}
     loss = checkpoint.checkpoint(used, x.requires_grad_(), use_reentrant=True).sum()
     assert unreachable_params(loss, params) is None
+    # The outputs a plain backward starts from: what any of them reaches is reachable.
+    assert unreachable_params([used(x), unused(x)], params) == set()
+    assert unreachable_params([used(x), x], params) == {id(p) for p in unused.parameters()}
 
 
 class _NestedBackward(torch.autograd.Function):

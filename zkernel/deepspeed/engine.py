@@ -147,10 +147,19 @@ class DeepSpeedEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 
-    def backward(self, loss, **kwargs):
-        """Back-propagate ``loss`` (scaled for accumulation); returns it, as DeepSpeed's does."""
-        self.engine.backward(loss)
-        return loss
+    def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Back-propagate ``loss``, divided by the accumulation steps unless ``scale_wrt_gas`` is False
+        (and multiplied by the fp16 loss scale); ``retain_graph`` as torch's. Returns the loss as
+        DeepSpeed's does: divided by the accumulation steps where it was. A plain ``loss.backward()``
+        works too ([Note: a backward the engine is not told of] in `zkernel.kernel.user_backward`)."""
+        self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        steps = self.engine.config.gradient_accumulation_steps
+        return loss / steps if scale_wrt_gas and steps > 1 else loss
+
+    def scale(self, loss):
+        """``loss`` with the fp16 loss scale applied, for a ``.backward()`` of the script's own
+        (``loss`` itself in other precisions); the backward divides by the accumulation steps."""
+        return self.engine.scale(loss)
 
     def step(self, lr_kwargs=None) -> None:
         """Count the micro-batch; at the end of an accumulation window, step the optimizer (and schedule)."""

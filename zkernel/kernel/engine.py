@@ -5,7 +5,10 @@ applies the optimizer only at an accumulation boundary. `Engine.backward`
 divides the loss by the accumulation steps (and multiplies it by the fp16 loss
 scale); partitioners average over ranks when they reduce. So the applied
 gradient is the mean over every sample of the global batch, as with DDP and
-DeepSpeed, when the loss is a per-sample mean.
+DeepSpeed, when the loss is a per-sample mean. A plain ``loss.backward()``
+divides the gradients where they enter the model's outputs instead, and runs
+the same prologue and epilogue from autograd's hooks ([Note: a backward the
+engine is not told of] in `zkernel.kernel.user_backward`).
 
 The optimizer phase is `zkernel.kernel.step_pipeline.StepPipeline` (see its notes):
 gradients are handed to the optimizer tier as they are reduced during
@@ -75,6 +78,7 @@ from zkernel.platform.streams import Streams
 from zkernel.spec.tiers import OptimizerTier, ParamsTier, StoredBytes
 from zkernel.telemetry.timeline import SpanKind, Timeline
 from zkernel.params.unset import UnsetValues
+from zkernel.kernel.user_backward import BackwardPass
 from zkernel.kernel.wiring import EngineServices, MicroSteps
 
 log = get_logger()
@@ -160,6 +164,10 @@ class Engine:
         )
         self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.params.unset`
         self.writes = WriteFolder(self)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
+        # [Note: a backward the engine is not told of] in `zkernel.kernel.user_backward`
+        self.backward_pass = BackwardPass(
+            self, [p for g in self.trainable_groups for p in g.params], config.gradient_accumulation_steps
+        )
         self.scheduler = Scheduler(
             self.hook,
             self.groups,
@@ -167,7 +175,10 @@ class Engine:
             params_tier=parts.params_tier,
             streams=parts.streams,
             steps=self.pipeline,
-            engine=EngineServices(root=module, micro_steps=self._micro_steps, unset=self.unset, writes=self.writes),
+            engine=EngineServices(
+                root=module, micro_steps=self._micro_steps, unset=self.unset, writes=self.writes,
+                backward_pass=self.backward_pass,
+            ),
             order=ReductionOrder.of_model(module, self.groups, streams_device(parts.streams)) if dist_info.distributed else None,
         )
         self.micro_steps = 0
@@ -177,6 +188,8 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
+        self._pass_boundary = False  # whether the backward running now ends a window
+        self._user_span: Any = None  # the timeline span of a backward nobody announced, while it runs
         # See `_reads_norm`. Tests set it False to take the device-flag path on a CPU device ([Note: a
         # non-finite flag read one step late] in `zkernel.kernel.found_inf`).
         self._norm_is_free: bool | None = None
@@ -335,15 +348,21 @@ class Engine:
                         self.hook.zkernel_release_params(group=group, phase=Phase.USER)
 
     @requires_open("backward()")
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Back-propagate ``loss`` (scaled for accumulation and fp16) and reduce gradients.
+
+        ``retain_graph``: keep the graph for another backward, as torch's. ``scale_wrt_gas=False``:
+        the loss is not divided by ``gradient_accumulation_steps`` (the script averages itself).
+        A plain ``loss.backward()`` works too ([Note: a backward the engine is not told of] in
+        `zkernel.kernel.user_backward`); this call does the same at no extra cost."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + "; for a non-scalar output call output.backward(gradient) itself"
             )
         steps = self.config.gradient_accumulation_steps
-        if steps > 1 and not self._warned_scaled_twice and scaled_by(loss, self._output_fn, steps):
+        if scale_wrt_gas and steps > 1 and not self._warned_scaled_twice and scaled_by(loss, self._output_fn, steps):
             # [Note: a loss scaled twice] in `zkernel.kernel.engine_inputs`.
             self._warned_scaled_twice = True
             log.warning(
@@ -352,39 +371,112 @@ class Engine:
                 advice="engine.backward already averages the gradients over gradient_accumulation_steps "
                 "micro-batches (as DeepSpeed's engine does); pass the forward's loss without dividing it",
             )
-        self._output_fn = None  # its graph is gone after this backward; keep none of it
-        if self._backward_done:
-            # [Note: one backward per step] step() counts micro-batches; a second backward before it
-            # would silently fold another micro-batch into this one (the window then spans more
-            # batches than configured), and at a boundary it would add gradients to a window whose
-            # optimizer step may already have started.
-            raise RuntimeError(
-                "engine.backward was called twice without engine.step() between them: step() counts "
-                f"micro-batches (gradient_accumulation_steps = {self.config.gradient_accumulation_steps}), so "
-                "call it after every backward; for several losses of one micro-batch, backward their sum"
-            )
-        boundary = self.is_accumulation_boundary
-        scale = 1.0 / self.config.gradient_accumulation_steps
+        self._check_one_backward("engine.backward was called")
+        scale = 1.0 / steps if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
-        unscale = self._unscale()
-        known = None if self._needs_norm() else unscale
-        self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
-        self.scheduler.begin_backward(boundary, loss)
+        boundary = self._begin_pass(loss)
+        self.backward_pass.begin_driven()
         try:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
-                (loss.float() * scale).backward()
+                (loss.float() * scale).backward(retain_graph=retain_graph)
                 self.scheduler.finish_backward()
             # The norm at every boundary where reading it adds no sync ([Note: non-finite gradients]).
             norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
+            self.backward_pass.end_driven()
             self._exit_guard()
+        self._end_pass(boundary, norm)
+
+    @requires_open("scale()")
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` scaled for a ``loss.backward()`` of the script's own: multiplied by the fp16 loss
+        scale (as float32), or ``loss`` itself in other precisions. The division by
+        ``gradient_accumulation_steps`` happens in the backward, as for any ``loss.backward()``
+        ([Note: a backward the engine is not told of] in `zkernel.kernel.user_backward`)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError(
+                "engine.scale expects a scalar loss tensor computed from the engine's outputs, got "
+                + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__)
+                + (" without a graph (requires_grad False)" if isinstance(loss, torch.Tensor) and loss.grad_fn is None else "")
+            )
+        if self.loss_scaler is None:
+            return loss
+        self.backward_pass.scaled = True
+        return loss.float() * self.loss_scaler.scale
+
+    def _check_one_backward(self, what: str) -> None:
+        if self._backward_done:
+            # [Note: one backward per step] step() counts micro-batches; a second backward before it
+            # would silently fold another micro-batch into this one (the window then spans more
+            # batches than configured), and at a boundary it would add gradients to a window whose
+            # optimizer step may already have started.
+            raise RuntimeError(
+                f"{what} twice without engine.step() between them: step() counts "
+                f"micro-batches (gradient_accumulation_steps = {self.config.gradient_accumulation_steps}), so "
+                "call it after every backward; for several losses of one micro-batch, backward their sum"
+            )
+
+    def _begin_pass(self, roots: torch.Tensor | list[torch.Tensor] | None) -> bool:
+        """The prologue of a backward: tell the step pipeline and the scheduler (``roots``: where the
+        search for unreachable parameters starts). Returns whether the pass ends a window."""
+        self._output_fn = None  # its graph is gone after this backward; keep none of it
+        boundary = self.is_accumulation_boundary
+        unscale = self._unscale()
+        known = None if self._needs_norm() else unscale
+        self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
+        self.scheduler.begin_backward(boundary, roots)
+        self._pass_boundary = boundary
+        return boundary
+
+    def _end_pass(self, boundary: bool, norm: float | None) -> None:
+        """The micro-batch's backward is complete: count it for step(); at a boundary, the coefficient."""
         self._backward_done = True
         self._redo_window = False
         if boundary:
             self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
+
+    def _begin_user_backward(self, roots: list[torch.Tensor] | None) -> float:
+        """Called by `BackwardPass.enter` inside a backward nobody announced, at its first event:
+        the prologue; returns the factor the outputs' gradients are multiplied by."""
+        if self.loss_scaler is not None and not self.backward_pass.scaled:
+            raise RuntimeError(
+                "Loss scaling is required for this configuration (precision = \"fp16\"), but backward() "
+                "was called on an unscaled loss: call engine.backward(loss), or "
+                "engine.scale(loss).backward()"
+            )
+        self.backward_pass.scaled = False
+        self._check_one_backward("a backward through the engine's model ran")
+        with profiler_range("zkernel::backward_begin"):
+            self._begin_pass(roots)
+        # The timeline's backward span, from the model's first backward event to the end of the
+        # pass (entered here, left by `_end_user_backward`, maybe on another thread).
+        self._user_span = self._compute_span("backward")
+        self._user_span.__enter__()
+        return 1.0 / self.config.gradient_accumulation_steps
+
+    def _abandon_user_backward(self) -> None:
+        """Called by `BackwardPass.abandon`: the backward `_begin_user_backward` opened raised, and
+        its epilogue will not run. The micro-batch is not counted; the next backward begins afresh."""
+        self._user_span = None
+        self._exit_guard()
+
+    def _end_user_backward(self) -> None:
+        """Called by autograd at the end of the graph task that `_begin_user_backward` opened: the
+        epilogue of `backward`, on the thread and streams autograd finishes on."""
+        boundary = self._pass_boundary
+        try:
+            with profiler_range("zkernel::backward_end"):
+                self.scheduler.finish_backward()
+                norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
+        finally:
+            self._exit_guard()
+            span, self._user_span = self._user_span, None
+            if span is not None:
+                span.__exit__(None, None, None)
+        self._end_pass(boundary, norm)
 
     @requires_open("step()")
     def step(self) -> None:
@@ -395,6 +487,8 @@ class Engine:
         schedule stay), as DeepSpeed applies no step then; what a forward kept for its backward is
         released.
         """
+        if self.backward_pass.task is not None:  # a loss.backward() that raised before its end
+            self.backward_pass.abandon()
         if self._redo_window and not self._backward_done:
             raise RuntimeError(
                 f"step {self.global_steps} was not taken (a write of the optimizer's state failed, "
@@ -407,7 +501,8 @@ class Engine:
                 "zkernel.step.no_backward",
                 micro_steps=self.micro_steps,
                 global_steps=self.global_steps,
-                advice="engine.step() counts the micro-batch of the last engine.backward(loss); call backward first "
+                advice="engine.step() counts the micro-batch of the last backward (engine.backward(loss) or "
+                "loss.backward() through the engine's outputs); call backward first "
                 "(this step was not counted and changed no parameter)",
             )
             return

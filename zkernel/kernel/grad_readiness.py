@@ -35,9 +35,11 @@ class GradReadiness:
         self._count = {g.index: 0 for g in self.trainable}
         self._presumed: set[tuple[int, int]] = set()  # (group, position) the graph cannot reach
 
-    def begin(self, loss: torch.Tensor | None) -> list[ParamGroup]:
+    def begin(self, loss: torch.Tensor | Sequence[torch.Tensor] | None) -> list[ParamGroup]:
         """A backward of ``loss`` starts (also after one that raised): the groups complete already,
-        none of whose parameters the loss's graph reaches (only once the rank searches it)."""
+        none of whose parameters the loss's graph reaches (only once the rank searches it).
+        ``loss`` may be the outputs a backward the engine was not told of starts from; None: no
+        search."""
         self.reset()
         if self.order is None:
             return []

@@ -124,16 +124,20 @@ class ReductionOrder:
 _REENTRANT = ("CheckpointFunctionBackward",)
 
 
-def unreachable_params(loss: torch.Tensor, params: Iterable[torch.Tensor]) -> set[int] | None:
-    """Ids of ``params`` the autograd graph of ``loss`` does not reach (no gradient will come), or
-    None where that cannot be known (a reentrant checkpoint reaches its parameters only when it
-    runs in backward)."""
-    root = loss.grad_fn
-    if root is None:
+def unreachable_params(
+    loss: torch.Tensor | Sequence[torch.Tensor], params: Iterable[torch.Tensor]
+) -> set[int] | None:
+    """Ids of ``params`` the autograd graph of ``loss`` (or of every tensor of a sequence: the
+    outputs a backward the engine was not told of starts from) does not reach (no gradient will
+    come), or None where that cannot be known (a reentrant checkpoint reaches its parameters only
+    when it runs in backward)."""
+    tensors = [loss] if isinstance(loss, torch.Tensor) else list(loss)
+    roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    if not roots:
         return None
     reached: set[int] = set()
-    seen = {root}
-    stack = [root]
+    seen = set(roots)
+    stack = list(roots)
     while stack:
         node = stack.pop()
         if type(node).__name__ in _REENTRANT:

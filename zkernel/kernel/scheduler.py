@@ -164,8 +164,11 @@ class Scheduler:
     for backward, release, reduce, the handoff to the step pipeline) run on
     autograd's thread for the device (the training thread in a CPU backward). The
     engine's calls (`begin_backward`, `finish_backward`, `release_kept`, `publish`,
-    `prefetch_updated`, `prefetch_next_forward`) come from the training thread;
-    never from the host worker. CUDA: a fetch is waited for on the current
+    `prefetch_updated`, `prefetch_next_forward`) come from the training thread,
+    except under a plain ``loss.backward()``, whose prologue and epilogue call
+    `begin_backward` and `finish_backward` from autograd's thread while the
+    training thread waits in ``backward()`` ([Note: a backward the engine is not
+    told of] in `zkernel.kernel.user_backward`); never from the host worker. CUDA: a fetch is waited for on the current
     (compute) stream; a prefetched gather runs under the side streams'
     `prefetch_context` where the parameters' tier is off the compute device, and
     work crosses streams through events."""
@@ -186,6 +189,9 @@ class Scheduler:
         self._fold = engine.writes.fold  # keeps writes to a whole group's parameters ([Note: writes to gathered parameters])
         self.root = engine.root
         self._unset = engine.unset  # a forward refuses parameters no one has written ([Note: values left unset])
+        # Opens a backward nobody announced ([Note: a backward the engine is not told of] in
+        # `zkernel.kernel.user_backward`); None: only the engine's own backward.
+        self._backward = engine.backward_pass
         self._window = engine.micro_steps.window  # () -> (whether the engine's micro-step ends a window, its number)
         self._forward_depth = 0  # forwards of the root running now, nested ones included
         self._kept: list[ParamGroup] = []  # groups left whole for the backward (see [Note: root kept for backward])
@@ -282,6 +288,8 @@ class Scheduler:
             self.late.check()  # before any fetch: no rank is left in a collective
         if self._forward_depth == 0 and self._unset is not None:
             self._unset.require("A forward of the model")
+        if self._forward_depth == 0 and self._backward is not None:
+            self._backward.forward_begins(_args)
         self._forward_depth += 1
         if self._forward_depth == 1:
             self.begin_forward(*self._window())
@@ -298,6 +306,8 @@ class Scheduler:
             self.abandon_forward()
         else:
             self.finish_forward()
+            if self._backward is not None and torch.is_grad_enabled():
+                self._backward.mark(output)
 
     def _pre_forward(self, module: nn.Module, _args) -> None:
         if _in_backward():  # a recomputation (see [Note: recompute])
@@ -331,9 +341,9 @@ class Scheduler:
         # A view is hooked at its base, the last tensor the module computed (see [Note: outputs
         # modified in place]).
         if len(tensors) == 1:
-            tensors = [_hook_target(tensors[0])]
+            tensors = [hook_target(tensors[0])]
         elif tensors:
-            tensors = list({id(h): h for h in map(_hook_target, tensors)}.values())
+            tensors = list({id(h): h for h in map(hook_target, tensors)}.values())
         if len(tensors) == 1:  # the usual case, at half the host cost of a multi-grad hook
             tensors[0].register_hook(lambda _grad, groups=groups: self._pre_backward(groups))
         elif tensors:
@@ -503,6 +513,8 @@ class Scheduler:
     # -- backward ---------------------------------------------------------------
 
     def _pre_backward(self, groups: Sequence[ParamGroup]) -> None:
+        if self._backward is not None:
+            self._backward.enter()  # may open a backward nobody announced, before its first fetch
         for group in groups:
             if not group.gathered:
                 self._fetch(group, Phase.BACKWARD)
@@ -519,6 +531,9 @@ class Scheduler:
         def on_grad_ready(_param: torch.Tensor) -> None:
             scheduler = scheduler_ref()
             if scheduler is not None:
+                backward = scheduler._backward
+                if backward is not None and not backward.driven:
+                    backward.enter()  # a loss term that reached the parameter outside the outputs
                 complete = scheduler.readiness.arrived(index, position, total)
                 if complete is not None:
                     scheduler._grads_complete(complete)
@@ -648,7 +663,7 @@ def _shares_storage(groups: Sequence[ParamGroup], outputs: Sequence[torch.Tensor
     return bool(pointers) and any(_storage_pointer(p) in pointers for group in groups for p in group.params)
 
 
-def _hook_target(output: torch.Tensor) -> torch.Tensor:
+def hook_target(output: torch.Tensor) -> torch.Tensor:
     """The tensor whose gradient says a backward reached a module's ``output`` (see [Note: outputs
     modified in place]): the base of a view the module computed, else the output itself."""
     base = output._base if output._is_view() else None

@@ -44,7 +44,7 @@ These are the only weak references among the three; each site refers here.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 from torch import nn
@@ -105,9 +105,13 @@ class EngineServices:
     ``root``: the model (its entry modules bracket a pass; None: no pass tracking);
     ``micro_steps``: the engine's count; ``unset``: values no one has written, which a
     forward refuses ([Note: values left unset]); ``writes``: folds writes to whole
-    parameters into their masters ([Note: writes to gathered parameters])."""
+    parameters into their masters ([Note: writes to gathered parameters]); ``backward_pass``:
+    what opens and closes a ``loss.backward()`` the engine is not told of ([Note: a backward the
+    engine is not told of] in `zkernel.kernel.user_backward`), reaching the engine weakly."""
 
     root: nn.Module | None
     micro_steps: MicroSteps
     unset: UnsetValues | None
     writes: WriteFolder
+    # Hears of a backward nobody announced (`zkernel.kernel.user_backward.BackwardPass`); None: none.
+    backward_pass: Any = None
