@@ -49,7 +49,10 @@ measured on one H200 (GPT-1.3B, micro-batch 16: zero3 at 1.026-1.033x FSDP2
 in 2026-11-29's calls; zero1 at 1.008-1.012x in 2026-11-21's, when zero3 was
 at 1.003-1.005x; BENCHMARKS.md), and GPT-6.7B at micro-batch 8 then trains
 with every block checkpointed without offload (zero3's 99 GiB of model states
-where zero1 needs 112 GiB of the 127 usable).
+where zero1 needs 112 GiB of the 127 usable). That placement is not the fastest
+measured there: the optimizer on the cpu tier with 84% of it on the GPU ran
+1.6-1.9% faster in the same call, zero1 about 1% (another call); the planner's
+model has no term for it yet (BENCHMARKS.md, issue 46, goal 3).
 
 Keys the config sets are kept; offload tiers that do not answer for their
 bytes, or that keep state in swap files without an ``offload.nvme_path``,
