@@ -95,6 +95,7 @@ def lora_against_ddp(root: str) -> dict:
     plain_count = _train(plain)
     plain.save_model(f"{root}/plain/final")
     out: dict = {"plain": {"logged": scenarios._logged(plain), "evals": _evals(plain), "count_logged": plain_count,
+                           "total_flos": plain.state.total_flos,
                            "best": os.path.basename(plain.state.best_model_checkpoint)},
                  "adapter_count": adapter_count, "base_count": base_count}
 
@@ -117,6 +118,7 @@ def lora_against_ddp(root: str) -> dict:
             "adapter_moved": any(not torch.equal(state[k], initial[k]) for k in initial if "lora_B" in k),
             "count_logged": count_logged,
             "count_engine": engine.num_parameters(trainable_only=True),
+            "total_flos": trainer.state.total_flos,
             "frozen_numel_held": sum(p.numel() for p in trainer.model.parameters() if not p.requires_grad),
             # The optimizer's state on this rank: Adam's two moments, fp32, of this rank's adapter shard.
             "optimizer_state_bytes": sum(report.get("optimizer_state", {}).values()),

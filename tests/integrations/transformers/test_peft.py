@@ -6,8 +6,9 @@ losses, gradient norms and rates; the frozen base stays bit for bit as it was (p
 no optimizer state for it); ``save_model`` and each ``checkpoint-N`` hold the adapter the plain Trainer
 writes, which ``PeftModel.from_pretrained`` loads to the engine's weights; the engine's checkpoint holds
 no frozen value and resumes to the same later steps; ``load_best_model_at_end`` ends on checkpoint-1's
-adapter; "Number of trainable parameters" is the adapter's. In-process: which models are adapter models,
-and which adapters make ``save_model`` gather the base too.
+adapter; "Number of trainable parameters" is the adapter's, ``total_flos`` the plain Trainer's. In-process:
+which models are adapter models, and an adapter on the embeddings, whose base weights peft saves too, is
+saved as the plain Trainer saves it.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def test_the_logged_parameter_count_is_the_adapters(lora):
         for run in RUNS:
             assert rank[run]["count_logged"] == rank["plain"]["count_logged"], run
             assert rank[run]["count_engine"] == adapter, run
+            # total_flos: 6 x tokens x the whole model outside its embeddings, the adapter's weights included
+            assert rank[run]["total_flos"] == rank["plain"]["total_flos"] > 0, run
 
 
 def test_which_models_are_adapter_models():
@@ -133,3 +136,31 @@ def test_which_models_are_adapter_models():
     assert saves_base_weights(targets_embedding)
     by_pattern = get_peft_model(scenarios.tiny_llama(), LoraConfig(r=2, target_modules=r".*(q_proj|lm_head)$"))
     assert saves_base_weights(by_pattern)
+
+
+def test_an_adapter_on_the_embeddings_saves_what_the_plain_trainer_saves(tmp_path):
+    """peft saves the base embeddings beside an adapter that targets them: save_model then gathers the
+    whole model (`saves_base_weights`), and the files hold the plain Trainer's keys and values."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer
+
+    from zkernel.integrations.transformers import ZKernelTrainer
+
+    def model():
+        return get_peft_model(scenarios.tiny_llama(), LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]))
+
+    data = scenarios.dataset()[:8]
+    saved = {}
+    for name in ("plain", "zkernel"):
+        args = scenarios.arguments(str(tmp_path / name), max_steps=1, gradient_accumulation_steps=1,
+                                   save_strategy="no")
+        kwargs = {"zkernel_config": {"partitioner": "zero2"}} if name == "zkernel" else {}
+        trainer = (ZKernelTrainer if name == "zkernel" else Trainer)(model=model(), args=args, train_dataset=data,
+                                                                     **kwargs)
+        trainer.train()
+        trainer.save_model(str(tmp_path / name / "final"))
+        saved[name] = scenarios._safetensors(str(tmp_path / name / "final" / peft_scenarios.ADAPTER_FILE))
+    assert any("lora_" not in k for k in saved["plain"])  # the base embedding is among them
+    assert saved["zkernel"].keys() == saved["plain"].keys()
+    for key, value in saved["plain"].items():
+        torch.testing.assert_close(saved["zkernel"][key], value, rtol=1e-4, atol=1e-6, msg=key)
