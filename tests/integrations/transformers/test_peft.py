@@ -7,8 +7,8 @@ no optimizer state for it); ``save_model`` and each ``checkpoint-N`` hold the ad
 writes, which ``PeftModel.from_pretrained`` loads to the engine's weights; the engine's checkpoint holds
 no frozen value and resumes to the same later steps; ``load_best_model_at_end`` ends on checkpoint-1's
 adapter; "Number of trainable parameters" is the adapter's, ``total_flos`` the plain Trainer's. In-process:
-which models are adapter models, and an adapter on the embeddings, whose base weights peft saves too, is
-saved as the plain Trainer saves it.
+which models are adapter models; an adapter on the embeddings, whose base weights peft saves too, is
+saved as the plain Trainer saves it; a resized vocabulary also makes save_model gather the base.
 """
 
 from __future__ import annotations
@@ -136,6 +136,25 @@ def test_which_models_are_adapter_models():
     assert saves_base_weights(targets_embedding)
     by_pattern = get_peft_model(scenarios.tiny_llama(), LoraConfig(r=2, target_modules=r".*(q_proj|lm_head)$"))
     assert saves_base_weights(by_pattern)
+
+
+def test_a_resized_vocabulary_saves_the_base_weights(tmp_path):
+    """peft saves the base embeddings where the vocabulary differs from the base model's config.json; a base
+    whose config cannot be read here counts as resized (the whole model is gathered)."""
+    from peft import LoraConfig, get_peft_model
+
+    scenarios.tiny_llama().config.save_pretrained(tmp_path / "base")
+    for resize, expected in ((None, False), (scenarios.VOCAB + 8, True)):
+        base = scenarios.tiny_llama()
+        if resize is not None:
+            base.resize_token_embeddings(resize)
+        model = get_peft_model(base, LoraConfig(r=2, target_modules=peft_scenarios.LORA_TARGETS))
+        model.peft_config["default"].base_model_name_or_path = str(tmp_path / "base")  # as from_pretrained sets it
+        assert saves_base_weights(model) is expected, resize
+    unreadable = get_peft_model(scenarios.tiny_llama(), LoraConfig(r=2, target_modules=peft_scenarios.LORA_TARGETS))
+    for nowhere in (str(tmp_path / "nowhere"), "zkernel-tests/a-hub-model-not-in-the-cache"):
+        unreadable.peft_config["default"].base_model_name_or_path = nowhere
+        assert saves_base_weights(unreadable), nowhere
 
 
 def test_an_adapter_on_the_embeddings_saves_what_the_plain_trainer_saves(tmp_path):

@@ -10,8 +10,9 @@ changes for the Trainer is what is written:
   writes, the adapter (``adapter_model.safetensors``, ``adapter_config.json``), as the plain Trainer
   does. The engine gathers only the trainable parameters for it
   (``Engine.state_dict(exclude_frozen_parameters=True)``), not the base, which may not fit in one
-  host's memory; where the adapter's own save keeps base weights too (`saves_base_weights`) the whole
-  model is gathered, so nothing the plain Trainer writes is left out.
+  host's memory; where the adapter's own save may keep base weights too (an adapter on the
+  embeddings, a resized vocabulary: `saves_base_weights`) the whole model is gathered, so nothing the
+  plain Trainer writes is left out.
 * The engine's checkpoint in ``checkpoint-N/zkernel/`` leaves the frozen values out, as the Trainer
   asks of DeepSpeed for a PEFT model (``exclude_frozen_parameters``): a resumed run, or the best
   checkpoint loaded at the end, keeps the base the engine was built with, which must be the same
@@ -22,9 +23,13 @@ peft is optional: without it no model is an adapter model.
 
 from __future__ import annotations
 
+import json
+import os
+
 # peft.utils.other.EMBEDDING_LAYER_NAMES: target modules for which peft's save keeps the base
 # embedding's weights beside the adapter (``save_embedding_layers="auto"``).
 _EMBEDDING_NAMES = ("embed_tokens", "lm_head")
+_CONFIG_FILE = "config.json"
 
 
 def is_adapter_model(model) -> bool:
@@ -38,9 +43,10 @@ def is_adapter_model(model) -> bool:
 
 
 def saves_base_weights(model) -> bool:
-    """Whether ``model``'s (a PEFT model's) ``save_pretrained`` keeps frozen base weights beside the
-    adapter: an adapter that targets an embedding layer (peft then saves the base embeddings, by its
-    ``save_embedding_layers="auto"`` rule). `ZKernelTrainer.save_model` then gathers the whole model."""
+    """Whether ``model``'s (a PEFT model's) ``save_pretrained`` may keep frozen base weights beside the
+    adapter, by peft's ``save_embedding_layers="auto"`` rule: an adapter that targets an embedding layer,
+    or a vocabulary resized from the base model's (`_vocabulary_resized`). `ZKernelTrainer.save_model`
+    then gathers the whole model, so nothing peft would save is missing."""
     configs = getattr(model, "peft_config", {}) or {}
     for config in configs.values():
         targets = getattr(config, "target_modules", None) or ()
@@ -49,4 +55,34 @@ def saves_base_weights(model) -> bool:
                 return True
         elif any(name in str(target) for target in targets for name in _EMBEDDING_NAMES):
             return True
+        if _vocabulary_resized(model, getattr(config, "base_model_name_or_path", None)):
+            return True
     return False
+
+
+def _vocabulary_resized(model, base: str | None) -> bool:
+    """Whether ``model``'s vocabulary differs from that of the base model's ``config.json`` (a directory, or
+    a hub id whose file is in the local cache), as peft checks; True where that file cannot be read here
+    (peft may read it from the hub), so the whole model is gathered rather than an embedding left out. A
+    model built from a config (no ``base_model_name_or_path``) has no base to differ from."""
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not base or not vocab_size:
+        return False
+    path = os.path.join(base, _CONFIG_FILE)
+    if not os.path.isfile(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return True
+        try:
+            path = try_to_load_from_cache(base, _CONFIG_FILE)
+        except ValueError:  # neither a directory nor a hub id
+            return True
+        if not isinstance(path, str):
+            return True
+    try:
+        with open(path) as file:
+            base_vocab = json.load(file).get("vocab_size")
+    except (OSError, ValueError):
+        return True
+    return base_vocab is not None and base_vocab != vocab_size
