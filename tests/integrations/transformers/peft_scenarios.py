@@ -140,6 +140,14 @@ def lora_against_ddp(root: str) -> dict:
                              eval_dataset=data[:8], zkernel_config=PEFT_RUNS[RESUMED])
     resumed.train(resume_from_checkpoint=f"{root}/{RESUMED}/checkpoint-2")
     out["resumed"] = scenarios._logged(resumed)
+    # Ranks that disagree on whether peft keeps base weights (rank 1 cannot read its base's config.json)
+    # all gather the whole model.
+    from zkernel.integrations.transformers.adapters import adapter_alone
+
+    out["adapter_alone"] = adapter_alone(resumed.model, resumed.engine)
+    if dist.get_rank() == 1:
+        resumed.model.peft_config["default"].base_model_name_or_path = f"{root}/no-such-base"
+    out["adapter_alone_one_rank_unsure"] = adapter_alone(resumed.model, resumed.engine)
     dist.barrier()
     if dist.get_rank() == 0:
         out["plain"]["final_adapter"] = _safetensors(f"{root}/plain/final/{ADAPTER_FILE}")

@@ -6,7 +6,8 @@ losses, gradient norms and rates; the frozen base stays bit for bit as it was (p
 no optimizer state for it); ``save_model`` and each ``checkpoint-N`` hold the adapter the plain Trainer
 writes, which ``PeftModel.from_pretrained`` loads to the engine's weights; the engine's checkpoint holds
 no frozen value and resumes to the same later steps; ``load_best_model_at_end`` ends on checkpoint-1's
-adapter; "Number of trainable parameters" is the adapter's, ``total_flos`` the plain Trainer's. In-process:
+adapter; "Number of trainable parameters" is the adapter's, ``total_flos`` the plain Trainer's; ranks that
+disagree on whether peft keeps base weights all gather the whole model. In-process:
 which models are adapter models; an adapter on the embeddings, whose base weights peft saves too, is
 saved as the plain Trainer saves it; a resized vocabulary also makes save_model gather the base.
 """
@@ -103,6 +104,11 @@ def test_a_resumed_run_logs_the_same_later_steps(lora):
             assert r["learning_rate"] == f["learning_rate"]
 
 
+def test_the_ranks_agree_on_what_save_model_gathers(lora):
+    assert [rank["adapter_alone"] for rank in lora] == [True, True]
+    assert [rank["adapter_alone_one_rank_unsure"] for rank in lora] == [False, False]
+
+
 @pytest.mark.parametrize("run", RUNS)
 def test_the_best_adapter_is_loaded_at_the_end(lora, run):
     for rank in lora:
@@ -132,7 +138,8 @@ def test_which_models_are_adapter_models():
     assert is_adapter_model(peft_scenarios.lora_llama())
     assert not is_adapter_model(scenarios.tiny_llama())
     assert not saves_base_weights(peft_scenarios.lora_llama())
-    targets_embedding = get_peft_model(scenarios.tiny_llama(), LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]))
+    targets_embedding = get_peft_model(scenarios.tiny_llama(),
+                                       LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]))
     assert saves_base_weights(targets_embedding)
     by_pattern = get_peft_model(scenarios.tiny_llama(), LoraConfig(r=2, target_modules=r".*(q_proj|lm_head)$"))
     assert saves_base_weights(by_pattern)

@@ -1,4 +1,5 @@
-"""PEFT adapters (LoRA and the like) under a `ZKernelTrainer`: `is_adapter_model`, `saves_base_weights`.
+"""PEFT adapters (LoRA and the like) under a `ZKernelTrainer`: `is_adapter_model`, `saves_base_weights`,
+`adapter_alone`.
 
 [Note: an adapter over a frozen base] ``peft.get_peft_model(model, LoraConfig(...))`` freezes the
 model's own parameters (``requires_grad=False``) and adds small trainable ones. The engine partitions
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import json
 import os
+
+from zkernel.platform.distributed import every_rank
 
 # peft.utils.other.EMBEDDING_LAYER_NAMES: target modules for which peft's save keeps the base
 # embedding's weights beside the adapter (``save_embedding_layers="auto"``).
@@ -58,6 +61,17 @@ def saves_base_weights(model) -> bool:
         if _vocabulary_resized(model, getattr(config, "base_model_name_or_path", None)):
             return True
     return False
+
+
+def adapter_alone(model, engine) -> bool:
+    """Whether `ZKernelTrainer.save_model` gathers ``model``'s trainable parameters alone: a PEFT model whose
+    save keeps no base weights (`saves_base_weights`), on every rank (collective where ``engine`` is
+    distributed: one rank's answer may differ, its hub cache being its own, and the gather that follows
+    must be the same everywhere; any rank's doubt gathers the whole model)."""
+    alone = is_adapter_model(model) and not saves_base_weights(model)
+    if engine.dist.distributed:
+        return every_rank(alone, engine.device)
+    return alone
 
 
 def _vocabulary_resized(model, base: str | None) -> bool:

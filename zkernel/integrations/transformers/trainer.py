@@ -60,7 +60,7 @@ from zkernel.checkpoint.format import CheckpointError
 from zkernel.compat.deepspeed.config import is_deepspeed_config
 from zkernel.errors import ConfigError
 from zkernel.integrations.transformers.accelerator import bind_engine_accelerator
-from zkernel.integrations.transformers.adapters import is_adapter_model, saves_base_weights
+from zkernel.integrations.transformers.adapters import adapter_alone, is_adapter_model
 from zkernel.integrations.transformers.config import check_against_arguments, has_lr_schedule, read_source, resolve
 from zkernel.integrations.transformers.model import EngineModule
 from zkernel.integrations.transformers.optimizer import ConfigScheduleView, EngineOptimizer
@@ -234,8 +234,8 @@ class ZKernelTrainer(Trainer):
         output_dir = self.args.output_dir if output_dir is None else output_dir
         # An adapter's save keeps its own tensors only: the frozen base is not gathered ([Note: an adapter
         # over a frozen base]).
-        adapter_only = is_adapter_model(self.model) and not saves_base_weights(self.model)
-        state_dict = self._zkernel_module.engine.state_dict(rank0_only=True, exclude_frozen_parameters=adapter_only)
+        engine = self._zkernel_module.engine
+        state_dict = engine.state_dict(rank0_only=True, exclude_frozen_parameters=adapter_alone(self.model, engine))
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
