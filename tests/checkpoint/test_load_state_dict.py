@@ -13,6 +13,7 @@ from tests.support.models import VOCAB, TrickyNet, batches, reference_losses
 
 STEPS, ACCUM, MICRO, SEED = 3, 2, 3, 5
 LR, WD, CLIP = 2e-2, 0.1, 0.5
+FROZEN = [name for name, p in TrickyNet().named_parameters() if not p.requires_grad]
 
 
 def _config(partitioner: str, **extra) -> dict:
@@ -83,8 +84,11 @@ def test_loaded_weights_are_the_state_dict_and_train_as_torch_from_them(loaded, 
         if rank == 0:
             assert got["rank0_only"].keys() == weights.keys()
             assert all(torch.equal(got["rank0_only"][k], v) for k, v in weights.items())
+            # exclude_frozen_parameters: the frozen weight (tiled, in one config) left out, buffers kept
+            assert got["trainable_only"].keys() == weights.keys() - set(FROZEN)
+            assert all(torch.equal(v, weights[k]) for k, v in got["trainable_only"].items())
         else:
-            assert got["rank0_only"] == {}
+            assert got["rank0_only"] == got["trainable_only"] == {}
         for a, b in zip(got["losses"], expected, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], expected)
         if list(CONFIGS)[index].endswith("on meta"):  # after the first half, the second's keys were unset

@@ -183,6 +183,7 @@ def load_weights(
     second = load({k: weights[k] for k in keys[1::2]}, strict=False)
     loaded = {k: v.clone() for k, v in engine.state_dict().items()}
     only = engine.state_dict(rank0_only=True)  # the whole dict on rank 0, {} elsewhere
+    trainable = engine.state_dict(rank0_only=True, exclude_frozen_parameters=True)  # ... without frozen_proj
     errors = []
     for bad in (
         {**weights, "block.0.weight": weights["block.0.weight"][:, :-1]},  # a wrong shape
@@ -200,7 +201,7 @@ def load_weights(
     engine.close()
     return {"first": tuple(map(sorted, first)), "second": tuple(map(sorted, second)), "loaded": loaded,
             "errors": errors, "unchanged": unchanged, "losses": losses, "rank0_only": only,
-            "between": between}  # fmt: skip
+            "trainable_only": trainable, "between": between}  # fmt: skip
 
 
 def load_options(config: dict, directory: str, steps: int, save_at: int, accum: int, micro: int, seed: int) -> dict:

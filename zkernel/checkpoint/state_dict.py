@@ -12,6 +12,15 @@ loads with ``load_state_dict(strict=True)``. With ``rank0_only`` the sums are
 reductions to rank 0, and only rank 0 builds and returns the dict (the
 others return ``{}``), so a job's host memory holds the model once.
 
+[Note: a state dict without the frozen parameters] With
+``exclude_frozen_parameters`` the parameters that do not require grad are
+neither gathered nor returned (buffers and trainable parameters are): an
+adapter (LoRA) over a frozen base is a few megabytes of a model that may not
+fit in one host's memory, and saving it (``PeftModel.save_pretrained`` keeps
+the adapter's keys only) needs nothing of the base. A group is frozen or
+trainable as a whole, so whole groups are skipped, with their collectives;
+every rank skips the same ones.
+
 [Note: loading weights into a live engine] The way back writes a plain
 model's tensors (all of them, or some: one file of a sharded safetensors
 checkpoint at a time) into the engine, as FSDP's ``set_model_state_dict`` or
@@ -62,9 +71,11 @@ from zkernel.params.param_map import ParamMap
 log = get_logger()
 
 
-def full_state_dict(engine, rank0_only: bool = False) -> dict[str, Any]:
+def full_state_dict(engine, rank0_only: bool = False, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
     check_between_steps(engine, "state_dict", boundary=False)
     view = view_of(engine.module)
+    # [Note: a state dict without the frozen parameters]
+    left_out = {n for n, p in view.params.items() if not p.requires_grad} if exclude_frozen_parameters else set()
     groups = engine.groups
     layouts = describe_groups(engine.hook, groups, engine.config.partitioner)
     original = engine.original_tensors
@@ -78,7 +89,7 @@ def full_state_dict(engine, rank0_only: bool = False) -> dict[str, Any]:
         values[name] = tensor.detach().reshape(shape).to(device="cpu", dtype=dtype, copy=True)
 
     for group, layout in zip(groups, layouts):
-        if layout is None or (layout.replicated and not keeps):
+        if layout is None or (layout.replicated and not keeps) or (left_out and not group.requires_grad):
             continue
         names = [view.names[id(p)] for p in group.params]
         numels = [_numel(original[n][0]) for n in names]
@@ -104,10 +115,15 @@ def full_state_dict(engine, rank0_only: bool = False) -> dict[str, Any]:
     if not keeps:
         return {}
     for name in whole_params(view, groups, layouts):
-        finish(name, view.params[name])
+        if name not in left_out:
+            finish(name, view.params[name])
     for name, buf in view.buffers.items():
         finish(name, buf)
-    held = {key: (view.extra[key] if kind == EXTRA else values[source]) for key, kind, source in view.keys}
+    held = {
+        key: (view.extra[key] if kind == EXTRA else values[source])
+        for key, kind, source in view.keys
+        if not (kind == PARAM and source in left_out)
+    }
     # A transform's pieces as the user's parameters ([Note: composed parameters] in `zkernel.params.param_map`).
     return ParamMap.of(engine.module).assemble(held)
 

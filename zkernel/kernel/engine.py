@@ -673,21 +673,24 @@ class Engine:
         )
 
     @requires_open("state_dict()")
-    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+    def state_dict(self, *, rank0_only: bool = False, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """The full model state dict, as the plain model's ``state_dict()`` would give it; collective.
 
         CPU tensors with the plain model's keys (tied parameters under each name),
         shapes and dtypes (trainable parameters from their fp32 masters), buffers
         included, on every rank; with ``rank0_only`` on rank 0 alone (the others
-        get ``{}``), as FSDP's ``full_state_dict`` with ``cpu_offload``. Under
-        zero3 ``engine.module.state_dict()`` cannot gather released parameters
-        and raises; use this instead.
+        get ``{}``), as FSDP's ``full_state_dict`` with ``cpu_offload``.
+        ``exclude_frozen_parameters``: leave out the parameters that do not
+        require grad, without gathering them (an adapter over a frozen base;
+        [Note: a state dict without the frozen parameters]). Under zero3
+        ``engine.module.state_dict()`` cannot gather released parameters and
+        raises; use this instead.
         """
         from zkernel.checkpoint.state_dict import full_state_dict
 
         self.unset.require("engine.state_dict()")
         self._fold_writes()
-        return full_state_dict(self, rank0_only)
+        return full_state_dict(self, rank0_only, exclude_frozen_parameters)
 
     @requires_open("load_state_dict()")
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, *, broadcast_from_rank0: bool = False):

@@ -18,6 +18,10 @@ the Trainer's own. What changes, each in one overridden method:
 * ``_load_best_model``: the best checkpoint's engine state back into the engine at the end of
   ``train`` ([Note: the best model at the end]).
 
+A PEFT model (LoRA over a frozen base) trains its adapter alone; ``save_model`` writes the adapter and
+the engine's checkpoints leave the frozen base out ([Note: an adapter over a frozen base] in
+`zkernel.integrations.transformers.adapters`).
+
 The Trainer's "Number of trainable parameters" and ``floating_point_ops`` (its ``total_flos``) count
 the engine's whole shapes, also under zero3 ([Note: counting released parameters] in
 `zkernel.integrations.transformers.param_count`).
@@ -56,6 +60,7 @@ from zkernel.checkpoint.format import CheckpointError
 from zkernel.compat.deepspeed.config import is_deepspeed_config
 from zkernel.errors import ConfigError
 from zkernel.integrations.transformers.accelerator import bind_engine_accelerator
+from zkernel.integrations.transformers.adapters import adapter_alone, is_adapter_model
 from zkernel.integrations.transformers.config import check_against_arguments, has_lr_schedule, read_source, resolve
 from zkernel.integrations.transformers.model import EngineModule
 from zkernel.integrations.transformers.optimizer import ConfigScheduleView, EngineOptimizer
@@ -222,11 +227,15 @@ class ZKernelTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write a directory ``from_pretrained`` loads (collective once the engine exists: call on every rank):
-        the engine's consolidated weights through ``save_pretrained`` on the main process."""
+        the engine's consolidated weights through ``save_pretrained`` on the main process; for a PEFT model
+        the adapter, as the plain Trainer writes it ([Note: an adapter over a frozen base])."""
         if self._zkernel_module is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        state_dict = self._zkernel_module.engine.state_dict(rank0_only=True)
+        # An adapter's save keeps its own tensors only: the frozen base is not gathered ([Note: an adapter
+        # over a frozen base]).
+        engine = self._zkernel_module.engine
+        state_dict = engine.state_dict(rank0_only=True, exclude_frozen_parameters=adapter_alone(self.model, engine))
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
@@ -234,11 +243,14 @@ class ZKernelTrainer(Trainer):
         return None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine's checkpoint in ``output_dir/zkernel`` (every rank writes its shards) and the Trainer's
-        scheduler state beside it; the Trainer saves its own state and RNG states around this call."""
+        """The engine's checkpoint in ``output_dir/zkernel`` (every rank writes its shards; a PEFT model's
+        frozen base left out, [Note: an adapter over a frozen base]) and the Trainer's scheduler state beside
+        it; the Trainer saves its own state and RNG states around this call."""
         if self._zkernel_module is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self._zkernel_module.engine.save_checkpoint(Path(output_dir) / ENGINE_CHECKPOINT)
+        self._zkernel_module.engine.save_checkpoint(
+            Path(output_dir) / ENGINE_CHECKPOINT, exclude_frozen_parameters=is_adapter_model(self.model)
+        )
         if self.args.should_save and not isinstance(self.lr_scheduler, ConfigScheduleView):
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_FILE)
         return None
