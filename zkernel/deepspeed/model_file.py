@@ -30,10 +30,7 @@ def sixteen_bit_state_dict(engine, exclude_frozen_parameters: bool = False) -> d
     """Collective: on rank 0, the engine's full state dict with floating-point tensors in its compute
     dtype (what the model computes with; `Engine.state_dict` gives the dtypes the model had); ``{}`` on
     the other ranks. ``exclude_frozen_parameters`` leaves out parameters that do not require grad."""
-    state = engine.state_dict(rank0_only=True)
-    if exclude_frozen_parameters:
-        frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        state = {k: v for k, v in state.items() if k not in frozen}
+    state = engine.state_dict(rank0_only=True, exclude_frozen_parameters=exclude_frozen_parameters)
     dtype = engine.compute_dtype
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
 
