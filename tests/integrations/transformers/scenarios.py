@@ -231,3 +231,55 @@ def best_model_at_end(root: str) -> dict:
                                               _safetensors(f"{directory}/{best}/model.safetensors"))
         out[name] = run
     return out
+
+
+# -- the Trainer's own gradient checkpointing ---------------------------------------------------------
+
+CHECKPOINTED_RUNS = {
+    "zero1": {"partitioner": "zero1"},
+    "zero2_offload": {"partitioner": "zero2", "offload": {"optimizer": "cpu"}},
+    "zero3_offload": {"partitioner": "zero3", "offload": {"optimizer": "cpu", "params": "cpu"}},
+}
+MICRO_BATCHES = STEPS * 2  # per rank: gradient_accumulation_steps=2 in `arguments`
+
+
+def _layer_calls(trainer) -> list[int]:
+    """A counter of the first decoder layer's MLP forward calls (its recomputations in backward included:
+    transformers 5 checkpoints inside the layer's ``forward``, so the layer's own hooks fire once)."""
+    calls = [0]
+
+    def count(_module, _args):
+        calls[0] += 1
+
+    trainer.model.model.layers[0].mlp.register_forward_pre_hook(count)
+    return calls
+
+
+def gradient_checkpointing_against_ddp(root: str, use_reentrant: bool) -> dict:
+    """On each rank: the plain Trainer (DDP) and ZKernelTrainer per `CHECKPOINTED_RUNS` entry, all with
+    ``TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": ...})``;
+    their logs, how often the first layer's MLP ran forward, and (rank 0) the saved models."""
+    import torch.distributed as dist
+
+    data = dataset()
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": use_reentrant},
+                         save_strategy="no")
+    plain = Trainer(model=tiny_llama(), args=arguments(f"{root}/plain", **checkpointing), train_dataset=data)
+    calls = _layer_calls(plain)
+    plain.train()
+    plain.save_model(f"{root}/plain/final")
+    out: dict = {"plain": {"logged": _logged(plain), "layer_calls": calls[0],
+                           "checkpointing": plain.model.is_gradient_checkpointing}}
+    for name, config in CHECKPOINTED_RUNS.items():
+        trainer = ZKernelTrainer(model=tiny_llama(), args=arguments(f"{root}/{name}", **checkpointing),
+                                 train_dataset=data, zkernel_config=config)
+        calls = _layer_calls(trainer)
+        trainer.train()
+        trainer.save_model(f"{root}/{name}/final")
+        out[name] = {"logged": _logged(trainer), "layer_calls": calls[0],
+                     "checkpointing": trainer.model.is_gradient_checkpointing,
+                     "modules": list(trainer.engine.config.activation_checkpointing.modules)}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        out["weights"] = {name: _weights(f"{root}/{name}/final") for name in ("plain", *CHECKPOINTED_RUNS)}
+    return out

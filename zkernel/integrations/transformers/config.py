@@ -193,6 +193,25 @@ def check_against_arguments(source: Any, args, world_size: int) -> None:
         config_from_dict(raw)
 
 
+def refuse_double_checkpointing(raw: Mapping[str, Any], args) -> None:
+    """Raise `ConfigError` where both the Trainer (``gradient_checkpointing``/``activation_checkpointing``)
+    and the zkernel config (``[activation_checkpointing] modules``) checkpoint activations ([Note: the
+    Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`); called by
+    `ZKernelTrainer.__init__` with the config as the user wrote it. A DeepSpeed config's
+    ``activation_checkpointing`` section selects no modules, so it never conflicts."""
+    trainer_checkpoints = bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing)
+    section = raw.get("activation_checkpointing")
+    modules = section.get("modules") if isinstance(section, Mapping) else None
+    if trainer_checkpoints and modules:
+        raise ConfigError(
+            f"TrainingArguments(gradient_checkpointing=True) and the zkernel config's [activation_checkpointing] "
+            f"modules={list(modules) if isinstance(modules, (list, tuple)) else modules!r} both checkpoint the "
+            "model's layers: each would be recomputed twice in every backward; valid: one of them, either "
+            "gradient_checkpointing=False with the config's modules, or no [activation_checkpointing] modules "
+            "in the config"
+        )
+
+
 def has_lr_schedule(raw: Mapping[str, Any], deepspeed: bool) -> bool:
     """Whether the config sets the learning rate itself (DeepSpeed ``scheduler``, zkernel ``[lr_schedule]``)."""
     if deepspeed:

@@ -45,6 +45,17 @@ process alone; the engine's checkpoint has every rank's shards, so nothing is ga
 A best checkpoint without an engine checkpoint (deleted, or never written) raises `CheckpointError`
 on every rank rather than leave the last step's weights in place; ``save_only_model=True``, whose
 checkpoints have none, is refused when the trainer is built, as the Trainer refuses it with DeepSpeed.
+
+[Note: the Trainer's gradient checkpointing] ``TrainingArguments(gradient_checkpointing=True)`` (in
+transformers 5 also ``activation_checkpointing=True``) makes the Trainer call the model's
+``gradient_checkpointing_enable`` before the engine is built: each decoder layer then runs through
+``torch.utils.checkpoint``, reentrant or not as ``gradient_checkpointing_kwargs`` says. The engine needs
+nothing for it: under zero1 and zero2 parameters are whole, and under zero3 the scheduler recognises a
+recomputation inside backward whoever started it ([Note: recompute] in `zkernel.kernel.scheduler`), so
+each layer is gathered once for its recomputation and its backward. The config's own
+``[activation_checkpointing] modules`` does the same job; with both, a selected layer would be
+checkpointed inside the Trainer's checkpoint and recomputed twice in each backward, so the pair is
+refused when the trainer is built (`refuse_double_checkpointing`).
 """
 
 from __future__ import annotations
@@ -61,7 +72,13 @@ from zkernel.compat.deepspeed.config import is_deepspeed_config
 from zkernel.errors import ConfigError
 from zkernel.integrations.transformers.accelerator import bind_engine_accelerator
 from zkernel.integrations.transformers.adapters import adapter_alone, is_adapter_model
-from zkernel.integrations.transformers.config import check_against_arguments, has_lr_schedule, read_source, resolve
+from zkernel.integrations.transformers.config import (
+    check_against_arguments,
+    has_lr_schedule,
+    read_source,
+    refuse_double_checkpointing,
+    resolve,
+)
 from zkernel.integrations.transformers.model import EngineModule
 from zkernel.integrations.transformers.optimizer import ConfigScheduleView, EngineOptimizer
 from zkernel.integrations.transformers.param_count import engine_counts, non_embedding_count, register_engine
@@ -114,6 +131,7 @@ class ZKernelTrainer(Trainer):
                 "([Note: the best model at the end]); valid: save_only_model=False, or load_best_model_at_end=False"
             )
         check_against_arguments(zkernel_config, self.args, self.args.world_size)
+        refuse_double_checkpointing(raw, self.args)
 
     def train(self, *args: Any, **kwargs: Any):
         """The Trainer's ``train``, its parameter counts taken from the engine while it runs ([Note: counting
