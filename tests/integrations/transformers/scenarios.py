@@ -251,27 +251,47 @@ def _layer_calls(trainer) -> list[int]:
     def count(_module, _args):
         calls[0] += 1
 
-    trainer.model.model.layers[0].mlp.register_forward_pre_hook(count)
+    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    model.model.layers[0].mlp.register_forward_pre_hook(count)
     return calls
 
 
-def gradient_checkpointing_against_ddp(root: str, use_reentrant: bool) -> dict:
-    """On each rank: the plain Trainer (DDP) and ZKernelTrainer per `CHECKPOINTED_RUNS` entry, all with
-    ``TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": ...})``;
-    their logs, how often the first layer's MLP ran forward, and (rank 0) the saved models."""
+def _saved(directory: str, lora: bool) -> dict:
+    """What ``save_model`` wrote: the adapter's tensors (a LoRA model), else the model `from_pretrained` loads."""
+    return _safetensors(f"{directory}/adapter_model.safetensors") if lora else _weights(directory)
+
+
+def gradient_checkpointing_against_ddp(root: str, use_reentrant: bool, lora: bool = False) -> dict:
+    """On each rank: the plain Trainer (DDP) and ZKernelTrainer per `CHECKPOINTED_RUNS` entry (with ``lora``:
+    the LoRA model of `peft_scenarios` and its `PEFT_RUNS`), all with ``TrainingArguments(
+    gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": ...})``; their logs, how
+    often the first layer's MLP ran forward, and (rank 0) what each ``save_model`` wrote.
+
+    With LoRA the embeddings are frozen, so a reentrant checkpoint's input requires grad only through the
+    hook the Trainer's ``gradient_checkpointing_enable`` puts on them (``enable_input_require_grads``); the
+    plain Trainer runs with ``ddp_find_unused_parameters=False`` there, as DDP marks the adapter's
+    parameters twice otherwise."""
     import torch.distributed as dist
 
+    if lora:
+        from tests.integrations.transformers import peft_scenarios
+
+        build, runs = peft_scenarios.lora_llama, peft_scenarios.PEFT_RUNS
+        extra = dict(learning_rate=peft_scenarios.LORA_LR)
+    else:
+        build, runs, extra = tiny_llama, CHECKPOINTED_RUNS, {}
     data = dataset()
     checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": use_reentrant},
-                         save_strategy="no")
-    plain = Trainer(model=tiny_llama(), args=arguments(f"{root}/plain", **checkpointing), train_dataset=data)
+                         save_strategy="no", **extra)
+    plain = Trainer(model=build(), args=arguments(f"{root}/plain", ddp_find_unused_parameters=False if lora else None,
+                                                  **checkpointing), train_dataset=data)
     calls = _layer_calls(plain)
     plain.train()
     plain.save_model(f"{root}/plain/final")
     out: dict = {"plain": {"logged": _logged(plain), "layer_calls": calls[0],
                            "checkpointing": plain.model.is_gradient_checkpointing}}
-    for name, config in CHECKPOINTED_RUNS.items():
-        trainer = ZKernelTrainer(model=tiny_llama(), args=arguments(f"{root}/{name}", **checkpointing),
+    for name, config in runs.items():
+        trainer = ZKernelTrainer(model=build(), args=arguments(f"{root}/{name}", **checkpointing),
                                  train_dataset=data, zkernel_config=config)
         calls = _layer_calls(trainer)
         trainer.train()
@@ -281,5 +301,5 @@ def gradient_checkpointing_against_ddp(root: str, use_reentrant: bool) -> dict:
                      "modules": list(trainer.engine.config.activation_checkpointing.modules)}
     dist.barrier()
     if dist.get_rank() == 0:
-        out["weights"] = {name: _weights(f"{root}/{name}/final") for name in ("plain", *CHECKPOINTED_RUNS)}
+        out["saved"] = {name: _saved(f"{root}/{name}/final", lora) for name in ("plain", *runs)}
     return out

@@ -3,9 +3,12 @@
 On 2 gloo ranks, reentrant and non-reentrant checkpointing: zero1, zero2 with the optimizer on the CPU,
 and zero3 with parameters and optimizer on the CPU log the plain Trainer's (DDP, same checkpointing)
 losses and gradient norms, a decoder layer's MLP runs its forward again in backward as under the plain
-Trainer, and ``save_model`` writes the plain Trainer's weights. In-process: the Trainer's checkpointing
-together with the config's ``[activation_checkpointing] modules`` is a `ConfigError` when the trainer
-is built ([Note: the Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`).
+Trainer, and ``save_model`` writes the plain Trainer's weights. The same for a LoRA model with reentrant
+checkpointing, whose frozen embeddings give the checkpointed layers inputs that require grad only
+through the hook the Trainer adds (``enable_input_require_grads``): the adapter trains and is saved as
+under the plain Trainer. In-process: the Trainer's checkpointing together with the config's
+``[activation_checkpointing] modules`` is a `ConfigError` when the trainer is built ([Note: the
+Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`).
 """
 
 from __future__ import annotations
@@ -22,48 +25,75 @@ from tests.support.harness import run_ranks  # noqa: E402
 from zkernel.errors import ConfigError  # noqa: E402
 from zkernel.integrations.transformers import ZKernelTrainer  # noqa: E402
 
+FULL_MODEL = [(reentrant, run) for reentrant in ("non_reentrant", "reentrant") for run in scenarios.CHECKPOINTED_RUNS]
+LORA_RUNS = ["zero1", "zero2_cpu_optimizer", "zero3_offload"]  # peft_scenarios.PEFT_RUNS, which imports peft
 
-@pytest.fixture(scope="module", params=[False, True], ids=["non_reentrant", "reentrant"])
-def checkpointed(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp("checkpointed")
-    return run_ranks(2, scenarios.gradient_checkpointing_against_ddp, str(root), request.param)
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """Per checkpointing kind, each rank's results of `scenarios.gradient_checkpointing_against_ddp`."""
+    return {
+        kind: run_ranks(2, scenarios.gradient_checkpointing_against_ddp,
+                        str(tmp_path_factory.mktemp(kind)), kind == "reentrant")
+        for kind in ("non_reentrant", "reentrant")
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpointed_lora(tmp_path_factory):
+    pytest.importorskip("peft")
+    from tests.integrations.transformers import peft_scenarios
+
+    assert list(peft_scenarios.PEFT_RUNS) == LORA_RUNS
+    return run_ranks(2, scenarios.gradient_checkpointing_against_ddp, str(tmp_path_factory.mktemp("lora")), True,
+                     True)
 
 
 def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
-@pytest.mark.parametrize("run", list(scenarios.CHECKPOINTED_RUNS))
-def test_logs_the_plain_trainers_losses_and_norms(checkpointed, run):
-    for rank in checkpointed:
+def _check_logs(ranks: list[dict], run: str, learned: float) -> None:
+    for rank in ranks:
         plain, zk = rank["plain"], rank[run]
         assert [e["step"] for e in zk["logged"]] == list(range(1, scenarios.STEPS + 1))
         for p, z in zip(plain["logged"], zk["logged"], strict=True):
             assert _close(z["loss"], p["loss"], 1e-4), (p, z)
             assert _close(z["grad_norm"], p["grad_norm"], 1e-4), (p, z)
             assert z["learning_rate"] == pytest.approx(p["learning_rate"], rel=1e-12, abs=0.0)
-        assert zk["logged"][-1]["loss"] < zk["logged"][0]["loss"] - 0.1  # it learned
-
-
-@pytest.mark.parametrize("run", list(scenarios.CHECKPOINTED_RUNS))
-def test_layers_are_recomputed_once_in_backward(checkpointed, run):
-    for rank in checkpointed:
-        plain, zk = rank["plain"], rank[run]
+        assert zk["logged"][-1]["loss"] < zk["logged"][0]["loss"] - learned
         assert plain["checkpointing"] and zk["checkpointing"]
         # One forward and one recomputation per micro-batch, as under the plain Trainer.
         assert zk["layer_calls"] == plain["layer_calls"] == 2 * scenarios.MICRO_BATCHES
         assert zk["modules"] == []  # the engine checkpoints nothing itself
 
 
-@pytest.mark.parametrize("run", list(scenarios.CHECKPOINTED_RUNS))
-def test_saved_model_equals_the_plain_trainers(checkpointed, run):
-    weights = checkpointed[0]["weights"]
-    plain, zk = dict(weights["plain"]), dict(weights[run])
+@pytest.mark.parametrize(("kind", "run"), FULL_MODEL)
+def test_logs_and_recomputation_are_the_plain_trainers(checkpointed, kind, run):
+    _check_logs(checkpointed[kind], run, learned=0.1)
+
+
+@pytest.mark.parametrize(("kind", "run"), FULL_MODEL)
+def test_saved_model_equals_the_plain_trainers(checkpointed, kind, run):
+    saved = checkpointed[kind][0]["saved"]
+    plain, zk = dict(saved["plain"]), dict(saved[run])
     assert zk.pop("tied") and plain.pop("tied")
     assert zk.keys() == plain.keys()
     for name in plain:
         torch.testing.assert_close(zk[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
     assert not torch.equal(plain["model.norm.weight"], torch.ones_like(plain["model.norm.weight"]))  # trained
+
+
+@pytest.mark.parametrize("run", LORA_RUNS)
+def test_lora_with_reentrant_checkpointing_trains_its_adapter(checkpointed_lora, run):
+    _check_logs(checkpointed_lora, run, learned=0.0)
+    saved = checkpointed_lora[0]["saved"]
+    plain, zk = saved["plain"], saved[run]
+    assert zk.keys() == plain.keys() and any("lora_B" in name for name in plain)
+    for name in plain:
+        torch.testing.assert_close(zk[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
+        if "lora_B" in name:  # LoRA's B starts at zero: the adapter received gradients
+            assert zk[name].abs().max() > 0, name
 
 
 @pytest.mark.parametrize("argument", ["gradient_checkpointing", "activation_checkpointing"])
