@@ -7,7 +7,8 @@ Trainer, and ``save_model`` writes the plain Trainer's weights. The same for a L
 checkpointing, whose frozen embeddings give the checkpointed layers inputs that require grad only
 through the hook the Trainer adds (``enable_input_require_grads``): the adapter trains and is saved as
 under the plain Trainer. In-process: the Trainer's checkpointing together with the config's
-``[activation_checkpointing] modules`` is a `ConfigError` when the trainer is built ([Note: the
+``[activation_checkpointing] modules`` (or a ``[planner] micro_batch``, with which the planner may
+checkpoint too) is a `ConfigError` when the trainer is built ([Note: the
 Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`).
 """
 
@@ -110,3 +111,16 @@ def test_trainer_and_config_checkpointing_together_is_an_error(tmp_path, argumen
                    train_dataset=scenarios.dataset(), zkernel_config=config)
     ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
                    zkernel_config={"partitioner": "zero3"})
+
+
+def test_trainer_checkpointing_with_a_planned_micro_batch_is_an_error(tmp_path):
+    """With ``[planner] micro_batch`` the planner may select the blocks for checkpointing on top of the Trainer's."""
+    config = {"partitioner": "auto", "planner": {"micro_batch": 2}}
+    args = scenarios.arguments(str(tmp_path), gradient_checkpointing=True)
+    with pytest.raises(ConfigError, match=r"\[planner\] micro_batch=2.*valid: gradient_checkpointing=False"):
+        ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
+                       zkernel_config=config)
+    ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path)),
+                   train_dataset=scenarios.dataset(), zkernel_config=config)
+    ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
+                   zkernel_config={"partitioner": "auto"})

@@ -195,20 +195,31 @@ def check_against_arguments(source: Any, args, world_size: int) -> None:
 
 def refuse_double_checkpointing(raw: Mapping[str, Any], args) -> None:
     """Raise `ConfigError` where both the Trainer (``gradient_checkpointing``/``activation_checkpointing``)
-    and the zkernel config (``[activation_checkpointing] modules``) checkpoint activations ([Note: the
-    Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`); called by
-    `ZKernelTrainer.__init__` with the config as the user wrote it. A DeepSpeed config's
+    and the zkernel config checkpoint activations, or may: ``[activation_checkpointing] modules``, or a
+    ``[planner] micro_batch``, with which the planner chooses whether to checkpoint the blocks itself
+    ([Note: the Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`). Called
+    by `ZKernelTrainer.__init__` with the config as the user wrote it. A DeepSpeed config's
     ``activation_checkpointing`` section selects no modules, so it never conflicts."""
-    trainer_checkpoints = bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing)
+    if not (getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing):
+        return
     section = raw.get("activation_checkpointing")
     modules = section.get("modules") if isinstance(section, Mapping) else None
-    if trainer_checkpoints and modules:
+    if modules:
         raise ConfigError(
             f"TrainingArguments(gradient_checkpointing=True) and the zkernel config's [activation_checkpointing] "
             f"modules={list(modules) if isinstance(modules, (list, tuple)) else modules!r} both checkpoint the "
             "model's layers: each would be recomputed twice in every backward; valid: one of them, either "
             "gradient_checkpointing=False with the config's modules, or no [activation_checkpointing] modules "
             "in the config"
+        )
+    planner = raw.get("planner")
+    if isinstance(planner, Mapping) and planner.get("micro_batch") is not None:
+        raise ConfigError(
+            "TrainingArguments(gradient_checkpointing=True) and the zkernel config's [planner] "
+            f"micro_batch={planner['micro_batch']!r}: the planner would size the activations as if none were "
+            "checkpointed and may checkpoint the blocks itself, recomputing each twice in every backward; "
+            "valid: gradient_checkpointing=False (the planner decides checkpointing), or no [planner] "
+            "micro_batch (the planner then places the model states alone)"
         )
 
 

@@ -55,7 +55,9 @@ recomputation inside backward whoever started it ([Note: recompute] in `zkernel.
 each layer is gathered once for its recomputation and its backward. The config's own
 ``[activation_checkpointing] modules`` does the same job; with both, a selected layer would be
 checkpointed inside the Trainer's checkpoint and recomputed twice in each backward, so the pair is
-refused when the trainer is built (`refuse_double_checkpointing`).
+refused when the trainer is built (`refuse_double_checkpointing`). So is a ``[planner] micro_batch``:
+with it the planner sizes activations as if nothing were checkpointed and may select the blocks for
+checkpointing itself.
 """
 
 from __future__ import annotations
