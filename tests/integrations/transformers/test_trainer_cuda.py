@@ -1,5 +1,6 @@
 """`ZKernelTrainer` on a GPU: bf16 through a DeepSpeed config, zero3 with the optimizer on the CPU; with
-``load_best_model_at_end`` the engine ends with the best checkpoint's weights.
+``load_best_model_at_end`` the engine ends with the best checkpoint's weights; the Trainer's gradient
+checkpointing with its ``offload`` (pinned host memory) and ``every_n_layers`` keys under zero3.
 
 Run on the GPU machine: ``python -m pytest -q tests/integrations/transformers/test_trainer_cuda.py``.
 """
@@ -83,3 +84,34 @@ def test_bf16_zero3_offload_ends_with_the_best_checkpoint(tmp_path):
     state = trainer.engine.state_dict()
     assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_with_offload_and_every_n_layers(tmp_path, use_reentrant):
+    """The Trainer's gradient checkpointing with its ``offload`` (saved activations in pinned host memory,
+    which needs CUDA) and ``every_n_layers`` keys: zero3 with parameters and optimizer on the CPU logs the
+    plain Trainer's losses and gradient norms (fp32, one process) and saves its weights."""
+    from transformers import LlamaForCausalLM, Trainer
+
+    from zkernel.integrations.transformers import ZKernelTrainer
+
+    data = scenarios.dataset()
+    checkpointing = dict(gradient_checkpointing=True, save_strategy="no",
+                         gradient_checkpointing_kwargs={"use_reentrant": use_reentrant, "offload": True,
+                                                        "every_n_layers": 2})
+    plain = Trainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path / "plain"), **checkpointing),
+                    train_dataset=data)
+    plain.train()
+    plain.save_model(str(tmp_path / "plain" / "final"))
+    zk = ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path / "zk"), **checkpointing),
+                        train_dataset=data, zkernel_config=scenarios.CHECKPOINTED_RUNS["zero3_offload"])
+    zk.train()
+    zk.save_model(str(tmp_path / "zk" / "final"))
+    assert zk.engine.device.type == "cuda" and zk.model.is_gradient_checkpointing
+    for p, z in zip(scenarios._logged(plain), scenarios._logged(zk), strict=True):
+        assert z["loss"] == pytest.approx(p["loss"], rel=1e-3), (p, z)
+        assert z["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-3), (p, z)
+    expected = LlamaForCausalLM.from_pretrained(str(tmp_path / "plain" / "final")).state_dict()
+    got = LlamaForCausalLM.from_pretrained(str(tmp_path / "zk" / "final")).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-3, atol=1e-5, msg=name)
