@@ -303,3 +303,49 @@ def gradient_checkpointing_against_ddp(root: str, use_reentrant: bool, lora: boo
     if dist.get_rank() == 0:
         out["saved"] = {name: _saved(f"{root}/{name}/final", lora) for name in ("plain", *runs)}
     return out
+
+
+def layer_with_its_own_parameter() -> dict[str, float]:
+    """On each rank, reentrant and not: a stack of transformers' ``GradientCheckpointingLayer`` whose layers
+    hold a parameter of their own beside a submodule's (transformers 5 checkpoints inside ``forward``, so the
+    layer's own hooks do not fire in the recomputation), under zero3 with every parameter partitioned and
+    released, one AdamW step against plain torch; the largest weight difference per kind."""
+    import copy
+    import functools
+
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    import zkernel
+
+    class Layer(GradientCheckpointingLayer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(32))
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return torch.tanh(self.proj(x)) * self.scale + x
+
+    out = {}
+    for use_reentrant in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), Layer(), Layer(), nn.Linear(32, 1))
+        for layer in model[1:3]:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=use_reentrant)
+        reference = copy.deepcopy(model)
+        x = torch.randn(4, 8)
+        reference(x).pow(2).mean().backward()
+        torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.0).step()
+        engine = zkernel.initialize(model, {"partitioner": "zero3", "precision": "fp32",
+                                            "partitioner_options": {"persistence_threshold": 0},
+                                            "optimizer": {"name": "adamw", "lr": 0.1, "weight_decay": 0.0}})
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        state = engine.state_dict()
+        engine.close()
+        out["reentrant" if use_reentrant else "non_reentrant"] = max(
+            (state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return out

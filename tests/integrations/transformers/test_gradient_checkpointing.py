@@ -6,7 +6,8 @@ losses and gradient norms, a decoder layer's MLP runs its forward again in backw
 Trainer, and ``save_model`` writes the plain Trainer's weights. The same for a LoRA model with reentrant
 checkpointing, whose frozen embeddings give the checkpointed layers inputs that require grad only
 through the hook the Trainer adds (``enable_input_require_grads``): the adapter trains and is saved as
-under the plain Trainer. In-process: the Trainer's checkpointing together with the config's
+under the plain Trainer. A checkpointed layer with a parameter of its own (used in the recomputation
+without the layer's hooks) trains under zero3 as in plain torch. In-process: the Trainer's checkpointing together with the config's
 ``[activation_checkpointing] modules`` (or a ``[planner] micro_batch``, with which the planner may
 checkpoint too) is a `ConfigError` when the trainer is built ([Note: the
 Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`).
@@ -124,3 +125,11 @@ def test_trainer_checkpointing_with_a_planned_micro_batch_is_an_error(tmp_path):
                    train_dataset=scenarios.dataset(), zkernel_config=config)
     ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
                    zkernel_config={"partitioner": "auto"})
+
+
+def test_a_checkpointed_layers_own_parameter_under_zero3():
+    """transformers 5 checkpoints inside the layer's ``forward``: a parameter the layer holds itself is used in
+    the recomputation without the layer's hooks firing, and still gets its gradient (an AdamW step of 0.1 moves
+    every weight by about 0.1, so a missing gradient shows)."""
+    for rank in run_ranks(2, scenarios.layer_with_its_own_parameter):
+        assert rank["non_reentrant"] < 1e-5 and rank["reentrant"] < 1e-5, rank
