@@ -7,10 +7,10 @@ Trainer, and ``save_model`` writes the plain Trainer's weights. The same for a L
 checkpointing, whose frozen embeddings give the checkpointed layers inputs that require grad only
 through the hook the Trainer adds (``enable_input_require_grads``): the adapter trains and is saved as
 under the plain Trainer. A checkpointed layer with a parameter of its own (used in the recomputation
-without the layer's hooks) trains under zero3 as in plain torch. In-process: the Trainer's checkpointing together with the config's
-``[activation_checkpointing] modules`` (or a ``[planner] micro_batch``, with which the planner may
-checkpoint too) is a `ConfigError` when the trainer is built ([Note: the
-Trainer's gradient checkpointing] in `zkernel.integrations.transformers.trainer`).
+without the layer's hooks) trains under zero3 as in plain torch. In-process: the Trainer's checkpointing
+together with the config's ``[activation_checkpointing] modules`` (or a ``[planner] micro_batch``, with
+which the planner may checkpoint too) is a `ConfigError` when the trainer is built ([Note: the Trainer's
+gradient checkpointing] in `zkernel.integrations.transformers.trainer`).
 """
 
 from __future__ import annotations
