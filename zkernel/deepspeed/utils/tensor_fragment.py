@@ -133,11 +133,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     if site is None:
         return
     engine = _writable(site, "safe_set_full_fp32_param()")
-    flat = _flat_value(site, value)
-    target, kept = read_shard_values(engine, site.group)
-    for frag in site.fragments:
-        target[frag.offset : frag.offset + frag.numel].copy_(flat[frag.start : frag.start + frag.numel])
-    write_shard_values(engine, site.group, target, kept)
+    _write_fragments(engine, site, value, key=None)
     with engine.scheduler.plugin_call():  # the partitioner's whole copies take the new values
         engine.params_tier.to_device(site.group, consume=True, block=True)
         engine.hook.zkernel_restore_state(group=site.group)
@@ -152,15 +148,21 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     if site is None:
         return
     engine = _writable(site, "safe_set_full_optimizer_state()")
-    flat = _flat_value(site, value)
-    target, kept = read_shard_values(engine, site.group)
-    state = kept[_state_key(site, kept, optim_state_key)]
-    for frag in site.fragments:
-        state[frag.offset : frag.offset + frag.numel].copy_(flat[frag.start : frag.start + frag.numel])
-    write_shard_values(engine, site.group, target, kept)
+    _write_fragments(engine, site, value, key=optim_state_key)
 
 
 # -- internals --------------------------------------------------------------------------------
+
+
+def _write_fragments(engine, site: ParamSite, value, key: str | None) -> None:
+    """Write this rank's elements of the whole ``value`` into ``site``'s group: its master (``key``
+    None) or its optimizer state ``key``; the rest of the group's values stay."""
+    flat = _flat_value(site, value)
+    master, kept = read_shard_values(engine, site.group)
+    target = master if key is None else kept[_state_key(site, kept, key)]
+    for frag in site.fragments:
+        target[frag.offset : frag.offset + frag.numel].copy_(flat[frag.start : frag.start + frag.numel])
+    write_shard_values(engine, site.group, master, kept)
 
 
 def _open_engine(site: ParamSite, what: str):
