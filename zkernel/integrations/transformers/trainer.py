@@ -119,6 +119,7 @@ class ZKernelTrainer(Trainer):
         self._schedule_in_config = has_lr_schedule(raw, is_deepspeed_config(raw))
         self._zkernel_module: EngineModule | None = None
         self._zkernel_steps: int | None = None
+        self._zkernel_flops_params: int | None = None  # `floating_point_ops`'s parameter count
         super().__init__(model, args, *positional, **kwargs)
         for flag, name in ((self.args.deepspeed, "deepspeed"), (self.args.fsdp, "fsdp")):
             if flag:
@@ -241,7 +242,9 @@ class ZKernelTrainer(Trainer):
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if self._zkernel_module is None or main_input not in inputs or not hasattr(self.model, "num_parameters"):
             return super().floating_point_ops(inputs)
-        return 6 * inputs[main_input].numel() * non_embedding_count(self._zkernel_module.engine)
+        if self._zkernel_flops_params is None:  # the shapes never change: counted once, not per micro-batch
+            self._zkernel_flops_params = non_embedding_count(self._zkernel_module.engine)
+        return 6 * inputs[main_input].numel() * self._zkernel_flops_params
 
     # -- saving and resuming ----------------------------------------------------------------------
 
