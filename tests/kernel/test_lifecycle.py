@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
+from tests.support.paths import REPO, python_path
 import gc
 import json
 import os
@@ -209,7 +209,7 @@ def test_a_disk_too_small_fails_initialize_without_harm(tmp_path):
         f"mount -t tmpfs -o size=64k tmpfs {small} && "
         f"exec {sys.executable} -m tests.support.lifecycle_scenarios failed_initialize {big} {small}"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([unshare, "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
         pytest.skip(f"cannot mount tmpfs in a user namespace here: {proc.stderr.strip()[-200:]}")

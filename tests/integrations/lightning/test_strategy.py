@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.support.paths import REPO
+from tests.support.paths import REPO, python_path
 
 pytest.importorskip("pytorch_lightning")
 
@@ -23,7 +23,7 @@ TOLERANCE = 1e-4
 
 
 def _scenario(out, *args: str, accelerator: str = "cpu", package: str = "pytorch_lightning") -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ZKERNEL_SCENARIO_ACCELERATOR": accelerator,
+    env = {**os.environ, "PYTHONPATH": python_path(), "ZKERNEL_SCENARIO_ACCELERATOR": accelerator,
            "ZKERNEL_SCENARIO_LIGHTNING": package}
     done = subprocess.run(
         [sys.executable, "-m", "tests.integrations.lightning.scenario", *args],

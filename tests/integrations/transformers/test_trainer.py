@@ -11,7 +11,8 @@ holding an early best checkpoint's weights on every rank, and evaluate() and sav
 under zero3 the Trainer logs the model's whole parameter count.
 In-process: a best checkpoint that cannot be loaded is an error; contradictions between the config and the arguments, and an optimizer zkernel cannot step,
 are errors before training; "auto" values take the arguments'; a short last window steps; zero1, zero2
-and offload placements train as the plain Trainer; a config's own schedule sets the rate and resumes.
+and offload placements train as the plain Trainer; a config's own schedule sets the rate and resumes; a process that
+sees several GPUs drives one.
 """
 
 from __future__ import annotations
@@ -292,3 +293,24 @@ def test_best_model_at_end_with_save_only_model_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"save_only_model=True.*checkpoint-N/zkernel/.*valid: save_only_model=False"):
         ZKernelTrainer(model=scenarios.tiny_llama(), args=args, eval_dataset=scenarios.dataset()[:4],
                        zkernel_config={"partitioner": "zero2"})
+
+
+def test_a_process_that_sees_several_gpus_drives_one(tmp_path):
+    """One process on a machine with two GPUs (no launcher): the plain Trainer would count both (DataParallel,
+    twice the batch, the loss scaled by two); ZKernelTrainer drives one device, as under DeepSpeed."""
+    from transformers import Trainer
+
+    data = scenarios.dataset()[:8]
+    losses = {}
+    for name in ("plain", "zkernel"):
+        args = scenarios.arguments(str(tmp_path / name), max_steps=2, save_strategy="no")
+        if name == "zkernel":
+            assert args.n_gpu == 0  # (sets the devices up on this CPU machine) ...
+            args._n_gpu = 2  # ... as they are set up where two GPUs are visible
+        kwargs = {"zkernel_config": {"partitioner": "zero3"}} if name == "zkernel" else {}
+        trainer = (ZKernelTrainer if name == "zkernel" else Trainer)(
+            model=scenarios.tiny_llama(), args=args, train_dataset=data, **kwargs)
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses["zkernel"] == pytest.approx(losses["plain"], rel=1e-4)
+    assert args.n_gpu == 1 and args.train_batch_size == args.per_device_train_batch_size

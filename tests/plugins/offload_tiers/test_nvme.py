@@ -3,7 +3,7 @@ with its lifecycle (run directories, buffers, threads) and the faults a user hit
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
+from tests.support.paths import REPO, python_path
 import io
 import logging
 import os
@@ -306,7 +306,7 @@ def test_a_dropped_engine_removes_its_run_directory(tmp_path):
 
 
 def _script(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "tests.support.nvme_scenarios", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
@@ -378,7 +378,7 @@ def test_read_only_and_small_disks(tmp_path):
     )
     if unshare is None:
         pytest.skip("no unshare(1) to mount file systems in a private namespace")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([unshare, "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     if "mount" in proc.stderr and proc.returncode != 0 and "read-only" not in proc.stdout:
         pytest.skip(f"cannot mount tmpfs in a user namespace here: {proc.stderr.strip()[-200:]}")

@@ -120,7 +120,11 @@ class ZKernelTrainer(Trainer):
         self._zkernel_module: EngineModule | None = None
         self._zkernel_steps: int | None = None
         self._zkernel_flops_params: int | None = None  # `floating_point_ops`'s parameter count
+        if args is not None:
+            _one_device_per_process(args)
         super().__init__(model, args, *positional, **kwargs)
+        _one_device_per_process(self.args)
+        self._train_batch_size = self.args.train_batch_size
         for flag, name in ((self.args.deepspeed, "deepspeed"), (self.args.fsdp, "fsdp")):
             if flag:
                 raise ConfigError(
@@ -328,3 +332,17 @@ class ZKernelTrainer(Trainer):
             # gets them back from optimizer.pt. The next step's rates are the scheduler's last ones.
             for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
+
+
+def _one_device_per_process(args) -> None:
+    """Make the Trainer drive one device per process, as it does under DeepSpeed.
+
+    [Note: one device per process] A single process that sees several GPUs (``python train.py`` on a
+    two-GPU machine, no launcher) makes the plain Trainer count them all (``args.n_gpu``): it wraps the
+    model in ``nn.DataParallel``, multiplies the batch by the count and scales the loss by it, expecting
+    DataParallel to average it back. The engine computes on its own device only, so the loss and its
+    gradient came out that many times too large (seen on two GPUs as twice the loss and grad norm).
+    DeepSpeed's Trainer path pins the count to one; so does this.
+    """
+    if args.n_gpu > 1:  # (reading it sets the devices up first, which sets the count)
+        args._n_gpu = 1
