@@ -32,6 +32,7 @@ __all__ = [
     "crc32c",
     "crc32c_combine",
     "crc32c_path",
+    "has_split_master",
     "load",
     "probe_adam_pattern",
     "probe_copy",
@@ -398,3 +399,12 @@ def set_crc32c_path(name: str) -> None:
         load().set_crc32c_path(name)
     except Exception as err:  # pybind maps std::invalid_argument to ValueError
         raise ValueError(str(err)) from err
+
+
+def has_split_master() -> bool:
+    """Whether the built extension has the split-master codec (`zkernel.platform.split_master` uses the
+    torch path without it, e.g. on a checkout built before it)."""
+    try:
+        return hasattr(load(), "split_master")
+    except NativeExtensionError:
+        return False
