@@ -84,6 +84,7 @@ def whole_and_split(root: str) -> dict:
         "zero1-cpu": ("cpu", "zero1", {}),
         "zero2-cpu": ("cpu", "zero2", {}),
         "zero3-cpu": ("cpu", "zero3", {}),
+        "zero3-cpu-unclipped": ("cpu", "zero3", {"clip": 0.0}),
         "zero3-nvme-host": ("nvme", "zero3", {"host_share": 1.0}),
         "zero3-nvme-half": ("nvme", "zero3", {"host_share": 0.5}),
         # Clipping 2.0: groups' own norms stay below it, so they step during backward, and three of the

@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
     return run_ranks(2, scenario.whole_and_split, str(tmp_path_factory.mktemp("split")))[0]
 
 
-CASES = ("zero1-cpu", "zero2-cpu", "zero3-cpu", "zero3-nvme-host", "zero3-nvme-half", "zero3-cpu-speculative")
+CASES = ("zero1-cpu", "zero2-cpu", "zero3-cpu", "zero3-cpu-unclipped", "zero3-nvme-host", "zero3-nvme-half", "zero3-cpu-speculative")
 
 
 @pytest.mark.parametrize("case", CASES)
