@@ -205,6 +205,7 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
                 host_numel=self.host_share_numel,
                 disk_numel=self._disk.numel(),
                 disk_bytes=self._disk.nbytes(),
+                split_master_numel=self.split_master_numel,
             )
         if self._disk.holds(group):
             self._disk.prepare(group)
