@@ -110,6 +110,8 @@ class SplitMasters:
         self._downloads: list[torch.Tensor] = []  # page-locked bf16 buffers a GPU shard is downloaded into
         self._largest = 0
         self._lock = threading.Lock()
+        self._stream = None  # the side stream shards are downloaded on (created on first use)
+        self._written: dict[int, object] = {}  # group index -> event after this tier's last write of its shard
 
     def holds(self, group) -> bool:
         return group.index in self._halves
@@ -197,6 +199,7 @@ class SplitMasters:
 
     def close(self) -> None:
         self._halves.clear()
+        self._written.clear()
         with self._lock:
             self._lent.clear()
             self._free.clear()
@@ -223,22 +226,32 @@ class SplitMasters:
             buffer = host_empty(self._largest, torch.bfloat16, pin=True)
         try:
             high = buffer[: halves.numel]
-            d2h = self.streams.d2h
-            with torch.cuda.stream(d2h):
+            # [Note: the shard's download] Its own stream, not d2h: during backward d2h carries the
+            # gradients, each queued behind the compute that makes it, and a speculative step's rebuild
+            # would wait for the GPU to catch up. It waits for what may still write the shard: the
+            # uploads of updates on h2d (a rollback rebuilds after the update it undoes) and this
+            # tier's own last write (a checkpoint load, a folded write).
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(shard.device)
+            with torch.cuda.stream(self._stream):
                 if self.streams.h2d is not None:
-                    d2h.wait_stream(self.streams.h2d)  # the last update's upload (a rollback rebuilds after it)
+                    self._stream.wait_stream(self.streams.h2d)
+                written = self._written.pop(group.index, None)
+                if written is not None:
+                    self._stream.wait_event(written)
                 high.copy_(shard, non_blocking=True)
-                done = record_event(d2h)
+                done = record_event(self._stream)
             done.synchronize()
             return join_master(high, halves.low, halves.ties, out)
         finally:
             with self._lock:
                 self._downloads.append(buffer)
 
-    @staticmethod
-    def _round_into_shard(group, master: torch.Tensor) -> None:
+    def _round_into_shard(self, group, master: torch.Tensor) -> None:
         shard = group.param_shard
         shard.reshape(-1).copy_(master.reshape(-1).to(shard.device).to(torch.bfloat16))
+        if shard.device.type == "cuda":
+            self._written[group.index] = record_event(torch.cuda.current_stream(shard.device))
 
 
 def check_split_possible(group, compute_dtype: torch.dtype, tier: str) -> None:
