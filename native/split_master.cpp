@@ -40,28 +40,47 @@ inline void store_bits(float* p, uint32_t u) { std::memcpy(p, &u, 4); }
 // Scalar: the reference the SIMD paths match byte for byte.
 // ---------------------------------------------------------------------------
 
-// `begin` is a multiple of 8; the byte of a partial last group gets 0 padding bits.
-void split_scalar(const float* master, uint16_t* low, uint8_t* ties, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i += 8) {
-        const int64_t stop = std::min(end, i + 8);
-        uint32_t byte = 0;
-        for (int64_t j = i; j < stop; ++j) {
-            const uint32_t bits = load_bits(master + j);
-            low[j] = static_cast<uint16_t>(bits);
-            byte |= static_cast<uint32_t>((bits & 0x1FFFFu) == 0x8000u) << (j - i);
-        }
-        ties[i / 8] = static_cast<uint8_t>(byte);
+// Groups of 8 elements, one tie byte each, a fixed count the compiler unrolls,
+// through restrict pointers (a store through uint8_t* may alias anything, and
+// without them every store made the compiler reload the others). The partial
+// last group (kLast) takes the same code with a run-time count.
+
+template <bool kLast>
+inline void split_group(const float* __restrict master, uint16_t* __restrict low, uint8_t* __restrict ties,
+                        int64_t i, int count) {
+    uint32_t byte = 0;
+    for (int k = 0; k < (kLast ? count : 8); ++k) {
+        const uint32_t bits = load_bits(master + i + k);
+        low[i + k] = static_cast<uint16_t>(bits);
+        byte |= static_cast<uint32_t>((bits & 0x1FFFFu) == 0x8000u) << k;
     }
+    ties[i / 8] = static_cast<uint8_t>(byte);  // a partial group's padding bits are 0
+}
+
+template <bool kLast>
+inline void join_group(const uint16_t* __restrict high, const uint16_t* __restrict low,
+                       const uint8_t* __restrict ties, float* __restrict out, int64_t i, int count) {
+    const uint32_t byte = ties[i / 8];
+    for (int k = 0; k < (kLast ? count : 8); ++k) {
+        const uint32_t l = low[i + k];
+        const uint32_t kept = (byte >> k) & 1u;
+        const uint32_t carry = static_cast<uint32_t>(l > 0x8000u) | (static_cast<uint32_t>(l == 0x8000u) & (kept ^ 1u));
+        store_bits(out + i + k, ((static_cast<uint32_t>(high[i + k]) - carry) << 16) | l);
+    }
+}
+
+// `begin` is a multiple of 8.
+void split_scalar(const float* master, uint16_t* low, uint8_t* ties, int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) split_group<false>(master, low, ties, i, 8);
+    if (i < end) split_group<true>(master, low, ties, i, static_cast<int>(end - i));
 }
 
 void join_scalar(const uint16_t* high, const uint16_t* low, const uint8_t* ties, float* out, int64_t begin,
                  int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-        const uint32_t l = low[i];
-        const bool kept = (ties[i / 8] >> (i % 8)) & 1u;
-        const uint32_t carry = l > 0x8000u || (l == 0x8000u && !kept);
-        store_bits(out + i, ((static_cast<uint32_t>(high[i]) - carry) << 16) | l);
-    }
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) join_group<false>(high, low, ties, out, i, 8);
+    if (i < end) join_group<true>(high, low, ties, out, i, static_cast<int>(end - i));
 }
 
 // ---------------------------------------------------------------------------
