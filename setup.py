@@ -20,6 +20,7 @@ native = Pybind11Extension(
             "native/cpu_adam.cpp",
             "native/crc32c.cpp",
             "native/ring_watch.cpp",
+            "native/split_master.cpp",
             "native/thread_pool.cpp",
         ]
     ),

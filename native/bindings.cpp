@@ -1,5 +1,5 @@
 // Thin pybind11 binding over the native kernels; see cpu_adam.h, crc32c.h,
-// aio.h, bandwidth.h and ring_watch.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
+// aio.h, bandwidth.h, ring_watch.h and split_master.h. Buffers cross as integer addresses (tensor.data_ptr()) plus
 // lengths, so nothing here links against libtorch. Every call that touches
 // memory or files releases the GIL.
 #include <pybind11/pybind11.h>
@@ -14,6 +14,7 @@
 #include "cpu_adam.h"
 #include "crc32c.h"
 #include "ring_watch.h"
+#include "split_master.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -61,8 +62,8 @@ class AlignedBuffer {
 };
 
 PYBIND11_MODULE(_native, m) {
-    m.doc() = "zkernel native core: CPU Adam, async file I/O, bandwidth probes";
-    m.def("abi_version", []() { return 4; });  // zkernel/native.py ABI_VERSION
+    m.doc() = "zkernel native core: CPU Adam, the split master's codec, async file I/O, bandwidth probes";
+    m.def("abi_version", []() { return 5; });  // zkernel/platform/native.py ABI_VERSION
 
     // -- thread pool -------------------------------------------------------
     m.def("pool_threads", &zk::pool_threads);
@@ -130,6 +131,23 @@ PYBIND11_MODULE(_native, m) {
     m.def("simd_path", &zk::simd_path);
     m.def("best_simd_path", &zk::best_simd_path);
     m.def("set_simd_path", &zk::set_simd_path, py::arg("name"));
+
+    // -- split master (split_master.h) ---------------------------------------
+    m.def(
+        "split_master",
+        [](std::uintptr_t master, std::uintptr_t low, std::uintptr_t ties, std::int64_t n, int threads) {
+            zk::split_master(ptr<const float>(master), ptr<std::uint16_t>(low), ptr<std::uint8_t>(ties), n, threads);
+        },
+        py::arg("master"), py::arg("low"), py::arg("ties"), py::arg("n"), py::arg("threads") = 0, release_gil());
+    m.def(
+        "join_master",
+        [](std::uintptr_t high, std::uintptr_t low, std::uintptr_t ties, std::uintptr_t out, std::int64_t n,
+           int threads) {
+            zk::join_master(ptr<const std::uint16_t>(high), ptr<const std::uint16_t>(low),
+                            ptr<const std::uint8_t>(ties), ptr<float>(out), n, threads);
+        },
+        py::arg("high"), py::arg("low"), py::arg("ties"), py::arg("out"), py::arg("n"), py::arg("threads") = 0,
+        release_gil());
 
     // -- CRC32C ------------------------------------------------------------
     m.def(

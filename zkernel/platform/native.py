@@ -33,6 +33,7 @@ __all__ = [
     "crc32c_combine",
     "crc32c_path",
     "has_split_master",
+    "join_master",
     "load",
     "probe_adam_pattern",
     "probe_copy",
@@ -40,6 +41,7 @@ __all__ = [
     "set_simd_path",
     "set_threads",
     "simd_path",
+    "split_master",
     "threads",
 ]
 
@@ -52,7 +54,7 @@ BUILD_HINT = (
 
 # The extension's abi_version() this module was written against; bumped when
 # native/bindings.cpp gains or changes functions, so a stale build is named as such.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class NativeExtensionError(ImportError):
@@ -290,7 +292,8 @@ def best_simd_path() -> str:
 
 
 def set_simd_path(name: str) -> None:
-    """Force ``"avx512"``, ``"avx2"`` or ``"scalar"`` (for tests); ``"auto"`` restores the best."""
+    """Force ``"avx512"``, ``"avx2"`` or ``"scalar"`` for `adam_step`, `adam_rollback`, `convert_f32`,
+    `split_master` and `join_master` (for tests); ``"auto"`` restores the best."""
     try:
         load().set_simd_path(name)
     except Exception as err:  # pybind maps std::invalid_argument to ValueError
@@ -408,3 +411,46 @@ def has_split_master() -> bool:
         return hasattr(load(), "split_master")
     except NativeExtensionError:
         return False
+
+
+def split_master(
+    master: torch.Tensor, low: torch.Tensor, ties: torch.Tensor, *, threads: int | None = None
+) -> None:
+    """Write fp32 ``master``'s low halves into ``low`` (int16) and its tie bits into ``ties`` (uint8,
+    packed, ``(numel + 7) // 8`` bytes), in one multi-threaded pass.
+
+    Called by `zkernel.platform.split_master.split_master` for CPU tensors (after every host
+    optimizer step of a tier that keeps masters split); see [Note: the master's low half] there for
+    the encoding. All three contiguous CPU tensors; ``threads``: None for the pool's default.
+    """
+    native = load()
+    n = master.numel()
+    _check_cpu_contiguous("master", master, (torch.float32,), n)
+    _check_cpu_contiguous("low", low, (torch.int16,), n)
+    _check_cpu_contiguous("ties", ties, (torch.uint8,), (n + 7) // 8)
+    native.split_master(master.data_ptr(), low.data_ptr(), ties.data_ptr(), n, int(threads or 0))
+
+
+def join_master(
+    high: torch.Tensor,
+    low: torch.Tensor,
+    ties: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    threads: int | None = None,
+) -> None:
+    """Rebuild fp32 masters into ``out`` from their bf16 roundings ``high`` (the parameter), ``low``
+    (int16) and ``ties`` (uint8, packed), in one multi-threaded pass.
+
+    Called by `zkernel.platform.split_master.join_master` for CPU tensors (before every host
+    optimizer step of a tier that keeps masters split); the inverse of `split_master` for every
+    master whose round-to-nearest-even is ``high`` (a NaN comes back as a NaN). All four contiguous
+    CPU tensors; ``threads``: None for the pool's default.
+    """
+    native = load()
+    n = out.numel()
+    _check_cpu_contiguous("high", high, (torch.bfloat16,), n)
+    _check_cpu_contiguous("low", low, (torch.int16,), n)
+    _check_cpu_contiguous("ties", ties, (torch.uint8,), (n + 7) // 8)
+    _check_cpu_contiguous("out", out, (torch.float32,), n)
+    native.join_master(high.data_ptr(), low.data_ptr(), ties.data_ptr(), out.data_ptr(), n, int(threads or 0))

@@ -1,0 +1,130 @@
+"""The split master's codec on the CPU: native split and join against the torch path and a plain copy.
+
+One master of --n fp32 elements (random bit patterns, a third of them ties or
+their neighbours), split into its low halves and tie bits and joined back from
+its bf16 rounding, by:
+
+- the native codec (`zkernel.platform.native.split_master` / `join_master`,
+  the default SIMD path), on the default thread pool and on one thread;
+- the torch path of `zkernel.platform.split_master` (chunked torch operations,
+  what CPU tensors got before the native codec);
+- a plain fp32 copy of the master, native (`native.probe_copy`, the same pool
+  and chunking) and torch (``Tensor.copy_``): the memory bound.
+
+Bytes per element, as counted for GB/s: split reads 4 and writes 2 + 1/8
+(6.125); join reads 2 + 2 + 1/8 and writes 4 (8.125); the copy reads 4 and
+writes 4 (8). The variants share one set of buffers and alternate (the first
+rotates every round); medians over rounds. "x copy GB/s" is a variant's GB/s
+over the native copy's: above 1 where its streaming stores skip the reads
+that the copy's plain stores make (uncounted) before writing. The torch path runs --torch-rounds
+times (tens of ns an element: seconds per call at this size).
+
+    python3 bench/split_master.py --n 300e6
+    python3 bench/split_master.py --n 300e6 --torch-rounds 0 --simd scalar
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+
+from zkernel.platform import native
+from zkernel.platform import split_master as codec
+
+SPLIT_BYTES = 4 + 2 + 1 / 8
+JOIN_BYTES = 2 + 2 + 1 / 8 + 4
+COPY_BYTES = 4 + 4
+
+
+def _master(n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=gen).to(torch.int32)
+    near = torch.rand(n, generator=gen) < 1 / 3
+    bits = torch.where(near, (bits & ~0xFFFF) | 0x8000, bits)
+    return bits.view(torch.float32)
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=float, default=300e6, help="elements of the master")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds of the native codec and the copies")
+    parser.add_argument("--torch-rounds", type=int, default=1, help="timed rounds of the torch path (0: none)")
+    parser.add_argument("--simd", default="auto", help="the native SIMD path: auto, avx512, avx2 or scalar")
+    args = parser.parse_args()
+    n = int(args.n)
+    native.set_simd_path(args.simd)
+    print("# The split master's codec")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, native threads "
+          f"{native.threads()}, SIMD path {native.simd_path()}, torch threads {torch.get_num_threads()}, "
+          f"torch {torch.__version__}, python {sys.version.split()[0]}")
+    master = _master(n)
+    high = master.to(torch.bfloat16)
+    low = torch.zeros(n, dtype=torch.int16)
+    ties = torch.zeros(codec.tie_bytes(n), dtype=torch.uint8)
+    out = torch.zeros(n)
+    copy = torch.zeros(n)
+
+    def torch_path(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with mock.patch.object(native, "has_split_master", return_value=False):
+                fn()
+
+        return run
+
+    variants: dict[str, tuple[float, Callable[[], None]]] = {
+        "native split": (SPLIT_BYTES, lambda: native.split_master(master, low, ties)),
+        "native join": (JOIN_BYTES, lambda: native.join_master(high, low, ties, out)),
+        "native split, 1 thread": (SPLIT_BYTES, lambda: native.split_master(master, low, ties, threads=1)),
+        "native join, 1 thread": (JOIN_BYTES, lambda: native.join_master(high, low, ties, out, threads=1)),
+        "native copy (probe_copy)": (COPY_BYTES, lambda: native.probe_copy(master, copy)),
+        "torch copy (Tensor.copy_)": (COPY_BYTES, lambda: copy.copy_(master)),
+    }
+    slow: dict[str, tuple[float, Callable[[], None]]] = {
+        "torch path split": (SPLIT_BYTES, torch_path(lambda: codec.split_master(master, low, ties))),
+        "torch path join": (JOIN_BYTES, torch_path(lambda: codec.join_master(high, low, ties, out))),
+    }
+    for _, fn in variants.values():
+        fn()  # fault the pages in
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names + list(slow)}
+    for r in range(max(args.rounds, args.torch_rounds)):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        if r < args.torch_rounds:
+            order += list(slow)
+        if r >= args.rounds:
+            order = [k for k in order if k in slow]
+        for k in order:
+            times[k].append(_timed((variants | slow)[k][1]))
+    # The last call joined the split of the master: check it round-tripped.
+    native.split_master(master, low, ties)
+    native.join_master(high, low, ties, out)
+    finite = ~master.isnan()
+    assert torch.equal(out.view(torch.int32)[finite], master.view(torch.int32)[finite])
+
+    copy_gbs = COPY_BYTES * n / statistics.median(times["native copy (probe_copy)"]) / 1e9
+    print(f"\n## n = {n:,} ({args.rounds} rounds, torch path {args.torch_rounds})")
+    print(f"{'variant':<28}{'ms':>10}{'ns/element':>12}{'GB/s':>8}{'x copy GB/s':>13}")
+    for k, (nbytes, _) in (variants | slow).items():
+        if not times[k]:
+            continue
+        t = statistics.median(times[k])
+        gbs = nbytes * n / t / 1e9
+        print(f"{k:<28}{t * 1e3:>10.1f}{t / n * 1e9:>12.3f}{gbs:>8.2f}{gbs / copy_gbs:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
