@@ -27,6 +27,15 @@ holds the answers to ``memory_report()``):
   the shard in swap files, read through its own pool (``buffer_bytes``, else
   the host look-ahead plus four of the largest shard, capped at twice all);
   it lends the optimizer a buffer for each update, so no staging copy is kept.
+
+Both optimizer tiers answer their ``split_master`` option
+(`TierSizing.split_master`: the masters kept as a low half and a tie bit,
+2.125 bytes an element wherever they live, where the run allows it: [Note:
+sizing a split master] in `zkernel.spec.sizing`). ``"auto"``, the default, is
+true for ``nvme`` (every byte kept off the disk is read and written less each
+step) and false for ``cpu`` (chosen where host memory holds everything, where
+the split would only add a download of the bf16 shard and two host passes a
+step).
 """
 
 from __future__ import annotations
@@ -40,6 +49,14 @@ from ._arena import aligned
 _ON_DEVICE = {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: DEVICE}
 _ON_HOST = {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu"}
 _ON_DISK = {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.STAGING: "cpu"}
+
+
+def split_master(options, auto: bool) -> bool:
+    """The tier's ``split_master`` option as its answer says it (``"auto"``: ``auto``); asked by
+    `cpu_footprint` and `nvme_footprint`."""
+    # By name: an options class without the field is read as its default, "auto".
+    value = getattr(options, "split_master", "auto")
+    return auto if value == "auto" else bool(value)
 
 
 def _share(value) -> float:
@@ -62,6 +79,7 @@ def cpu_footprint(role: str, options) -> TierSizing:
         spills=(Spill(option="gpu_share", share=_share(options.gpu_share), where=_ON_DEVICE, cuda_only=True, at_adopt=False),),
         staging_pool=options.staging_buffers,
         steps_on="cpu",
+        split_master=split_master(options, auto=False),
     )
 
 
@@ -94,4 +112,5 @@ def nvme_footprint(role: str, options) -> TierSizing:
         staging_pool=options.staging_buffers,
         steps_on="cpu",
         pool_bytes=optimizer_pool,
+        split_master=split_master(options, auto=True),
     )

@@ -281,7 +281,11 @@ class _Planning(SpillSizing):
     # -- a candidate as a config -----------------------------------------------------------------
 
     def _variant(self, candidate: Candidate, shares: dict[str, float] | None = None):
+        """The config of ``candidate`` at spill fractions ``shares``; a tier the config fixes keeps
+        the options it gives (such as ``split_master``), the fractions over them."""
         config = self.config
+        given = {role: getattr(config.offload, f"{role}_options") if self._fixed(f"offload.{role}") == tier else {}
+                 for role, tier in (("optimizer", candidate.optimizer), ("params", candidate.params))}  # fmt: skip
         return attrs.evolve(
             config,
             partitioner=candidate.partitioner,
@@ -289,8 +293,8 @@ class _Planning(SpillSizing):
                 config.offload,
                 optimizer=candidate.optimizer,
                 params=candidate.params,
-                optimizer_options=dict(shares or {}),
-                params_options={},
+                optimizer_options={**given["optimizer"], **(shares or {})},
+                params_options=dict(given["params"]),
             ),
             partitioner_options=self._partitioner_options(candidate.partitioner),
         )
@@ -529,7 +533,7 @@ class _Planning(SpillSizing):
             s for s in device_spills if not s.at_adopt and s.option not in optimizer_options and s.option not in outcome.shares
         ]
         if leftover and "offload.optimizer" in auto and self.separate:
-            share = self.leftover_gpu_share(outcome)
+            share = self.leftover_gpu_share(candidate, outcome)
             if share > 0:
                 optimizer_options[leftover[0].option] = share
                 if leftover[0].cuda_only and self.request.device.type != "cuda":
@@ -567,7 +571,7 @@ class _Planning(SpillSizing):
     def _seconds(self, candidate: Candidate, outcome: Outcome, share: float) -> dict[str, float]:
         """Predicted seconds per optimizer step of what the placement adds, from the measured rates."""
         rate = {name: probe.rate for name, probe in self.measurements.items()}
-        numel = self._trainable_numel(outcome)
+        numel = self._trainable_numel(candidate)
         host_numel = int(numel * (1 - share))
         params_off = sum(outcome.report["params"].get(p, 0) for p in ("cpu", "nvme") if p != self.label) // self.c
         host_step = self._tier(candidate.optimizer, "optimizer").steps_on != DEVICE
@@ -576,6 +580,8 @@ class _Planning(SpillSizing):
             out["host_optimizer_step"] = round(host_numel / rate["cpu_adam"], 4)
         if self.separate and rate["host_to_device"] and rate["device_to_host"]:
             down = 4 * host_numel if host_step else 0
+            if host_step and self._splits_master(candidate) and self._params_home(candidate) == DEVICE:
+                down += self.c * host_numel  # a split master is rebuilt from the parameter on the device
             up = self.c * host_numel if host_step else 0
             up += 2 * params_off * self.c  # forward and backward gathers read the shard from the host
             if up or down:

@@ -220,6 +220,8 @@ class Estimator(SizingService):
                 tier=tier.where,
                 copied_master=copied,
                 accumulation_steps=config.gradient_accumulation_steps,
+                split_master=tier.split_master,
+                precision=config.precision,
             )
             buffers = layout.buffers(group, placement, c)
             if group.trainable:
