@@ -545,6 +545,11 @@ class _Planning(SpillSizing):
                 notes.append(f"{spill.option} takes effect on CUDA only")
         if outcome.shares:
             notes.append(self._spill_note(candidate, outcome))
+        if self._splits_master(candidate):
+            notes.append(
+                f"optimizer tier {candidate.optimizer!r} keeps its fp32 masters split: the bf16 parameter's "
+                "low half and a tie bit, 2.125 bytes an element instead of 4 (its option split_master)"
+            )
         checkpointing = None
         if candidate.mode in (Mode.CHECKPOINT, Mode.OFFLOAD):
             checkpointing = ((self.activations.block_class,), "cpu" if candidate.mode is Mode.OFFLOAD else "none")
