@@ -190,6 +190,10 @@ def _worker(args) -> None:
         if any(moved):
             result["disk_read_gb_per_step"] = round(moved[0] / len(measured) / 1e9, 2)
             result["disk_written_gb_per_step"] = round(moved[1] / len(measured) / 1e9, 2)
+        tier = engine.optimizer_tier
+        for name in ("gpu_share_numel", "host_share_numel", "split_master_numel", "nbytes_on_disk"):
+            if hasattr(tier, name):  # where the optimizer's elements are, and how many keep split masters
+                result[name] = getattr(tier, name)
         if engine.placement_plan is not None:
             result["plan"] = str(engine.placement_plan)
         if engine.timeline.summaries:

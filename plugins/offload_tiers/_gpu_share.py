@@ -41,7 +41,8 @@ import torch
 
 from zkernel.telemetry.log import get_logger
 
-from .device import DeviceOptimizerTier, shares_storage
+from ._split_master import SplitDeviceOptimizerTier, split_bytes, why_not_split
+from .device import shares_storage
 
 log = get_logger()
 
@@ -67,14 +68,18 @@ def unused_device_bytes(device: torch.device) -> int:
     return device_room(free, torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device))
 
 
-def auto_share_bytes(group, device: torch.device, compute_dtype: torch.dtype) -> int:
-    """GPU bytes per element of ``group`` once the share holds it: master, two moments and gradient
-    (`SHARE_BYTES`), and a compute-dtype buffer for its updated parameters when their home is not
-    on ``device`` (`update_target` allocates one)."""
+def auto_share_bytes(group, device: torch.device, compute_dtype: torch.dtype, *, split: bool = False, numel: int | None = None) -> float:
+    """GPU bytes per element of ``group`` (of ``numel`` elements) once the share holds it: master, two
+    moments and gradient (`SHARE_BYTES`; the master 2.125 instead of 4 where ``split`` keeps it as a
+    low half, [Note: split masters in the tiers]), and a compute-dtype buffer for its updated
+    parameters when their home is not on ``device`` (`update_target` allocates one)."""
     shard = group.param_shard
+    per_element = float(SHARE_BYTES)
+    if split and why_not_split(group, compute_dtype, numel) is None:
+        per_element -= 4 - split_bytes(1 << 20) / (1 << 20)
     if shard is None or compute_dtype == torch.float32 or shard.device == device or shares_storage(shard, group.master):
-        return SHARE_BYTES
-    return SHARE_BYTES + torch.empty((), dtype=compute_dtype).element_size()
+        return per_element
+    return per_element + torch.empty((), dtype=compute_dtype).element_size()
 
 
 def auto_share(groups, room: int, *, host_numel: int, arena_fraction: float, bytes_per_element, numel_of=None) -> list:
@@ -106,8 +111,9 @@ class GpuShare:
     in case `place` (main thread, `OptimizerTier.after_first_step`) moves it.
     """
 
-    def __init__(self, context, option: float | str) -> None:
-        self.tier = DeviceOptimizerTier(context)
+    def __init__(self, context, option: float | str, *, split: bool | None = False, tier: str = "cpu") -> None:
+        self.tier = SplitDeviceOptimizerTier(context, split, tier)
+        self.split = split is not False
         self.option = option
         self.compute_dtype = context.compute_dtype
         self.device = context.device
@@ -157,6 +163,8 @@ class GpuShare:
         tier's groups on disk)."""
         total = sum(self.numel_of(g) for g in order)
         waiting = [g for g in order if not self.holds(g)]  # the next forward's order: first-needed first
+        if self.split and waiting:  # the buffer a split master is rebuilt into for its step
+            room -= 4 * max(self.numel_of(g) for g in waiting)
         if self.option == "auto":
             wanted = auto_share(
                 waiting, room, host_numel=host_numel, arena_fraction=arena_fraction,
@@ -187,9 +195,9 @@ class GpuShare:
         )
         return moved
 
-    def bytes_per_element(self, group) -> int:
+    def bytes_per_element(self, group) -> float:
         """GPU bytes per element ``group`` takes once the share holds it (`auto_share_bytes`)."""
-        return auto_share_bytes(group, self.device, self.compute_dtype)
+        return auto_share_bytes(group, self.device, self.compute_dtype, split=self.split, numel=self.numel_of(group))
 
     def _move(self, group) -> None:
         """Master and state of a host group copied to the GPU and handed to the inner tier. Every

@@ -7,6 +7,7 @@ import torch
 from zkernel.platform.host_memory import host_empty, host_zeros
 from zkernel.spec.tiers import ShardState
 
+from ._split_master import SplitMasters, check_split_possible, why_not_split
 from ._state import write_optimizer_state
 
 
@@ -16,13 +17,20 @@ class HostPlacement:
     `adopt` (main thread, `OptimizerTier.adopt`) allocates them once, page-locked
     when ``pin`` (or when None and CUDA is available), and points ``group.master``
     and ``group.optim_state`` at them; the host step then updates them in place
-    on the engine's host worker, so nothing moves between steps. The
-    checkpoint calls (`read_state`, `write_state`) run on the main thread
-    between steps. Holds no state of its own: the group's fields are the home.
+    on the engine's host worker, so nothing moves between steps. Where ``split``
+    asks for it (True, or None: where possible), `settle` keeps a group's master
+    as its low half beside its bf16 parameter shard instead ([Note: split masters
+    in the tiers] in ``_split_master``): `acquire` rebuilds it for the step and
+    `release` stores it back, on the host worker. The checkpoint calls
+    (`read_state`, `write_state`) run on the main thread between steps.
     """
 
-    def __init__(self, pin: bool | None) -> None:
+    def __init__(self, pin: bool | None, *, split: bool | None = False, compute_dtype=None, streams=None, tier: str = "cpu") -> None:
         self.pin = pin
+        self.split_wish = split
+        self.compute_dtype = compute_dtype
+        self.tier = tier
+        self.split = SplitMasters(torch.device("cpu"), pin=pin, streams=streams) if split is not False else None
 
     def adopt(self, group, master: torch.Tensor, state) -> None:
         """Copy the initial ``master`` to the host and allocate the declared ``state`` (zeros)."""
@@ -34,12 +42,49 @@ class HostPlacement:
             for s in state
         }
 
-    @staticmethod
-    def read_state(group) -> ShardState:
-        return ShardState(master=group.master, state=dict(group.optim_state))
+    def settle(self, group) -> None:
+        """Once the tier's other parts have read the new ``group.master``: keep it split where asked."""
+        if self.split is None:
+            return
+        if self.split_wish:
+            check_split_possible(group, self.compute_dtype, self.tier)
+        elif why_not_split(group, self.compute_dtype) is not None:
+            return
+        self.split.keep(group)
+
+    def splits(self, group) -> bool:
+        return self.split is not None and self.split.holds(group)
+
+    def split_numel(self) -> int:
+        """Elements of the masters kept split."""
+        return self.split.numel() if self.split is not None else 0
+
+    def unsplit(self, group) -> None:
+        """``group.master`` as a whole fp32 host tensor again (before the GPU share takes the group)."""
+        if self.splits(group):
+            group.master = self.split.drop(group)
+
+    def acquire(self, group) -> None:
+        """On the stepping thread: ``group.master`` ready (rebuilt for the step where it is split)."""
+        if self.splits(group):
+            self.split.lend(group)
+
+    def release(self, group) -> None:
+        """On the stepping thread, after the step's update was committed: a split master stored back."""
+        if self.splits(group):
+            self.split.take_back(group)
+
+    def read_master(self, group) -> torch.Tensor:
+        return self.split.read(group) if self.splits(group) else group.master
+
+    def read_state(self, group) -> ShardState:
+        return ShardState(master=self.read_master(group), state=dict(group.optim_state))
 
     def write_state(self, group, state: ShardState) -> None:
-        group.master.copy_(state.master)
+        if self.splits(group):
+            self.split.write(group, state.master)
+        else:
+            group.master.copy_(state.master)
         write_optimizer_state(group, state.state, torch.device("cpu"), make=self._host_like)
 
     def _host_like(self, value: torch.Tensor) -> torch.Tensor:
@@ -47,10 +92,13 @@ class HostPlacement:
             return torch.empty((), dtype=value.dtype)
         return host_empty(value.shape, value.dtype, pin=self.pin)
 
-    @staticmethod
-    def tensors(group) -> dict[str, list]:
+    def tensors(self, group) -> dict[str, list]:
         """The master and state, under `zkernel_memory_tensors`'s categories."""
         return {
-            "master_weights": [group.master],
+            "master_weights": [*self.split.tensors(group), *self.split.working()] if self.splits(group) else [group.master],
             "optimizer_state": [t for t in group.optim_state.values() if isinstance(t, torch.Tensor)],
         }
+
+    def close(self) -> None:
+        if self.split is not None:
+            self.split.close()

@@ -94,6 +94,7 @@ class NvmeParamsTier(SwapStats, ParamsTier):
     """Compute-dtype parameter shards in swap files, staged through a bounded pinned pool."""
 
     on_compute_device = False
+    shard_in_memory = False  # (a swap file)
 
     def __init__(self, context, role: str = "params") -> None:
         self.options = context.options or NvmeParamsOptions()

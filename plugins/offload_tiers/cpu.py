@@ -45,6 +45,7 @@ from ._cpu_params import CpuParamsOptions, CpuParamsTier
 from ._gpu_share import SHARE_BYTES, SIZED_FRACTION, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
+from ._split_master import SPLIT_MASTER_CHOICES, master_bytes, resolve_split
 from ._staging import HostUpdates
 
 
@@ -74,6 +75,11 @@ class CpuTierOptions:
     device_accumulation: float | str = attrs.field(
         default="auto", validator=lambda _i, _a, v: _check_share(v, "device_accumulation")
     )
+    # Keep each master as its low half beside the bf16 parameter shard, 2.125 bytes an element
+    # instead of 4, rebuilt for each step ([Note: split masters in the tiers]): true, false, or
+    # "auto" (false for this tier: it is chosen where host memory holds everything, and the split
+    # costs a download of the shard and two passes over the master each step).
+    split_master: bool | str = attrs.field(default="auto", validator=attrs.validators.in_(SPLIT_MASTER_CHOICES))
 
 
 def _check_share(value, key: str) -> None:
@@ -99,7 +105,9 @@ class CpuTier(ShareRouting, OptimizerTier):
         self.cuda = context.device.type == "cuda"
         self.device = context.device
         pin = self.options.pin_memory
-        self._home = HostPlacement(pin)
+        self.compute_dtype = context.compute_dtype
+        self._split = resolve_split(self.options.split_master, tier_default=False)
+        self._home = HostPlacement(pin, split=self._split, compute_dtype=context.compute_dtype, streams=context.streams)
         self._landing = HostLanding(
             context,
             pin=pin,
@@ -108,15 +116,26 @@ class CpuTier(ShareRouting, OptimizerTier):
             device_accumulation=self.options.device_accumulation,
         )
         self._updates = HostUpdates(self.options.staging_buffers, context.compute_dtype, pin, context.streams)
-        self._share = GpuShare(context, self.options.gpu_share)
+        self._share = GpuShare(context, self.options.gpu_share, split=self._split)
+        self._shard_in_memory = True
+
+    @property
+    def split_master_numel(self) -> int:
+        """Master elements kept as low halves beside their parameter shard now ([Note: split masters in the
+        tiers]), host-stepped and on the GPU."""
+        return self._home.split_numel() + self._share.tier.split_numel()
 
     # -- placement (main thread) -----------------------------------------------------------
+
+    def pair(self, params_tier):
+        self._shard_in_memory = params_tier.shard_in_memory
 
     def demand(self, numel, state, compute_dtype):
         self._share.planned_numel = numel
         share = self._share.adopt_time_fraction()
-        host = int(numel * (1 - share)) * (4 + self._landing.element_size) + int(sum(s.nbytes for s in state) * (1 - share))
-        device = int(numel * share) * SHARE_BYTES
+        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)
+        host = int(int(numel * (1 - share)) * (master + self._landing.element_size)) + int(sum(s.nbytes for s in state) * (1 - share))
+        device = int(int(numel * share) * (SHARE_BYTES - 4 + master))
         return {Resource.HOST: host, Resource.DEVICE: device} if device else {Resource.HOST: host}
 
     def adopt(self, group, master, state):
@@ -127,6 +146,7 @@ class CpuTier(ShareRouting, OptimizerTier):
         self._updates.adopt(group)
         self._landing.adopt(group, master.numel())
         self._share.remember(group, state)
+        self._home.settle(group)
 
     def after_first_step(self, order):
         if self.cuda:
@@ -138,9 +158,10 @@ class CpuTier(ShareRouting, OptimizerTier):
         taken = 0
         if self.options.gpu_share != 0.0:
             arena = self._landing.sums.fraction()
-            for group in self._share.place(order, room, host_numel=self._landing.numel(), arena_fraction=arena):
+            moved = self._share.place(order, room, host_numel=self._landing.numel(), arena_fraction=arena, load=self._home.unsplit)
+            for group in moved:
                 self._landing.drop(group)
-                taken += group.master.numel() * self._share.bytes_per_element(group)
+                taken += self._share.numel_of(group) * self._share.bytes_per_element(group)
         self._landing.place_device_accumulation(order, room - taken)
 
     # (gradients: `ShareRouting`, on autograd's thread and the main thread)
@@ -150,6 +171,7 @@ class CpuTier(ShareRouting, OptimizerTier):
     def acquire(self, group):
         if self._share.holds(group):
             return self._share.tier.acquire(group)
+        self._home.acquire(group)
         self._landing.acquire(group)
         self._updates.lend(group)
 
@@ -157,6 +179,7 @@ class CpuTier(ShareRouting, OptimizerTier):
         if self._share.holds(group):
             return self._share.tier.release(group)
         self._updates.take_back(group)
+        self._home.release(group)
 
     def end_window(self, group):
         if self._share.holds(group):
@@ -166,7 +189,9 @@ class CpuTier(ShareRouting, OptimizerTier):
     # -- state outside a step (main thread) ---------------------------------------------------
 
     def read_master(self, group):
-        return group.master
+        if self._share.holds(group):
+            return self._share.tier.read_master(group)
+        return self._home.read_master(group)
 
     def read_state(self, group):
         if self._share.holds(group):
@@ -182,6 +207,7 @@ class CpuTier(ShareRouting, OptimizerTier):
         self._landing.close()
         self._share.close()
         self._updates.close()
+        self._home.close()
 
     @hookimpl
     def zkernel_memory_tensors(self, group):

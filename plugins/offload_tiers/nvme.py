@@ -56,6 +56,7 @@ from ._host_landing import HostLanding
 from ._nvme_optimizer import DEFAULT_BUFFER_BYTES, OptimizerSwap
 from ._nvme_options import NvmeParamsOptions, NvmeTierOptions
 from ._nvme_params import NvmeParamsTier
+from ._split_master import master_bytes, resolve_split
 from ._staging import HostUpdates
 from ._swap_traffic import SwapStats, SwapTraffic
 
@@ -84,7 +85,10 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
         )
         self.run_dir = self._traffic.run_dir
         self._disk = OptimizerSwap(options, self._traffic, context.streams, self.cuda)
-        self._home = HostPlacement(options.pin_memory)
+        self._split = resolve_split(options.split_master, tier_default=True)
+        self._home = HostPlacement(
+            options.pin_memory, split=self._split, compute_dtype=context.compute_dtype, streams=context.streams, tier="nvme"
+        )
         self._landing = HostLanding(
             context,
             pin=options.pin_memory,
@@ -93,24 +97,37 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
             device_accumulation=options.device_accumulation,
         )
         self._updates = HostUpdates(options.staging_buffers, context.compute_dtype, options.pin_memory, context.streams)
-        self._share = GpuShare(context, options.gpu_share)  # placed at adopt ([Note: spill])
+        self._share = GpuShare(context, options.gpu_share, split=self._split, tier="nvme")  # placed at adopt ([Note: spill])
+        self._shard_in_memory = True
         self.host_share_numel = 0
         self._placement_logged = False
         self._closed = False
 
+    @property
+    def split_master_numel(self) -> int:
+        """Master elements kept as low halves beside their parameter shard now ([Note: split masters in the
+        tiers]), host-stepped and on the GPU."""
+        return self._home.split_numel() + self._share.tier.split_numel()
+
     # -- placement (main thread) ------------------------------------------------------------------
+
+    def pair(self, params_tier):
+        self._shard_in_memory = params_tier.shard_in_memory
 
     def demand(self, numel, state, compute_dtype):
         self._share.planned_numel = numel
         gpu, host = self._share.adopt_time_fraction(), self.options.host_share
-        image = 4 * numel + sum(s.nbytes for s in state)  # master and state of every group
+        states = sum(s.nbytes for s in state)
+        image = 4 * numel + states  # master and state of every group, as a file holds them
+        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)  # in memory
+        kept = master * numel + states
         disk = int(image * max(0.0, 1.0 - gpu - host))
         pool = (self.options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)) if disk else 0
         self._disk.plan(disk)
         landing = self._landing.element_size
-        need = {Resource.HOST: int(numel * (1 - gpu)) * landing + int(image * host) + pool, Resource.DISK: disk}
+        need = {Resource.HOST: int(numel * (1 - gpu)) * landing + int(kept * host) + pool, Resource.DISK: disk}
         if gpu:
-            need[Resource.DEVICE] = int(numel * gpu) * SHARE_BYTES  # master, two moments and the gradient
+            need[Resource.DEVICE] = int(int(numel * gpu) * (SHARE_BYTES - 4 + master))  # master, two moments, gradient
         return need
 
     def adopt(self, group, master, state):
@@ -127,7 +144,9 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
         self._updates.adopt(group)  # (reads the initial ``group.master``)
         self._landing.adopt(group, numel)
         self._share.remember(group, state)
-        if not on_host:
+        if on_host:
+            self._home.settle(group)  # (a split master empties ``group.master`` between steps)
+        else:
             self._disk.adopt(group, master, state)  # (empties ``group.master`` until the group steps)
 
     def after_first_step(self, order):
@@ -148,17 +167,19 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
                     state = self._disk.evict(group)
                     group.master, group.optim_state = state.master, dict(state.state)
                     evicted.add(group.index)
+                else:
+                    self._home.unsplit(group)
 
             arena = self._landing.sums.fraction()
             for group in self._share.place(order, room, host_numel=self._landing.numel(), arena_fraction=arena, load=load):
                 self._landing.drop(group)
-                taken += group.master.numel() * self._share.bytes_per_element(group)
+                taken += self._share.numel_of(group) * self._share.bytes_per_element(group)
                 if group.index not in evicted:
-                    self.host_share_numel -= group.master.numel()
+                    self.host_share_numel -= self._share.numel_of(group)
             # A group read back whose move ran out of GPU memory steps on the host from now on.
             for group in order:
                 if group.index in evicted and not self._share.holds(group):
-                    self.host_share_numel += group.master.numel()
+                    self.host_share_numel += self._share.numel_of(group)
         self._landing.place_device_accumulation(order, room - taken)
 
     # (gradients: `ShareRouting`, on autograd's thread and the main thread)
@@ -184,6 +205,7 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
                 host_numel=self.host_share_numel,
                 disk_numel=self._disk.numel(),
                 disk_bytes=self._disk.nbytes(),
+                split_master_numel=self.split_master_numel,
             )
         if self._disk.holds(group):
             self._disk.prepare(group)
@@ -193,6 +215,8 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
             return self._share.tier.acquire(group)
         if self._disk.holds(group):
             self._disk.acquire(group)
+        else:
+            self._home.acquire(group)
         self._landing.acquire(group)
         self._updates.lend(group)  # (reads ``group.master``)
 
@@ -201,6 +225,8 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
             return self._share.tier.release(group)
         if self._disk.holds(group):
             self._disk.release(group)
+        else:
+            self._home.release(group)
         self._updates.take_back(group)  # once its upload is queued
 
     def end_window(self, group):
@@ -229,7 +255,9 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
     # -- state outside a step (main thread) -------------------------------------------------------
 
     def read_master(self, group):
-        return self._disk.read_master(group) if self._disk.holds(group) else group.master
+        if self._share.holds(group):
+            return self._share.tier.read_master(group)
+        return self._disk.read_master(group) if self._disk.holds(group) else self._home.read_master(group)
 
     def read_state(self, group):
         if self._share.holds(group):
@@ -252,6 +280,7 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
             self._landing.close()
             self._share.close()
             self._updates.close()
+            self._home.close()
         finally:
             self._disk.close()
 

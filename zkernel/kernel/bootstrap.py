@@ -122,6 +122,7 @@ class _Placer:
         self.alternatives = alternatives  # offload settings with more room, named when nothing fits
         self.optimizer_tier = optimizer_tier
         self.params_tier = params_tier
+        optimizer_tier.pair(params_tier)
         self.context = context
         self.trainable_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total_numel = sum(p.numel() for p in model.parameters())

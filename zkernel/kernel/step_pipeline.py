@@ -237,7 +237,8 @@ class StepPipeline:
         if need_norm:
             return self._global_norm()
         sharded = any(g.grad_is_shard for g in self.trainable)
-        device = self.trainable[0].master.device if self.trainable else torch.device("cpu")
+        # (a master kept on disk or split is not in memory between steps: [Note: split masters in the tiers])
+        device = next((g.master.device for g in self.trainable if g.master is not None), torch.device("cpu"))
         self._found_inf = DeviceFlag(self._sq_sum(self.trainable), self.distributed and sharded, device)
         return None
 

@@ -109,6 +109,11 @@ class OptimizerTier(abc.ABC):
     #: step pipeline asks `take_write_failures` at every boundary.
     may_fail_writes: bool = False
 
+    def pair(self, params_tier: ParamsTier) -> None:
+        """Meet the params tier selected beside this one (e.g. to learn whether it keeps parameter
+        shards as tensors in memory, `ParamsTier.shard_in_memory`). Called once by `initialize`,
+        before `demand` and any `adopt`. Default: nothing."""
+
     @abc.abstractmethod
     def demand(self, numel: int, state: Sequence[StateSpec], compute_dtype: torch.dtype) -> dict[Resource, int]:
         """Bytes this tier will allocate for ``numel`` master elements (all trainable groups of
@@ -253,6 +258,11 @@ class ParamsTier(abc.ABC):
 
     #: True when shards stay on the compute device.
     on_compute_device: bool = True
+    #: True when `adopt` keeps each shard as a tensor in memory (device or host) that holds the
+    #: current values between steps, so an optimizer tier may read it (split masters,
+    #: [Note: the master's low half] in `zkernel.platform.split_master`); False for a home that
+    #: is not a tensor (a swap file).
+    shard_in_memory: bool = True
 
     #: Bytes of shards ahead of the running group to bring to the host / to the device.
     lookahead_host_bytes: int = 0

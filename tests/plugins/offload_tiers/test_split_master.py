@@ -1,0 +1,85 @@
+"""Split masters ([Note: split masters in the tiers]): the same training, bit for bit, at 2.125 bytes a master.
+
+On 2 gloo ranks, bf16, accumulation 2 and a clip that applies every step: the ``cpu`` tier (zero1,
+zero2, zero3, and with speculative steps rolled back) and the ``nvme`` tier (all in host memory, and
+half on disk) train with split masters exactly as with whole ones, keep 2.125 bytes per master
+element instead of 4, and checkpoints cross between the two. A run that cannot split masters is
+refused when they are asked for, and keeps them whole under "auto".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zkernel
+from tests.support import split_master_scenarios as scenario
+from tests.support.harness import run_ranks
+from tests.support.models import TrickyNet
+from zkernel.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks(2, scenario.whole_and_split, str(tmp_path_factory.mktemp("split")))[0]
+
+
+CASES = ("zero1-cpu", "zero2-cpu", "zero3-cpu", "zero3-cpu-unclipped", "zero3-nvme-host", "zero3-nvme-half", "zero3-cpu-speculative")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_split_masters_train_bit_for_bit_as_whole_ones(runs, case):
+    whole, split = runs[case]["whole"], runs[case]["split"]
+    assert split["losses"] == whole["losses"]
+    for name, value in whole["params"].items():
+        assert torch.equal(split["params"][name], value), name
+    assert whole["split_numel"] == 0
+    if case.endswith("half"):  # the groups in host memory are split; those on disk keep whole files
+        assert 0 < split["split_numel"] < whole["trainable"] and split["disk_numel"] > 0
+    else:
+        assert split["split_numel"] == whole["trainable"]
+    if case.endswith("speculative"):
+        assert split["rollbacks"] == whole["rollbacks"] > 0  # every speculative step clipped: rolled back
+
+
+def test_checkpoints_cross_between_split_and_whole_masters(runs):
+    resumed = runs["split->whole"]
+    assert resumed["losses"] == runs["zero3-cpu"]["split"]["losses"][scenario.STEPS // 2 :]
+    for name, value in runs["zero3-cpu"]["whole"]["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+    from_disk = runs["nvme split->cpu whole"]
+    assert from_disk["losses"] == runs["zero3-nvme-half"]["split"]["losses"][scenario.STEPS // 2 :]
+
+
+def test_asking_for_split_masters_where_they_cannot_apply_is_an_error(tmp_path):
+    fp32 = scenario.config("cpu", "zero3", True, "")
+    fp32["precision"] = "fp32"
+    with pytest.raises(ConfigError, match=r"split_master = true.*computes in torch.float32, not bf16.*valid: \"auto\""):
+        zkernel.initialize(TrickyNet(), fp32)
+    on_disk = scenario.config("nvme", "zero3", True, str(tmp_path), host_share=1.0)
+    on_disk["offload"]["params"] = "nvme"
+    with pytest.raises(ConfigError, match=r"split_master = true.*not a tensor in memory"):
+        zkernel.initialize(TrickyNet(), on_disk)
+    on_disk["offload"]["optimizer_options"]["split_master"] = "auto"  # kept whole, and it trains
+    engine = zkernel.initialize(TrickyNet(), on_disk)
+    report = engine.memory_report()
+    assert sum(report["master_weights"].values()) >= 4 * sum(p.numel() for p in TrickyNet().parameters() if p.requires_grad)
+    engine.close()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_split_masters_train_bit_for_bit_as_whole_ones(tmp_path):
+    """The GPU share keeps its masters split on the GPU; host groups rebuild theirs from the shard
+    downloaded from it (a rollback after the update's upload); "auto" moves split groups to the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    runs = run_ranks(1, scenario.on_gpu, str(tmp_path))[0]
+    for case in ("cpu-share", "cpu-host", "cpu-host-speculative", "nvme-auto-share"):
+        whole, split = runs[case]["whole"], runs[case]["split"]
+        assert split["losses"] == whole["losses"], case
+        for name, value in whole["params"].items():
+            assert torch.equal(split["params"][name], value), (case, name)
+        assert split["split_numel"] > 0 and whole["split_numel"] == 0, case
+    assert runs["cpu-host-speculative"]["split"]["rollbacks"] > 0
+    assert runs["cpu-share"]["split"]["split_numel"] == runs["cpu-share"]["split"]["trainable"]
+    assert runs["resumed"]["losses"] == runs["cpu-share"]["split"]["losses"][scenario.STEPS // 2 :]
