@@ -180,19 +180,30 @@ class SpillSizing:
         whose shards that tier owns, else the compute device."""
         return self._tier(candidate.params, "params").home if self._layout(candidate.partitioner).shards_params else DEVICE
 
-    def _splits_master(self, candidate: Candidate) -> bool:
-        """The candidate's optimizer tier keeps its masters split ([Note: sizing a split master])."""
+    def _splits_master(self, candidate: Candidate, where: str) -> bool:
+        """The candidate's optimizer tier keeps the masters it places in ``where`` split ([Note: sizing
+        a split master])."""
         tier = self._tier(candidate.optimizer, "optimizer")
         params = {Role.PARAM_SHARD: self._params_home(candidate)}
-        return master_kept_split(tier.split_master, self.config.precision, params)
+        return master_kept_split(tier.split_master, self.config.precision, params, where)
+
+    def _split_places(self, candidate: Candidate, outcome: Outcome) -> list[str]:
+        """Where the candidate keeps masters split (its tier's own place and its spills' with a share)."""
+        tier = self._tier(candidate.optimizer, "optimizer")
+        places = [tier.where.get(Role.MASTER)] + [s.where.get(Role.MASTER) for s in tier.spills if outcome.shares.get(s.option)]
+        return [w for w in dict.fromkeys(places) if w is not None and self._splits_master(candidate, w)]
 
     def leftover_gpu_share(self, candidate: Candidate, outcome: Outcome) -> float:
         """The cpu tier's gpu_share where it is not sized as a spill: what the device has left, at
-        `SHARE_BYTES` per element (less what a split master saves), in hundredths."""
+        `SHARE_BYTES` per element (less what a split master saves, beside the buffer one is rebuilt
+        in), in hundredths."""
         numel = self._trainable_numel(candidate)
         if not numel:
             return 0.0
-        share_bytes = SHARE_BYTES - 4 + master_bytes(numel, self._splits_master(candidate)) / numel
+        split = self._splits_master(candidate, DEVICE)
+        share_bytes = SHARE_BYTES - 4 + master_bytes(numel, split) / numel
         leftover = self.budgets["device"] - sum(outcome.need["device"].values())
+        if split:  # the fp32 buffer a split master is rebuilt in, as large as the largest group
+            leftover -= 4 * max(g.shard for g in self._layout(candidate.partitioner).groups if g.trainable)
         fraction = min(1.0, max(0, leftover) / (share_bytes * numel))
         return math.floor(fraction * 100) / 100

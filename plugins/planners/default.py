@@ -545,10 +545,12 @@ class _Planning(SpillSizing):
                 notes.append(f"{spill.option} takes effect on CUDA only")
         if outcome.shares:
             notes.append(self._spill_note(candidate, outcome))
-        if self._splits_master(candidate):
+        places = self._split_places(candidate, outcome)
+        if places:
+            words = {DEVICE: "on the GPU", "cpu": "in host memory", "nvme": "in swap files"}
             notes.append(
-                f"optimizer tier {candidate.optimizer!r} keeps its fp32 masters split: the bf16 parameter's "
-                "low half and a tie bit, 2.125 bytes an element instead of 4 (its option split_master)"
+                f"optimizer tier {candidate.optimizer!r} keeps its fp32 masters {' and '.join(words[w] for w in places)} "
+                "split: the bf16 parameter's low half and a tie bit, 2.125 bytes an element instead of 4 (its option split_master)"
             )
         checkpointing = None
         if candidate.mode in (Mode.CHECKPOINT, Mode.OFFLOAD):
@@ -585,8 +587,9 @@ class _Planning(SpillSizing):
             out["host_optimizer_step"] = round(host_numel / rate["cpu_adam"], 4)
         if self.separate and rate["host_to_device"] and rate["device_to_host"]:
             down = 4 * host_numel if host_step else 0
-            if host_step and self._splits_master(candidate) and self._params_home(candidate) == DEVICE:
-                down += self.c * host_numel  # a split master is rebuilt from the parameter on the device
+            if host_step and self._splits_master(candidate, "cpu") and self._params_home(candidate) == DEVICE:
+                # A split master in host memory is rebuilt from the parameter downloaded from the device.
+                down += self.c * int(numel * self._host_fraction(candidate, outcome, share))
             up = self.c * host_numel if host_step else 0
             up += 2 * params_off * self.c  # forward and backward gathers read the shard from the host
             if up or down:
@@ -603,6 +606,18 @@ class _Planning(SpillSizing):
             if read or write:
                 out["disk"] = round(read / rate["disk_read"] + write / rate["disk_write"], 4)
         return out
+
+    def _host_fraction(self, candidate: Candidate, outcome: Outcome, device_share: float) -> float:
+        """The fraction of the trainable elements whose master the optimizer tier keeps in host memory:
+        its own placement's (what ``device_share`` and the other spills leave) if that is host memory,
+        and its spills' there."""
+        tier = self._tier(candidate.optimizer, "optimizer")
+        spilled = {s.option: s.where.get(Role.MASTER) for s in tier.spills if s.where.get(Role.MASTER) != DEVICE}
+        host = sum(v for k, v in outcome.shares.items() if spilled.get(k) == "cpu")
+        if tier.where.get(Role.MASTER) != "cpu":
+            return host
+        elsewhere = sum(v for k, v in outcome.shares.items() if k in spilled and spilled[k] != "cpu")
+        return max(0.0, 1.0 - device_share - elsewhere)
 
     def _nothing_fits(self, rejected: list[str], last) -> PlacementError:
         model = self.request.model

@@ -64,6 +64,24 @@ def params_configs(tiers, nvme_path) -> list[dict]:
     return out
 
 
+def split_configs(nvme_path) -> list[dict]:
+    """bf16 with masters kept split ([Note: sizing a split master]): the cpu tier asked to, the nvme
+    tier's host share by default; the parameters on the device or in host memory."""
+    out = []
+    for partitioner, options, params in [
+        ("zero1", {"bucket_size": 5001}, "none"),
+        ("zero2", {}, "none"),
+        ("zero3", {"persistence_threshold": 0}, "none"),
+        ("zero3", {"persistence_threshold": 5000}, "cpu"),
+    ]:
+        for optimizer, tier_options in [("cpu", {"split_master": True}), ("nvme", {"host_share": 0.5})]:
+            if optimizer == "nvme" and partitioner != "zero3":
+                continue
+            offload = {"optimizer": optimizer, "params": params, "nvme_path": nvme_path, "optimizer_options": tier_options}
+            out.append({"partitioner": partitioner, "precision": "bf16", "partitioner_options": options, "offload": offload})
+    return out
+
+
 def peak(reports: list[dict], category: str) -> dict:
     """Per place, the most a category held over the reports."""
     out: dict = {}
@@ -88,26 +106,17 @@ def check(predicted, measured, label) -> bool:
     return predicted == wanted
 
 
-def splits_master(cfg: dict) -> bool:
-    """The builtin nvme tier keeps its masters split by default where it can: bf16, the parameter
-    shards in memory ([Note: sizing a split master])."""
-    offload = cfg["offload"]
-    return cfg["precision"] == "bf16" and offload["optimizer"] == "nvme" and offload.get("params", "none") != "nvme"
-
-
-@pytest.fixture(scope="module")
-def agreement(tmp_path_factory) -> list[tuple]:
-    """Every partitioner and option, fp32 and bf16, on every installed tier that answers for its
-    bytes (for both roles: parameters offloaded under zero3 too), predicted and measured on two
-    ranks: (config, gpt predicted, gpt from its numbers, gpt measured, TrickyNet predicted, measured)."""
+def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
+    """Every partitioner and option, fp32 and bf16, on every installed tier that answers for its bytes
+    (for both roles: parameters offloaded under zero3 too), and masters kept split."""
     from zkernel.sizing.estimator import answering_tiers
 
     tiers = answering_tiers("optimizer")
     assert "none" in tiers
-    swap = str(tmp_path_factory.mktemp("swap"))
     # The estimate is model state: without the units a step starts gathering for the next forward
     # ([Note: prefetch across the step]), which prefetch_bytes bounds.
-    cfgs = [{**c, "prefetch_bytes": 0} for c in configs(tiers, swap) + params_configs(tiers, swap)]
+    cfgs = configs(tiers, str(tmp_path)) + params_configs(tiers, str(tmp_path)) + split_configs(str(tmp_path))
+    cfgs = [{**c, "prefetch_bytes": 0} for c in cfgs]
     with torch.device("meta"):
         meta_gpt = small_gpt()
 
@@ -122,33 +131,18 @@ def agreement(tmp_path_factory) -> list[tuple]:
         predictions = pool.submit(predict)
         gpt_results, tricky_results = run_ranks(2, _measure_both, cfgs)[0]
         gpt_predicted, shape_predicted, tricky_predicted = predictions.result()
-    assert meta_gpt.wte.weight.is_meta  # read, never materialised
-    return list(zip(cfgs, gpt_predicted, shape_predicted, gpt_results, tricky_predicted, tricky_results, strict=True))
-
-
-def check_agreement(rows: list[tuple]) -> None:
-    assert rows
     inexact = []
-    for cfg, predicted, from_shape, measured, tricky_predicted, tricky_measured in rows:
+    for cfg, predicted, from_shape, measured in zip(cfgs, gpt_predicted, shape_predicted, gpt_results, strict=True):
         if not check(predicted, measured, f"gpt {cfg}"):
             inexact.append(cfg)
         assert from_shape == predicted
-        # tied head, frozen weight (which partitioners that keep parameters whole leave out of their
-        # groups), 0-dim gain, odd sizes
-        if not check(tricky_predicted, tricky_measured, f"TrickyNet {cfg}"):
+    # tied head, frozen weight (which partitioners that keep parameters whole leave out of their
+    # groups), 0-dim gain, odd sizes
+    for cfg, predicted, measured in zip(cfgs, tricky_predicted, tricky_results, strict=True):
+        if not check(predicted, measured, f"TrickyNet {cfg}"):
             inexact.append(cfg)
     assert not inexact, f"the builtin partitioners and tiers are modelled byte for byte; not for {inexact}"
-
-
-def test_estimate_matches_memory_report_on_two_ranks(agreement):
-    check_agreement([row for row in agreement if not splits_master(row[0])])
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="needs the tiers' split_master")
-def test_a_split_master_estimate_matches_memory_report_on_two_ranks(agreement):
-    """bf16 with the nvme optimizer tier and the parameters in memory: the estimate counts 2.125
-    bytes a master element, which the tier must hold."""
-    check_agreement([row for row in agreement if splits_master(row[0])])
+    assert meta_gpt.wte.weight.is_meta  # read, never materialised
 
 
 def test_the_estimator_and_the_planner_keep_no_model_of_a_builtin():
@@ -305,7 +299,7 @@ STEP = 4  # bytes of Adam's step counter, one per trainable group
 
 def split(numel: int) -> int:
     """Bytes of a master of ``numel`` elements kept split: a 16-bit low half and a tie bit each (the
-    nvme tier's default in a bf16 run whose parameters are in memory)."""
+    nvme tier's default on the GPU and in host memory in a bf16 run whose parameters are in memory)."""
     return 2 * numel + (numel + 7) // 8
 
 
@@ -330,23 +324,24 @@ def spill_config(partitioner: str, tier: str, precision: str = "bf16", **shares)
 def test_nvme_spill_bytes_follow_the_split(world):
     """Ten groups of n elements per rank: gpu_share 0.3 keeps the first 3 on the GPU (master, two
     moments, gradient), host_share 0.4 the next 4 in host memory, the last 3 are in swap files.
-    The masters are split wherever they are (bf16, the parameters on the device)."""
+    The masters on the GPU and in host memory are split (bf16, the parameters on the device), each
+    place with a buffer to rebuild one in (and host memory one to download its parameter into)."""
     model = linears(*[(64, 64)] * 10)
     n = 64 * 64 // world
     cfg = spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4)
     got = totals(zkernel.estimate(model, cfg, world, device="cuda"))
     gpu, host, disk = 3, 4, 3
     # bf16 shards of every group stay on the device (parameters are not offloaded).
-    device = 10 * 2 * n + gpu * (split(n) + 8 * n + STEP + 4 * n)
+    device = 10 * 2 * n + gpu * (split(n) + 8 * n + STEP + 4 * n) + 4 * n
     # Host-kept groups: master, moments, fp32 landing buffer; the disk groups keep only their landing
     # buffer in host memory; the bf16 updates of all seven go through the tier's staging pool
     # (staging_buffers = 4 buffers as large as the largest group).
-    cpu = host * (split(n) + 8 * n + STEP + 4 * n) + disk * (4 * n) + 4 * 2 * n
-    nvme = disk * (split(n) + 8 * n + STEP)
+    cpu = host * (split(n) + 8 * n + STEP + 4 * n) + disk * (4 * n) + 4 * 2 * n + (4 + 2) * n
+    nvme = disk * (4 * n + 8 * n + STEP)
     assert got == {"cuda": device, "cpu": cpu, "nvme": nvme}
     # Without any fraction: every group's master and moments are on disk (the tier as it was).
     plain = totals(zkernel.estimate(model, spill_config("zero3", "nvme"), world, device="cuda"))
-    assert plain == {"cuda": 10 * 2 * n, "cpu": 10 * 4 * n + 4 * 2 * n, "nvme": 10 * (split(n) + 8 * n + STEP)}
+    assert plain == {"cuda": 10 * 2 * n, "cpu": 10 * 4 * n + 4 * 2 * n, "nvme": 10 * (12 * n + STEP)}
 
 
 def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():
@@ -355,7 +350,8 @@ def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():
     model = linears(*[(64, 64)] * 10)
     n = 64 * 64
     got = totals(zkernel.estimate(model, spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4), 1, device="cpu"))
-    assert got == {"cpu": 10 * 2 * n + 4 * (split(n) + 12 * n + STEP) + 6 * 4 * n, "nvme": 6 * (split(n) + 8 * n + STEP)}
+    # Host-share masters split, rebuilt in one buffer (the parameters are in host memory: no download).
+    assert got == {"cpu": 10 * 2 * n + 4 * (split(n) + 12 * n + STEP) + 6 * 4 * n + 4 * n, "nvme": 6 * (12 * n + STEP)}
 
 
 def test_the_nvme_gpu_share_takes_only_zero3_modules():
@@ -365,7 +361,7 @@ def test_the_nvme_gpu_share_takes_only_zero3_modules():
     model = linears((32, 64), (64, 32), (32, 32))
     report = zkernel.estimate(model, spill_config("zero1", "nvme", gpu_share=0.4), 1, device="cuda")
     assert "cuda" not in report["master_weights"]
-    assert report["master_weights"]["nvme"] == split(2 * n) + split(2 * n) + split(n)
+    assert report["master_weights"]["nvme"] == 4 * 5 * n
 
 
 @pytest.mark.parametrize(("partitioner", "tier"), [("zero1", "cpu"), ("zero3", "nvme"), ("zero3", "cpu")])
@@ -375,11 +371,11 @@ def test_the_spill_takes_groups_in_module_order(partitioner, tier):
     n = 32 * 32
     model = linears((32, 64), (64, 32), (32, 32))
     report = zkernel.estimate(model, spill_config(partitioner, tier, gpu_share=0.4), 1, device="cuda")
-    master = split if tier == "nvme" else (lambda numel: 4 * numel)  # the cpu tier's default: 4 bytes
-    assert report["master_weights"]["cuda"] == master(2 * n)
+    # The nvme tier splits its GPU share's masters (and rebuilds one at a time); the cpu tier by default not.
+    assert report["master_weights"]["cuda"] == (split(2 * n) + 4 * 2 * n if tier == "nvme" else 4 * 2 * n)
     assert report["optimizer_state"]["cuda"] == 8 * 2 * n + STEP
     home = "nvme" if tier == "nvme" else "cpu"
-    assert report["master_weights"][home] == master(2 * n) + master(n)
+    assert report["master_weights"][home] == 4 * 3 * n
 
 
 def test_cpu_tier_gpu_share_auto_is_not_modelled_and_bad_fractions_are_errors():
@@ -401,7 +397,8 @@ def test_table_gives_the_configured_fractions_to_the_configured_tier_only():
     cfg = spill_config("zero3", "nvme", host_share=0.5)
     rows = {(r.partitioner, r.offload_optimizer, r.offload_params): r for r in estimate_table(model, cfg, 1, device="cuda", tiers=["none", "cpu", "nvme"])}
     n = 64 * 64
-    assert rows["zero3", "nvme", "none"].report["master_weights"] == {"cpu": 5 * split(n), "nvme": 5 * split(n)}
+    # The host share's masters split, one rebuilt at a time from its parameter downloaded from the GPU.
+    assert rows["zero3", "nvme", "none"].report["master_weights"] == {"cpu": 5 * split(n) + (4 + 2) * n, "nvme": 5 * 4 * n}
     assert rows["zero3", "cpu", "none"].report["master_weights"] == {"cpu": 10 * 4 * n}
 
 

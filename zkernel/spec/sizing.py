@@ -90,23 +90,30 @@ OWNED_ROLES = {owner: tuple(r for r in Role if r.owner == owner) for owner in ("
 # [Note: sizing a split master] An optimizer tier that keeps its fp32 masters
 # split ([Note: the master's low half] in `zkernel.platform.split_master`: a
 # 16-bit low half and a tie bit beside the bf16 parameter, 2.125 bytes an
-# element instead of 4) says so (`TierSizing.split_master`); it can only where
-# the parameter is the master rounded to bf16 and in memory when the master is
-# rebuilt: a bf16 run whose parameter shards are on the device or in host
-# memory, not in swap files. `master_kept_split` is that rule, for the
-# estimator's `Placement` and for a planner alike; the split counts wherever
-# the master lives (the device, host memory, swap files). A partitioner asks
-# `Placement.master_bytes` for its master buffers; one that still counts 4
-# bytes an element stays correct, only pessimistic.
+# element instead of 4) names the places where it does (`TierSizing.split_master`:
+# the builtin tiers split masters in memory, on the device and in host memory,
+# not in swap files). It can only where the parameter is the master rounded to
+# bf16 and in memory when the master is rebuilt: a bf16 run whose parameter
+# shards are on the device or in host memory, not in swap files.
+# `master_kept_split` is that rule, for the estimator's `Placement` and for a
+# planner alike; a partitioner asks `Placement.master_bytes` for its master
+# buffers (one that still counts 4 bytes an element stays correct, only
+# pessimistic). Each step rebuilds a split master into a buffer the tier lends:
+# per place holding split masters, `TierSizing.split_buffers` fp32 buffers as
+# large as the largest there and, in host memory beside parameters on a
+# separate compute device, as many compute-dtype buffers the parameter is
+# downloaded into; the estimator counts them with the masters (``memory_report``
+# names them there).
 SPLIT_PRECISION = "bf16"  # the one precision whose parameter is the master's upper half, rounded
 _IN_MEMORY = (DEVICE, "cpu")
 
 
-def master_kept_split(tier_splits: bool, precision: str, params: Mapping[Role, str | None]) -> bool:
-    """Whether an optimizer tier answering ``split_master = tier_splits`` keeps its masters split in a
-    run of ``precision`` whose params tier places the parameter shard as ``params`` says
+def master_kept_split(places: Sequence[str], precision: str, params: Mapping[Role, str | None], where: str | None) -> bool:
+    """Whether an optimizer tier that splits masters in ``places`` keeps one that lives in ``where``
+    split, in a run of ``precision`` whose params tier places the parameter shard as ``params`` says
     ([Note: sizing a split master]). The estimator (through `Placement`) and planners call it."""
-    return tier_splits and precision == SPLIT_PRECISION and params.get(Role.PARAM_SHARD, DEVICE) in _IN_MEMORY
+    in_memory = params.get(Role.PARAM_SHARD, DEVICE) in _IN_MEMORY
+    return where in places and precision == SPLIT_PRECISION and in_memory
 
 
 def master_bytes(numel: int, split: bool) -> int:
@@ -168,9 +175,13 @@ class TierSizing:
     # Page-locked host bytes it streams its files through, given the bytes of each group's
     # file image of its own place (None: it keeps no such pool).
     pool_bytes: Callable[[Sequence[int]], int] | None = None
-    # (optimizer role) It keeps its fp32 masters split where the run allows, wherever they live
-    # ([Note: sizing a split master]); False: 4 bytes an element.
-    split_master: bool = False
+    # (optimizer role) The places (`PLACES`) where it keeps its fp32 masters split, where the run
+    # allows ([Note: sizing a split master]); empty: 4 bytes an element everywhere.
+    split_master: tuple[str, ...] = ()
+    # (optimizer role) Buffers it rebuilds split masters into for a step, per place holding some
+    # (fp32, each as large as the largest split master there; as many compute-dtype ones for the
+    # parameter's download where it is on another device).
+    split_buffers: int = 1
 
     @property
     def home(self) -> str:
@@ -199,8 +210,8 @@ class Placement:
     # over the window is reduced by the backward that made it, and never held after one.
     accumulation_steps: int = 1
     # The optimizer tier's `TierSizing.split_master`, and the run's precision ("fp32", "bf16",
-    # "fp16"): together with ``params`` they decide `splits_master`.
-    split_master: bool = False
+    # "fp16"): with ``params`` and where the master lives they decide `splits_master`.
+    split_master: tuple[str, ...] = ()
     precision: str = "fp32"
 
     def where(self, role: Role) -> str | None:
@@ -222,8 +233,8 @@ class Placement:
 
     @property
     def splits_master(self) -> bool:
-        """The group's master is kept split, wherever it lives ([Note: sizing a split master])."""
-        return master_kept_split(self.split_master, self.precision, self.params)
+        """The group's master is kept split where it lives ([Note: sizing a split master])."""
+        return master_kept_split(self.split_master, self.precision, self.params, self.where(Role.MASTER))
 
     def master_bytes(self, numel: int) -> int:
         """Bytes of the group's master buffer of ``numel`` elements (a partitioner's `buffers` asks):
