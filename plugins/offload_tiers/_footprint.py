@@ -82,6 +82,7 @@ def cpu_footprint(role: str, options) -> TierSizing:
         staging_pool=options.staging_buffers,
         steps_on="cpu",
         split_master=split_master(options, auto=False),
+        split_option="split_master",
     )
 
 
@@ -115,4 +116,5 @@ def nvme_footprint(role: str, options) -> TierSizing:
         steps_on="cpu",
         pool_bytes=optimizer_pool,
         split_master=split_master(options, auto=True),
+        split_option="split_master",
     )

@@ -184,6 +184,8 @@ class SpillSizing:
         """The candidate's optimizer tier keeps the masters it places in ``where`` split ([Note: sizing
         a split master])."""
         tier = self._tier(candidate.optimizer, "optimizer")
+        if (tier.split_option, False) in candidate.tier_options:
+            return False
         params = {Role.PARAM_SHARD: self._params_home(candidate)}
         return master_kept_split(tier.split_master, self.config.precision, params, where)
 

@@ -37,6 +37,11 @@ that are split into tiles small enough to gather (a partitioner that gathers
 each module's own parameters at once: `PartitionSizing.gather_threshold`).
 
 The spill fractions are sized as [Note: sizing the spill] in `_spill` says.
+A candidate whose optimizer tier keeps masters split ([Note: sizing a split
+master] in `zkernel.spec.sizing`) and does not fit is judged again with the
+split turned off (the tier's `TierSizing.split_option` set false, unless the
+config gives it): the buffers a split master is rebuilt in, as large as the
+largest group, may cost more than small shares save.
 
 [Note: one rank] Partitioners that divide less are tried first because, over
 several ranks, they keep more and communicate less. On one rank nothing is
@@ -293,7 +298,7 @@ class _Planning(SpillSizing):
                 config.offload,
                 optimizer=candidate.optimizer,
                 params=candidate.params,
-                optimizer_options={**given["optimizer"], **(shares or {})},
+                optimizer_options={**given["optimizer"], **dict(candidate.tier_options), **(shares or {})},
                 params_options=dict(given["params"]),
             ),
             partitioner_options=self._partitioner_options(candidate.partitioner),
@@ -462,6 +467,12 @@ class _Planning(SpillSizing):
             fitting: list[tuple[Candidate, Outcome]] = []
             for candidate in stage:
                 outcome = self._judge(candidate)
+                whole = self._whole_masters(candidate) if outcome.short else None
+                if whole is not None:
+                    # [Note: sizing a split master]: the rebuild buffers may cost more than the split saves.
+                    whole_outcome = self._judge(whole)
+                    if not whole_outcome.short:
+                        candidate, outcome = whole, whole_outcome
                 if not outcome.short:
                     fitting.append((candidate, outcome))
                     if not outcome.disk:
@@ -486,6 +497,18 @@ class _Planning(SpillSizing):
                     plan = attrs.evolve(plan, notes=(*plan.notes, note))
                 return plan
         raise self._nothing_fits([line for _, line in rejected.values()], last)
+
+    def _whole_masters(self, candidate: Candidate) -> Candidate | None:
+        """``candidate`` with its optimizer tier's split turned off (`TierSizing.split_option`), where
+        it splits masters and the config does not give that option; else None."""
+        tier = self._tier(candidate.optimizer, "optimizer")
+        option = tier.split_option
+        given = self.config.offload.optimizer_options if self._fixed("offload.optimizer") == candidate.optimizer else {}
+        if option is None or option in given or candidate.tier_options:
+            return None
+        if not any(self._splits_master(candidate, where) for where in tier.split_master):
+            return None
+        return attrs.evolve(candidate, tier_options=((option, False),))
 
     @staticmethod
     def _text(candidate: Candidate, outcome: Outcome) -> str:
@@ -512,7 +535,7 @@ class _Planning(SpillSizing):
     def _plan(self, candidate: Candidate, outcome: Outcome, rejected: list[str]) -> Plan:
         config = self.config
         auto = self.request.auto
-        optimizer_options = dict(config.offload.optimizer_options)
+        optimizer_options = {**config.offload.optimizer_options, **dict(candidate.tier_options)}
         params_options = dict(config.offload.params_options)
         notes = list(self.notes)
         for role, tier, options in (("optimizer", candidate.optimizer, optimizer_options), ("params", candidate.params, params_options)):
@@ -545,6 +568,11 @@ class _Planning(SpillSizing):
                 notes.append(f"{spill.option} takes effect on CUDA only")
         if outcome.shares:
             notes.append(self._spill_note(candidate, outcome))
+        for option, value in candidate.tier_options:
+            notes.append(
+                f"optimizer tier {candidate.optimizer!r} keeps its masters whole ({option} {str(value).lower()}): "
+                "kept split, the buffers each is rebuilt in leave the placement short"
+            )
         places = self._split_places(candidate, outcome)
         if places:
             words = {DEVICE: "on the GPU", "cpu": "in host memory", "nvme": "in swap files"}

@@ -13,6 +13,7 @@ from torch import nn
 import zkernel
 from zkernel.spec import DEVICE, Placement, Role, master_bytes, master_kept_split
 from zkernel.sizing.planning import plan
+from zkernel.spec.planner import PlacementError
 
 RATES = {"disk_read": 1.5e9, "disk_write": 1.3e9, "host_to_device": 44e9, "device_to_host": 50e9, "cpu_adam": 8.3e9}
 GPT_8x2048 = {"layers": 8, "hidden": 2048, "heads": 16, "vocab": 50304, "sequence": 1024}
@@ -170,3 +171,25 @@ def test_a_split_host_step_downloads_the_bf16_shard(tmp_path):
     extra = seconds["bf16"]["host_device_transfers"] - seconds["fp16"]["host_device_transfers"]
     assert extra == pytest.approx(2 * (numel // 2) / RATES["device_to_host"], abs=2e-4)
     assert seconds["bf16"]["disk"] == seconds["fp16"]["disk"]  # swap files hold whole masters
+
+
+def test_where_the_rebuild_buffers_do_not_fit_the_planner_keeps_masters_whole(tmp_path):
+    """A 1.6 B GPT on a 6 GB GPU with 5 GiB of host memory: its embedding (103 M elements) is the
+    largest group, so the buffers a split master is rebuilt in (412 MB on the GPU, 618 MB on the
+    host) cost more than the small shares save. The planner turns the split off (the tier's
+    split_master false) and finds fp16's placement."""
+    box = {"gpu_memory": "6GB", "ram": "5GiB", "disk": "64GB", "micro_batch": 8, "options": {"measure": False}}
+    plans = {}
+    for precision in ("bf16", "fp16"):
+        cfg = {**h100_box(precision, tmp_path), "planner": box}
+        plans[precision] = plan(GPT_8x2048, cfg, 1, gpus=1, rates=RATES)
+    bf16, fp16 = plans["bf16"], plans["fp16"]
+    assert (bf16.partitioner, bf16.offload_optimizer, bf16.offload_params) == (fp16.partitioner, fp16.offload_optimizer, fp16.offload_params)
+    assert bf16.offload_optimizer == "nvme" and bf16.optimizer_options == {**fp16.optimizer_options, "split_master": False}
+    assert bf16.bytes == fp16.bytes
+    assert any("keeps its masters whole (split_master false)" in note for note in bf16.notes)
+    # The tier the config fixes with its split asked for is judged as given: nothing fits.
+    fixed = {**h100_box("bf16", tmp_path), "planner": box}
+    fixed["offload"] = {**fixed["offload"], "optimizer": "nvme", "optimizer_options": {"split_master": True}}
+    with pytest.raises(PlacementError, match="no placement fits"):
+        plan(GPT_8x2048, fixed, 1, gpus=1, rates=RATES)

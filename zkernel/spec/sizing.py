@@ -182,6 +182,9 @@ class TierSizing:
     # (fp32, each as large as the largest split master there; as many compute-dtype ones for the
     # parameter's download where it is on another device).
     split_buffers: int = 1
+    # (optimizer role) Its option that keeps every master whole when set false (a planner sets it
+    # where the split's rebuild buffers cost more than it saves); None: the split cannot be turned off.
+    split_option: str | None = None
 
     @property
     def home(self) -> str:
