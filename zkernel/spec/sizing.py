@@ -103,7 +103,9 @@ OWNED_ROLES = {owner: tuple(r for r in Role if r.owner == owner) for owner in ("
 # large as the largest there and, in host memory beside parameters on a
 # separate compute device, as many compute-dtype buffers the parameter is
 # downloaded into; the estimator counts them with the masters (``memory_report``
-# names them there).
+# names them there). They can cost more than small shares save, so a tier names
+# the option that keeps every master whole (`TierSizing.split_option`) for a
+# planner to turn the split off where a placement does not fit with it.
 SPLIT_PRECISION = "bf16"  # the one precision whose parameter is the master's upper half, rounded
 _IN_MEMORY = (DEVICE, "cpu")
 
