@@ -27,6 +27,17 @@ holds the answers to ``memory_report()``):
   the shard in swap files, read through its own pool (``buffer_bytes``, else
   the host look-ahead plus four of the largest shard, capped at twice all);
   it lends the optimizer a buffer for each update, so no staging copy is kept.
+
+Both optimizer tiers answer their ``split_master`` option
+(`TierSizing.split_master`: the masters on the GPU and in host memory kept as
+a low half and a tie bit, 2.125 bytes an element, where the run allows it;
+swap files hold whole masters; [Note: sizing a split master] in
+`zkernel.spec.sizing` and [Note: split masters in the tiers] in
+`_split_master`). ``"auto"``, the default, is true for ``nvme`` (more of the
+optimizer stays off the disk) and false for ``cpu`` (chosen where host memory
+holds everything, where the split would only add a download of the bf16 shard
+and two host passes a step). Each place rebuilds its split masters into one
+lent buffer at a time (`TierSizing.split_buffers`).
 """
 
 from __future__ import annotations
@@ -39,7 +50,15 @@ from ._arena import aligned
 
 _ON_DEVICE = {Role.MASTER: DEVICE, Role.GRAD_LANDING: DEVICE, Role.OPTIMIZER_STATE: DEVICE, Role.STAGING: DEVICE}
 _ON_HOST = {Role.MASTER: "cpu", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "cpu", Role.STAGING: "cpu"}
+_IN_MEMORY = (DEVICE, "cpu")  # where the tiers keep masters split: the GPU share and host memory
 _ON_DISK = {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.STAGING: "cpu"}
+
+
+def split_master(options, auto: bool) -> tuple[str, ...]:
+    """Where the tier keeps masters split (`TierSizing.split_master`) by its ``split_master`` option
+    (``"auto"``: as ``auto``); asked by `cpu_footprint` and `nvme_footprint`."""
+    value = options.split_master
+    return _IN_MEMORY if (auto if value == "auto" else bool(value)) else ()
 
 
 def _share(value) -> float:
@@ -62,6 +81,8 @@ def cpu_footprint(role: str, options) -> TierSizing:
         spills=(Spill(option="gpu_share", share=_share(options.gpu_share), where=_ON_DEVICE, cuda_only=True, at_adopt=False),),
         staging_pool=options.staging_buffers,
         steps_on="cpu",
+        split_master=split_master(options, auto=False),
+        split_option="split_master",
     )
 
 
@@ -94,4 +115,6 @@ def nvme_footprint(role: str, options) -> TierSizing:
         staging_pool=options.staging_buffers,
         steps_on="cpu",
         pool_bytes=optimizer_pool,
+        split_master=split_master(options, auto=True),
+        split_option="split_master",
     )

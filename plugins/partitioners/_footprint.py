@@ -6,7 +6,8 @@ padding to a multiple of the world size live there only), computed from the
 parameters' shapes alone, so a model on the meta device is laid out without
 allocating it. The buffers per group are what each partitioner's
 ``zkernel_memory_tensors`` and its tiers' name after a step (tests/sizing/test_estimator.py
-holds them to ``memory_report()``, byte for byte).
+holds them to ``memory_report()``, byte for byte). A master's bytes are the placement's
+(`Placement.master_bytes`: 4 an element, or 2.125 where the optimizer tier keeps it split).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class WholeFootprint(PartitionSizing):
     def buffers(self, group: SizedGroup, placement: Placement, compute_bytes: int) -> list[Buffer]:
         out = [placement.buffer(Role.PARAM_FULL, group.padded * compute_bytes)]
         if not placement.master_is_params(compute_bytes):
-            out.append(placement.buffer(Role.MASTER, 4 * group.shard))
+            out.append(placement.buffer(Role.MASTER, placement.master_bytes(group.shard)))
         if self.accumulates_whole and placement.accumulation_steps > 1:
             out.append(placement.buffer(Role.GRAD_REDUCE, 4 * group.padded))
             if not placement.on_device(Role.GRAD_LANDING):
@@ -111,7 +112,7 @@ class Zero3Footprint(PartitionSizing):
             out.append(placement.buffer(Role.PARAM_SHARD, group.shard * c))
         # An fp32 master on the device is the shard, unless the params tier moved the shard elsewhere.
         if not (placement.master_is_params(c) and params_on_device):
-            out.append(placement.buffer(Role.MASTER, 4 * group.shard))
+            out.append(placement.buffer(Role.MASTER, placement.master_bytes(group.shard)))
         out.append(placement.buffer(Role.GRAD_LANDING, 4 * group.shard))
         return out
 

@@ -30,7 +30,10 @@ places as it adopts them, so the share lowers what host memory must hold
 from the first step. Under the others (zero1, zero2) the tier moves its
 groups after the first step, so host memory must hold all of them first:
 there the share is sized after the choice from the device memory left
-(`SpillSizing.leftover_gpu_share`).
+(`SpillSizing.leftover_gpu_share`). Every fraction is judged in the bytes
+the tier answers for, so a tier keeping its masters split ([Note: sizing a
+split master] in `zkernel.spec.sizing`: the nvme tier by default in a bf16
+run) gets larger fractions on the GPU and in host memory, and less on disk.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ import math
 import attrs
 
 from zkernel.platform.sizes import format_bytes
-from zkernel.spec import DEVICE, Role, Spill
+from zkernel.spec import DEVICE, Role, Spill, master_bytes, master_kept_split
 
 from ._types import Candidate, Outcome
 
-# Bytes per element of the optimizer a gpu_share keeps on the GPU: master, two moments, gradient.
+# Bytes per element of the optimizer a gpu_share keeps on the GPU: master, two moments, gradient
+# (a split master: 1.875 less).
 SHARE_BYTES = 16
 # The spill fractions are sized in steps of 1/STEPS of the trainable elements.
 STEPS = 1000
@@ -165,16 +169,43 @@ class SpillSizing:
             f"({format_bytes(rest)} per rank)"
         )
 
-    def _trainable_numel(self, outcome: Outcome) -> int:
-        """Elements of the fp32 master one rank keeps (its shard of the trainable parameters)."""
-        return sum(outcome.report["master_weights"].values()) // 4
+    def _trainable_numel(self, candidate: Candidate) -> int:
+        """Elements of the fp32 master one rank keeps (its shard of the trainable parameters), as the
+        candidate's partitioner lays them out (a master's bytes per element vary: [Note: sizing a
+        split master])."""
+        return sum(g.shard for g in self._layout(candidate.partitioner).groups if g.trainable)
 
-    def leftover_gpu_share(self, outcome: Outcome) -> float:
+    def _params_home(self, candidate: Candidate) -> str:
+        """Where the candidate keeps its parameter shards: the params tier's home under a partitioner
+        whose shards that tier owns, else the compute device."""
+        return self._tier(candidate.params, "params").home if self._layout(candidate.partitioner).shards_params else DEVICE
+
+    def _splits_master(self, candidate: Candidate, where: str) -> bool:
+        """The candidate's optimizer tier keeps the masters it places in ``where`` split ([Note: sizing
+        a split master])."""
+        tier = self._tier(candidate.optimizer, "optimizer")
+        if (tier.split_option, False) in candidate.tier_options:
+            return False
+        params = {Role.PARAM_SHARD: self._params_home(candidate)}
+        return master_kept_split(tier.split_master, self.config.precision, params, where)
+
+    def _split_places(self, candidate: Candidate, outcome: Outcome) -> list[str]:
+        """Where the candidate keeps masters split (its tier's own place and its spills' with a share)."""
+        tier = self._tier(candidate.optimizer, "optimizer")
+        places = [tier.where.get(Role.MASTER)] + [s.where.get(Role.MASTER) for s in tier.spills if outcome.shares.get(s.option)]
+        return [w for w in dict.fromkeys(places) if w is not None and self._splits_master(candidate, w)]
+
+    def leftover_gpu_share(self, candidate: Candidate, outcome: Outcome) -> float:
         """The cpu tier's gpu_share where it is not sized as a spill: what the device has left, at
-        `SHARE_BYTES` per element, in hundredths."""
-        numel = self._trainable_numel(outcome)
+        `SHARE_BYTES` per element (less what a split master saves, beside the buffer one is rebuilt
+        in), in hundredths."""
+        numel = self._trainable_numel(candidate)
         if not numel:
             return 0.0
+        split = self._splits_master(candidate, DEVICE)
+        share_bytes = SHARE_BYTES - 4 + master_bytes(numel, split) / numel
         leftover = self.budgets["device"] - sum(outcome.need["device"].values())
-        fraction = min(1.0, max(0, leftover) / (SHARE_BYTES * numel))
+        if split:  # the fp32 buffer a split master is rebuilt in, as large as the largest group
+            leftover -= 4 * max(g.shard for g in self._layout(candidate.partitioner).groups if g.trainable)
+        fraction = min(1.0, max(0, leftover) / (share_bytes * numel))
         return math.floor(fraction * 100) / 100

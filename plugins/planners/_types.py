@@ -22,11 +22,15 @@ class Candidate:
     optimizer: str
     params: str
     mode: Mode
+    # Options the planner gives the optimizer tier beyond the config's, as (name, value) pairs
+    # (its split turned off: `TierSizing.split_option`).
+    tier_options: tuple[tuple[str, object], ...] = ()
 
     def text(self) -> str:
         where = {"none": "device"}
         text = f"{self.partitioner} optimizer@{where.get(self.optimizer, self.optimizer)} params@{where.get(self.params, self.params)}"
-        return text if self.mode is Mode.AS_CONFIGURED else f"{text} ({self.mode.value})"
+        text = text if self.mode is Mode.AS_CONFIGURED else f"{text} ({self.mode.value})"
+        return " ".join([text, *(f"{k} {str(v).lower()}" for k, v in self.tier_options)])
 
 
 @attrs.frozen

@@ -37,6 +37,11 @@ that are split into tiles small enough to gather (a partitioner that gathers
 each module's own parameters at once: `PartitionSizing.gather_threshold`).
 
 The spill fractions are sized as [Note: sizing the spill] in `_spill` says.
+A candidate whose optimizer tier keeps masters split ([Note: sizing a split
+master] in `zkernel.spec.sizing`) and does not fit is judged again with the
+split turned off (the tier's `TierSizing.split_option` set false, unless the
+config gives it): the buffers a split master is rebuilt in, as large as the
+largest group, may cost more than small shares save.
 
 [Note: one rank] Partitioners that divide less are tried first because, over
 several ranks, they keep more and communicate less. On one rank nothing is
@@ -281,7 +286,11 @@ class _Planning(SpillSizing):
     # -- a candidate as a config -----------------------------------------------------------------
 
     def _variant(self, candidate: Candidate, shares: dict[str, float] | None = None):
+        """The config of ``candidate`` at spill fractions ``shares``; a tier the config fixes keeps
+        the options it gives (such as ``split_master``), the fractions over them."""
         config = self.config
+        given = {role: getattr(config.offload, f"{role}_options") if self._fixed(f"offload.{role}") == tier else {}
+                 for role, tier in (("optimizer", candidate.optimizer), ("params", candidate.params))}  # fmt: skip
         return attrs.evolve(
             config,
             partitioner=candidate.partitioner,
@@ -289,8 +298,8 @@ class _Planning(SpillSizing):
                 config.offload,
                 optimizer=candidate.optimizer,
                 params=candidate.params,
-                optimizer_options=dict(shares or {}),
-                params_options={},
+                optimizer_options={**given["optimizer"], **dict(candidate.tier_options), **(shares or {})},
+                params_options=dict(given["params"]),
             ),
             partitioner_options=self._partitioner_options(candidate.partitioner),
         )
@@ -458,6 +467,12 @@ class _Planning(SpillSizing):
             fitting: list[tuple[Candidate, Outcome]] = []
             for candidate in stage:
                 outcome = self._judge(candidate)
+                whole = self._whole_masters(candidate) if outcome.short else None
+                if whole is not None:
+                    # [Note: sizing a split master]: the rebuild buffers may cost more than the split saves.
+                    whole_outcome = self._judge(whole)
+                    if not whole_outcome.short:
+                        candidate, outcome = whole, whole_outcome
                 if not outcome.short:
                     fitting.append((candidate, outcome))
                     if not outcome.disk:
@@ -482,6 +497,18 @@ class _Planning(SpillSizing):
                     plan = attrs.evolve(plan, notes=(*plan.notes, note))
                 return plan
         raise self._nothing_fits([line for _, line in rejected.values()], last)
+
+    def _whole_masters(self, candidate: Candidate) -> Candidate | None:
+        """``candidate`` with its optimizer tier's split turned off (`TierSizing.split_option`), where
+        it splits masters and the config does not give that option; else None."""
+        tier = self._tier(candidate.optimizer, "optimizer")
+        option = tier.split_option
+        given = self.config.offload.optimizer_options if self._fixed("offload.optimizer") == candidate.optimizer else {}
+        if option is None or option in given or candidate.tier_options:
+            return None
+        if not any(self._splits_master(candidate, where) for where in tier.split_master):
+            return None
+        return attrs.evolve(candidate, tier_options=((option, False),))
 
     @staticmethod
     def _text(candidate: Candidate, outcome: Outcome) -> str:
@@ -508,7 +535,7 @@ class _Planning(SpillSizing):
     def _plan(self, candidate: Candidate, outcome: Outcome, rejected: list[str]) -> Plan:
         config = self.config
         auto = self.request.auto
-        optimizer_options = dict(config.offload.optimizer_options)
+        optimizer_options = {**config.offload.optimizer_options, **dict(candidate.tier_options)}
         params_options = dict(config.offload.params_options)
         notes = list(self.notes)
         for role, tier, options in (("optimizer", candidate.optimizer, optimizer_options), ("params", candidate.params, params_options)):
@@ -529,7 +556,7 @@ class _Planning(SpillSizing):
             s for s in device_spills if not s.at_adopt and s.option not in optimizer_options and s.option not in outcome.shares
         ]
         if leftover and "offload.optimizer" in auto and self.separate:
-            share = self.leftover_gpu_share(outcome)
+            share = self.leftover_gpu_share(candidate, outcome)
             if share > 0:
                 optimizer_options[leftover[0].option] = share
                 if leftover[0].cuda_only and self.request.device.type != "cuda":
@@ -541,6 +568,18 @@ class _Planning(SpillSizing):
                 notes.append(f"{spill.option} takes effect on CUDA only")
         if outcome.shares:
             notes.append(self._spill_note(candidate, outcome))
+        for option, value in candidate.tier_options:
+            notes.append(
+                f"optimizer tier {candidate.optimizer!r} keeps its masters whole ({option} {str(value).lower()}): "
+                "kept split, the buffers each is rebuilt in leave the placement short"
+            )
+        places = self._split_places(candidate, outcome)
+        if places:
+            words = {DEVICE: "on the GPU", "cpu": "in host memory", "nvme": "in swap files"}
+            notes.append(
+                f"optimizer tier {candidate.optimizer!r} keeps its fp32 masters {' and '.join(words[w] for w in places)} "
+                "split: the bf16 parameter's low half and a tie bit, 2.125 bytes an element instead of 4 (its option split_master)"
+            )
         checkpointing = None
         if candidate.mode in (Mode.CHECKPOINT, Mode.OFFLOAD):
             checkpointing = ((self.activations.block_class,), "cpu" if candidate.mode is Mode.OFFLOAD else "none")
@@ -567,7 +606,7 @@ class _Planning(SpillSizing):
     def _seconds(self, candidate: Candidate, outcome: Outcome, share: float) -> dict[str, float]:
         """Predicted seconds per optimizer step of what the placement adds, from the measured rates."""
         rate = {name: probe.rate for name, probe in self.measurements.items()}
-        numel = self._trainable_numel(outcome)
+        numel = self._trainable_numel(candidate)
         host_numel = int(numel * (1 - share))
         params_off = sum(outcome.report["params"].get(p, 0) for p in ("cpu", "nvme") if p != self.label) // self.c
         host_step = self._tier(candidate.optimizer, "optimizer").steps_on != DEVICE
@@ -576,6 +615,9 @@ class _Planning(SpillSizing):
             out["host_optimizer_step"] = round(host_numel / rate["cpu_adam"], 4)
         if self.separate and rate["host_to_device"] and rate["device_to_host"]:
             down = 4 * host_numel if host_step else 0
+            if host_step and self._splits_master(candidate, "cpu") and self._params_home(candidate) == DEVICE:
+                # A split master in host memory is rebuilt from the parameter downloaded from the device.
+                down += self.c * int(numel * self._host_fraction(candidate, outcome, share))
             up = self.c * host_numel if host_step else 0
             up += 2 * params_off * self.c  # forward and backward gathers read the shard from the host
             if up or down:
@@ -592,6 +634,18 @@ class _Planning(SpillSizing):
             if read or write:
                 out["disk"] = round(read / rate["disk_read"] + write / rate["disk_write"], 4)
         return out
+
+    def _host_fraction(self, candidate: Candidate, outcome: Outcome, device_share: float) -> float:
+        """The fraction of the trainable elements whose master the optimizer tier keeps in host memory:
+        its own placement's (what ``device_share`` and the other spills leave) if that is host memory,
+        and its spills' there."""
+        tier = self._tier(candidate.optimizer, "optimizer")
+        spilled = {s.option: s.where.get(Role.MASTER) for s in tier.spills if s.where.get(Role.MASTER) != DEVICE}
+        host = sum(v for k, v in outcome.shares.items() if spilled.get(k) == "cpu")
+        if tier.where.get(Role.MASTER) != "cpu":
+            return host
+        elsewhere = sum(v for k, v in outcome.shares.items() if k in spilled and spilled[k] != "cpu")
+        return max(0.0, 1.0 - device_share - elsewhere)
 
     def _nothing_fits(self, rejected: list[str], last) -> PlacementError:
         model = self.request.model

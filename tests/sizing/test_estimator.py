@@ -64,6 +64,24 @@ def params_configs(tiers, nvme_path) -> list[dict]:
     return out
 
 
+def split_configs(nvme_path) -> list[dict]:
+    """bf16 with masters kept split ([Note: sizing a split master]): the cpu tier asked to, the nvme
+    tier's host share by default; the parameters on the device or in host memory."""
+    out = []
+    for partitioner, options, params in [
+        ("zero1", {"bucket_size": 5001}, "none"),
+        ("zero2", {}, "none"),
+        ("zero3", {"persistence_threshold": 0}, "none"),
+        ("zero3", {"persistence_threshold": 5000}, "cpu"),
+    ]:
+        for optimizer, tier_options in [("cpu", {"split_master": True}), ("nvme", {"host_share": 0.5})]:
+            if optimizer == "nvme" and partitioner != "zero3":
+                continue
+            offload = {"optimizer": optimizer, "params": params, "nvme_path": nvme_path, "optimizer_options": tier_options}
+            out.append({"partitioner": partitioner, "precision": "bf16", "partitioner_options": options, "offload": offload})
+    return out
+
+
 def peak(reports: list[dict], category: str) -> dict:
     """Per place, the most a category held over the reports."""
     out: dict = {}
@@ -90,14 +108,15 @@ def check(predicted, measured, label) -> bool:
 
 def test_estimate_matches_memory_report_on_two_ranks(tmp_path):
     """Every partitioner and option, fp32 and bf16, on every installed tier that answers for its bytes
-    (for both roles: parameters offloaded under zero3 too)."""
+    (for both roles: parameters offloaded under zero3 too), and masters kept split."""
     from zkernel.sizing.estimator import answering_tiers
 
     tiers = answering_tiers("optimizer")
     assert "none" in tiers
     # The estimate is model state: without the units a step starts gathering for the next forward
     # ([Note: prefetch across the step]), which prefetch_bytes bounds.
-    cfgs = [{**c, "prefetch_bytes": 0} for c in configs(tiers, str(tmp_path)) + params_configs(tiers, str(tmp_path))]
+    cfgs = configs(tiers, str(tmp_path)) + params_configs(tiers, str(tmp_path)) + split_configs(str(tmp_path))
+    cfgs = [{**c, "prefetch_bytes": 0} for c in cfgs]
     with torch.device("meta"):
         meta_gpt = small_gpt()
 
@@ -278,6 +297,12 @@ def test_cli_tabulates_every_partitioner_and_marks_what_fits(tmp_path, capsys, r
 STEP = 4  # bytes of Adam's step counter, one per trainable group
 
 
+def split(numel: int) -> int:
+    """Bytes of a master of ``numel`` elements kept split: a 16-bit low half and a tie bit each (the
+    nvme tier's default on the GPU and in host memory in a bf16 run whose parameters are in memory)."""
+    return 2 * numel + (numel + 7) // 8
+
+
 def linears(*shapes: tuple[int, int]) -> nn.Module:
     """Bias-free Linear layers of the given (in, out) shapes on the meta device: one group each under
     zero3 with persistence_threshold 0, and one bucket each under zero1 with a bucket per layer."""
@@ -298,18 +323,20 @@ def spill_config(partitioner: str, tier: str, precision: str = "bf16", **shares)
 @pytest.mark.parametrize("world", [1, 2])
 def test_nvme_spill_bytes_follow_the_split(world):
     """Ten groups of n elements per rank: gpu_share 0.3 keeps the first 3 on the GPU (master, two
-    moments, gradient), host_share 0.4 the next 4 in host memory, the last 3 are in swap files."""
+    moments, gradient), host_share 0.4 the next 4 in host memory, the last 3 are in swap files.
+    The masters on the GPU and in host memory are split (bf16, the parameters on the device), each
+    place with a buffer to rebuild one in (and host memory one to download its parameter into)."""
     model = linears(*[(64, 64)] * 10)
     n = 64 * 64 // world
     cfg = spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4)
     got = totals(zkernel.estimate(model, cfg, world, device="cuda"))
     gpu, host, disk = 3, 4, 3
     # bf16 shards of every group stay on the device (parameters are not offloaded).
-    device = 10 * 2 * n + gpu * (4 * n + 8 * n + STEP + 4 * n)
+    device = 10 * 2 * n + gpu * (split(n) + 8 * n + STEP + 4 * n) + 4 * n
     # Host-kept groups: master, moments, fp32 landing buffer; the disk groups keep only their landing
     # buffer in host memory; the bf16 updates of all seven go through the tier's staging pool
     # (staging_buffers = 4 buffers as large as the largest group).
-    cpu = host * (4 * n + 8 * n + STEP + 4 * n) + disk * (4 * n) + 4 * 2 * n
+    cpu = host * (split(n) + 8 * n + STEP + 4 * n) + disk * (4 * n) + 4 * 2 * n + (4 + 2) * n
     nvme = disk * (4 * n + 8 * n + STEP)
     assert got == {"cuda": device, "cpu": cpu, "nvme": nvme}
     # Without any fraction: every group's master and moments are on disk (the tier as it was).
@@ -323,7 +350,8 @@ def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():
     model = linears(*[(64, 64)] * 10)
     n = 64 * 64
     got = totals(zkernel.estimate(model, spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4), 1, device="cpu"))
-    assert got == {"cpu": 10 * 2 * n + 4 * (16 * n + STEP) + 6 * 4 * n, "nvme": 6 * (12 * n + STEP)}
+    # Host-share masters split, rebuilt in one buffer (the parameters are in host memory: no download).
+    assert got == {"cpu": 10 * 2 * n + 4 * (split(n) + 12 * n + STEP) + 6 * 4 * n + 4 * n, "nvme": 6 * (12 * n + STEP)}
 
 
 def test_the_nvme_gpu_share_takes_only_zero3_modules():
@@ -343,7 +371,8 @@ def test_the_spill_takes_groups_in_module_order(partitioner, tier):
     n = 32 * 32
     model = linears((32, 64), (64, 32), (32, 32))
     report = zkernel.estimate(model, spill_config(partitioner, tier, gpu_share=0.4), 1, device="cuda")
-    assert report["master_weights"]["cuda"] == 4 * 2 * n
+    # The nvme tier splits its GPU share's masters (and rebuilds one at a time); the cpu tier by default not.
+    assert report["master_weights"]["cuda"] == (split(2 * n) + 4 * 2 * n if tier == "nvme" else 4 * 2 * n)
     assert report["optimizer_state"]["cuda"] == 8 * 2 * n + STEP
     home = "nvme" if tier == "nvme" else "cpu"
     assert report["master_weights"][home] == 4 * 3 * n
@@ -368,7 +397,8 @@ def test_table_gives_the_configured_fractions_to_the_configured_tier_only():
     cfg = spill_config("zero3", "nvme", host_share=0.5)
     rows = {(r.partitioner, r.offload_optimizer, r.offload_params): r for r in estimate_table(model, cfg, 1, device="cuda", tiers=["none", "cpu", "nvme"])}
     n = 64 * 64
-    assert rows["zero3", "nvme", "none"].report["master_weights"] == {"cpu": 5 * 4 * n, "nvme": 5 * 4 * n}
+    # The host share's masters split, one rebuilt at a time from its parameter downloaded from the GPU.
+    assert rows["zero3", "nvme", "none"].report["master_weights"] == {"cpu": 5 * split(n) + (4 + 2) * n, "nvme": 5 * 4 * n}
     assert rows["zero3", "cpu", "none"].report["master_weights"] == {"cpu": 10 * 4 * n}
 
 

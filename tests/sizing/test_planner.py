@@ -432,7 +432,7 @@ def test_13b_on_one_h100_box_spreads_the_optimizer_over_gpu_host_and_disk(tmp_pa
     assert (decision.partitioner, decision.offload_optimizer, decision.offload_params) == ("zero3", "nvme", "none")
     assert decision.activation_checkpointing == (("_Block",), "none")
     g, h = decision.optimizer_options["gpu_share"], decision.optimizer_options["host_share"]
-    assert 0.15 < g < 0.25 and 0.4 < h < 0.55
+    assert 0.15 < g < 0.25 and 0.5 < h < 0.65
     NvmeTierOptions(**decision.optimizer_options)  # a valid config for the tier: fractions in [0, 1], sum <= 1
     assert f"gpu_share {g:g}, host_share {h:g}" in decision.placement
     assert any(f"gpu_share {g:g} on the GPU, host_share {h:g} in host memory, the rest in swap files" in n for n in decision.notes)
@@ -444,7 +444,10 @@ def test_13b_on_one_h100_box_spreads_the_optimizer_over_gpu_host_and_disk(tmp_pa
     states = {place: kinds["model_states"] for place, kinds in decision.bytes.items()}
     on_disk = (states["nvme"] - 200 * 4) / 12  # master and two moments (a step counter per group)
     assert numel * (1 - g - h) <= on_disk <= numel * (1 - g - h) + 2 * slack
-    on_gpu = (states["device"] - 2 * numel - 200 * 4) / 16  # less the bf16 shards: master, moments, gradient
+    # The GPU share's masters are split (bf16, the parameters on the GPU): 2.125 bytes an element,
+    # and one fp32 buffer a master is rebuilt in, as large as the largest group there (the embedding).
+    rebuild = 4 * 50304 * 5120
+    on_gpu = (states["device"] - 2 * numel - 200 * 4 - rebuild) / 14.125  # less the bf16 shards: master, moments, gradient
     assert numel * g - slack <= on_gpu <= numel * g
     # The model states are what `zkernel.estimate` says of the chosen config, place by place.
     chosen = decision.apply(load_config(box_config(tmp_path, H100_BOX)))

@@ -211,6 +211,7 @@ class Estimator(SizingService):
         tier = self.selected_tier(config, "optimizer")
         params_tier = self.selected_tier(config, "params")
         out = []
+        split: dict[str, int] = {}  # place -> the largest master kept split there
         for group, spill in zip(layout.groups, self._spills_of(layout, tier, shares or {})):
             # Placed after the first step (groups not bound to modules): a copy of the master.
             copied = spill is not None and not spill.at_adopt and not group.module_bound
@@ -220,14 +221,33 @@ class Estimator(SizingService):
                 tier=tier.where,
                 copied_master=copied,
                 accumulation_steps=config.gradient_accumulation_steps,
+                split_master=tier.split_master,
+                precision=config.precision,
             )
             buffers = layout.buffers(group, placement, c)
             if group.trainable:
                 buffers.append(placement.buffer(Role.OPTIMIZER_STATE, self._state_bytes(config, group.shard, group.params)))
                 if c != 4 and placement.kept(Role.STAGING):
                     buffers.append(placement.buffer(Role.STAGING, group.shard * c))
+                if placement.splits_master:
+                    where = placement.where(Role.MASTER)
+                    split[where] = max(split.get(where, 0), group.shard)
             out.append(buffers)
+        params_home = params_tier.where.get(Role.PARAM_SHARD) if layout.shards_params else DEVICE
+        out += [self._rebuild_buffers(split, tier.split_buffers, params_home, c)] if split else []
         return out + layout.frozen_buffers(c)
+
+    def _rebuild_buffers(self, split: Mapping[str, int], count: int, params_home: str | None, c: int) -> list[Buffer]:
+        """The buffers split masters are rebuilt into for a step ([Note: sizing a split master]):
+        ``count`` fp32 ones per place of ``split`` (place -> its largest split master), as large as
+        its largest; in host memory beside parameters on a separate device, as many ``c``-byte ones
+        each parameter shard is downloaded into."""
+        out = []
+        for where, largest in split.items():
+            out.append(Buffer(Role.MASTER, count * 4 * largest, where))
+            if where == "cpu" and params_home == DEVICE and self.device != "cpu":
+                out.append(Buffer(Role.MASTER, count * c * largest, where))
+        return out
 
     def _shards_params(self, config: Config) -> bool:
         """Whether the selected partitioner's parameter shards are the params tier's."""

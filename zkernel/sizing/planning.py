@@ -100,7 +100,8 @@ def plan(
         components=registry,
         shape=shape,
         auto=auto_keys(cfg),
-        sizing=Estimator(module, device.type, installed, registry),
+        # The planned machine's compute device: a GPU where it has GPUs, though this one may have none.
+        sizing=Estimator(module, "cuda" if gpus > 0 else device.type, installed, registry),
         rates=rates,
     )
     dist_info = DistInfo(0, world_size, 0, device, None)

@@ -15,7 +15,7 @@ the meta device), a config and a world size:
 * each offload tier (``zkernel_size_offload_tier``) says where the buffers of
   the roles it owns go (`TierSizing`: its own placement, the fractions of its
   groups it keeps elsewhere, `Spill`, its staging pool, the page-locked pools
-  it streams files through);
+  it streams files through, whether it keeps its masters split);
 * the optimizer declares its state per group exactly as at `initialize`.
 
 A service (`zkernel.sizing.estimator`) puts the answers together into
@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+
+from zkernel.platform.split_master import tie_bytes
 
 DEVICE = "device"  # the compute device, before a report names it ("cuda", "cpu")
 PLACES = (DEVICE, "cpu", "nvme")  # fastest first
@@ -84,6 +86,42 @@ _OWNER = {
 }
 # The roles each offload role's tier places.
 OWNED_ROLES = {owner: tuple(r for r in Role if r.owner == owner) for owner in ("optimizer", "params")}
+
+# [Note: sizing a split master] An optimizer tier that keeps its fp32 masters
+# split ([Note: the master's low half] in `zkernel.platform.split_master`: a
+# 16-bit low half and a tie bit beside the bf16 parameter, 2.125 bytes an
+# element instead of 4) names the places where it does (`TierSizing.split_master`:
+# the builtin tiers split masters in memory, on the device and in host memory,
+# not in swap files). It can only where the parameter is the master rounded to
+# bf16 and in memory when the master is rebuilt: a bf16 run whose parameter
+# shards are on the device or in host memory, not in swap files.
+# `master_kept_split` is that rule, for the estimator's `Placement` and for a
+# planner alike; a partitioner asks `Placement.master_bytes` for its master
+# buffers (one that still counts 4 bytes an element stays correct, only
+# pessimistic). Each step rebuilds a split master into a buffer the tier lends:
+# per place holding split masters, `TierSizing.split_buffers` fp32 buffers as
+# large as the largest there and, in host memory beside parameters on a
+# separate compute device, as many compute-dtype buffers the parameter is
+# downloaded into; the estimator counts them with the masters (``memory_report``
+# names them there). They can cost more than small shares save, so a tier names
+# the option that keeps every master whole (`TierSizing.split_option`) for a
+# planner to turn the split off where a placement does not fit with it.
+SPLIT_PRECISION = "bf16"  # the one precision whose parameter is the master's upper half, rounded
+_IN_MEMORY = (DEVICE, "cpu")
+
+
+def master_kept_split(places: Sequence[str], precision: str, params: Mapping[Role, str | None], where: str | None) -> bool:
+    """Whether an optimizer tier that splits masters in ``places`` keeps one that lives in ``where``
+    split, in a run of ``precision`` whose params tier places the parameter shard as ``params`` says
+    ([Note: sizing a split master]). The estimator (through `Placement`) and planners call it."""
+    in_memory = params.get(Role.PARAM_SHARD, DEVICE) in _IN_MEMORY
+    return where in places and precision == SPLIT_PRECISION and in_memory
+
+
+def master_bytes(numel: int, split: bool) -> int:
+    """Bytes of an fp32 master of ``numel`` elements: 4 each, or kept split a 16-bit low half each
+    and a packed tie bit each ([Note: sizing a split master])."""
+    return 2 * numel + tie_bytes(numel) if split else 4 * numel
 
 
 @attrs.frozen
@@ -139,6 +177,16 @@ class TierSizing:
     # Page-locked host bytes it streams its files through, given the bytes of each group's
     # file image of its own place (None: it keeps no such pool).
     pool_bytes: Callable[[Sequence[int]], int] | None = None
+    # (optimizer role) The places (`PLACES`) where it keeps its fp32 masters split, where the run
+    # allows ([Note: sizing a split master]); empty: 4 bytes an element everywhere.
+    split_master: tuple[str, ...] = ()
+    # (optimizer role) Buffers it rebuilds split masters into for a step, per place holding some
+    # (fp32, each as large as the largest split master there; as many compute-dtype ones for the
+    # parameter's download where it is on another device).
+    split_buffers: int = 1
+    # (optimizer role) Its option that keeps every master whole when set false (a planner sets it
+    # where the split's rebuild buffers cost more than it saves); None: the split cannot be turned off.
+    split_option: str | None = None
 
     @property
     def home(self) -> str:
@@ -166,6 +214,10 @@ class Placement:
     # Backwards per optimizer step (gradient_accumulation_steps): with 1, a gradient accumulated
     # over the window is reduced by the backward that made it, and never held after one.
     accumulation_steps: int = 1
+    # The optimizer tier's `TierSizing.split_master`, and the run's precision ("fp32", "bf16",
+    # "fp16"): with ``params`` and where the master lives they decide `splits_master`.
+    split_master: tuple[str, ...] = ()
+    precision: str = "fp32"
 
     def where(self, role: Role) -> str | None:
         owner = role.owner
@@ -183,6 +235,16 @@ class Placement:
     def master_is_params(self, compute_bytes: int) -> bool:
         """An fp32 master on the device is the parameters' own slice (nothing of its own)."""
         return compute_bytes == 4 and self.on_device(Role.MASTER) and not self.copied_master
+
+    @property
+    def splits_master(self) -> bool:
+        """The group's master is kept split where it lives ([Note: sizing a split master])."""
+        return master_kept_split(self.split_master, self.precision, self.params, self.where(Role.MASTER))
+
+    def master_bytes(self, numel: int) -> int:
+        """Bytes of the group's master buffer of ``numel`` elements (a partitioner's `buffers` asks):
+        4 each, or 2.125 where `splits_master`."""
+        return master_bytes(numel, self.splits_master)
 
 
 @attrs.frozen(kw_only=True)
