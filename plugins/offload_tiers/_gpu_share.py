@@ -140,6 +140,7 @@ class GpuShare:
     def adopt(self, group, master: torch.Tensor, state) -> None:
         self.tier.adopt(group, master, state)
         self._held.add(group.index)
+        self._numel[group.index] = master.numel()  # (a split master is not in memory between steps)
         self.numel += master.numel()
 
     def remember(self, group, state) -> None:
@@ -148,8 +149,8 @@ class GpuShare:
         self._numel[group.index] = group.master.numel()
 
     def numel_of(self, group) -> int:
-        """Elements of ``group``'s master, wherever it is."""
-        return self._numel[group.index] if group.index in self._numel else group.master.numel()
+        """Elements of ``group``'s master, wherever it is (every group this share adopted or was told of)."""
+        return self._numel[group.index]
 
     def place(self, order, room: int, *, host_numel: int, arena_fraction: float, load=None) -> list:
         """Move the first-needed host groups within the share to the GPU; returns those moved now.
