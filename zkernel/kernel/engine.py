@@ -14,33 +14,9 @@ The optimizer phase is `zkernel.kernel.step_pipeline.StepPipeline` (see its note
 gradients are handed to the optimizer tier as they are reduced during
 backward, the global norm is known when a boundary backward ends, and groups
 step one by one (on the host worker thread where the tier keeps them on the
-host), the step's coefficient folding the loss unscale and the clip factor.
-An fp16 overflow anywhere shows up as a non-finite global norm on every rank,
-so all ranks skip together.
-
-[Note: non-finite gradients] A NaN or inf gradient is not applied, in any
-precision, with clipping or without, wherever checking it costs no host sync
-of its own: the global norm is computed at every boundary (its all-reduce is
-the one clipping makes, so a non-finite gradient on one rank makes the norm inf
-on every rank), and a non-finite norm skips the step on every rank, counted in
-``skipped_steps`` and logged as ``zkernel.step.nonfinite`` (WARNING; fp16's
-overflow at INFO, as the loss scale expects them). Host steps started during
-backward with a known coefficient are checked first against their own group's
-norm (a host value by then) and rolled back when another group or rank was not
-finite, so they are taken only for an optimizer that can roll back.
-Reading the norm makes the host wait for the end of backward. With clipping or
-fp16 the step needs it anyway; on a CPU device, with an optimizer tier that
-steps groups on the host (which waits for their gradients) or a tier whose
-writes can fail (the outcome travels in the norm's all-reduce), the wait is
-already there.
-Where every group steps on a GPU with clipping off, it would be a new sync per
-step (1-2% of GPT-1.3B's step on one H200: BENCHMARKS.md, issue 42's calls), so
-there the norm is not read: the step gets a device flag instead, which the
-optimizer honours on the device and the host reads one step late, before the
-next step and before anything reads the counters ([Note: a non-finite flag
-read one step late] in `zkernel.kernel.found_inf`); the step is skipped,
-counted and warned all the same, only later. An optimizer that cannot honour
-the flag (``takes_found_inf`` not declared) has the norm read instead.
+host). The step's scaling and skip decisions (the loss scale, whether the norm
+is read, the coefficient, a non-finite gradient) are
+`zkernel.kernel.step_scaling.StepScaling`'s ([Note: non-finite gradients] there).
 """
 
 from __future__ import annotations
@@ -74,6 +50,7 @@ from zkernel.kernel.closed import closed_error, requires_open
 from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.kernel.scheduler import Scheduler, streams_device
 from zkernel.kernel.step_pipeline import StepPipeline, StepPolicy
+from zkernel.kernel.step_scaling import StepScaling
 from zkernel.platform.streams import Streams
 from zkernel.spec.tiers import OptimizerTier, ParamsTier, StoredBytes
 from zkernel.telemetry.timeline import SpanKind, Timeline
@@ -132,7 +109,6 @@ class Engine:
         self.optimizer_tier = parts.optimizer_tier
         self.params_tier = parts.params_tier
         self._original_dtypes = parts.original_dtypes
-        self._takes_found_inf = parts.takes_found_inf
         self._whole_bytes = parts.whole_bytes
         # name -> (shape, dtype) of each parameter and buffer as the plain model had it.
         self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
@@ -140,7 +116,6 @@ class Engine:
         self.timeline = parts.timeline
         # What the planner chose and why (`zkernel.spec.planner.Plan`) when the config said "auto"; else None.
         self.placement_plan = parts.placement_plan
-        self.loss_scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
         opt = config.optimizer
         self._base_hyper = StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         self.lr_schedule = parts.lr_schedule
@@ -162,6 +137,7 @@ class Engine:
             worker=parts.worker,
             timeline=parts.timeline,
         )
+        self.scaling = StepScaling(config, self.pipeline, dist_info.device, parts.takes_found_inf)
         self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.params.unset`
         self.writes = WriteFolder(self)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         # [Note: a backward the engine is not told of] in `zkernel.kernel.user_backward`
@@ -185,14 +161,10 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._apply_lr_schedule()
-        self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._pass_boundary = False  # whether the backward running now ends a window
         self._user_span: Any = None  # the timeline span of a backward nobody announced, while it runs
-        # See `_reads_norm`. Tests set it False to take the device-flag path on a CPU device ([Note: a
-        # non-finite flag read one step late] in `zkernel.kernel.found_inf`).
-        self._norm_is_free: bool | None = None
         self._output_fn: Any = None  # the last forward's scalar output, to see a loss scaled twice
         self._warned_scaled_twice = False
         self._redo_window = False  # the last step was not taken: its window must run again
@@ -254,6 +226,20 @@ class Engine:
         if self.lr_schedule is not None:
             self._settle_found_inf()  # the schedule has its say about the last step first
         self.pipeline.hyper = attrs.evolve(self.pipeline.hyper, lr=float(value))
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        """The fp16 run's dynamic loss scaler (None in other precisions): `StepScaling.loss_scaler`."""
+        return self.scaling.loss_scaler
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last global gradient norm read on the host, unscaled (None before any): `StepScaling.last_grad_norm`."""
+        return self.scaling.last_grad_norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: float | None) -> None:
+        self.scaling.last_grad_norm = value
 
     @property
     def micro_steps(self) -> int:
@@ -381,8 +367,9 @@ class Engine:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward(retain_graph=retain_graph)
                 self.scheduler.finish_backward()
-            # The norm at every boundary where reading it adds no sync ([Note: non-finite gradients]).
-            norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
+            # The norm at every boundary where reading it adds no sync ([Note: non-finite gradients] in
+            # `zkernel.kernel.step_scaling`).
+            norm = self.pipeline.end_backward(boundary, self.scaling.reads_norm(), self.scheduler.readiness.window_used)
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
@@ -424,8 +411,8 @@ class Engine:
         search for unreachable parameters starts). Returns whether the pass ends a window."""
         self._output_fn = None  # its graph is gone after this backward; keep none of it
         boundary = self.is_accumulation_boundary
-        unscale = self._unscale()
-        known = None if self._needs_norm() else unscale
+        unscale = self.scaling.unscale()
+        known = None if self.scaling.needs_norm() else unscale
         self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
         self.scheduler.begin_backward(boundary, roots)
         self._pass_boundary = boundary
@@ -436,7 +423,7 @@ class Engine:
         self._backward_done = True
         self._redo_window = False
         if boundary:
-            self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
+            self._coefficient = (None if self.pipeline.outcome.failed else self.scaling.coefficient_from(norm, self.global_steps),)
 
     def _begin_user_backward(self, roots: list[torch.Tensor] | None) -> float:
         """Called by `BackwardPass.enter` inside a backward nobody announced, at its first event:
@@ -470,7 +457,7 @@ class Engine:
         try:
             with profiler_range("zkernel::backward_end"):
                 self.scheduler.finish_backward()
-                norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
+                norm = self.pipeline.end_backward(boundary, self.scaling.reads_norm(), self.scheduler.readiness.window_used)
         finally:
             self._exit_guard()
             span, self._user_span = self._user_span, None
@@ -515,7 +502,7 @@ class Engine:
         if self._coefficient is None:  # no backward ended this window: step what got gradients
             self.pipeline.begin_backward(True, known=None, speculative=None)
             norm = self.pipeline.end_backward(True, True, self.scheduler.readiness.window_used)
-            self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
+            self._coefficient = (None if self.pipeline.outcome.failed else self.scaling.coefficient_from(norm, self.global_steps),)
         (coefficient,), self._coefficient = self._coefficient, None
         self._settle_found_inf()  # the last step's flag: its counts and rate before this step's
         if self.pipeline.outcome.failed:
@@ -761,20 +748,11 @@ class Engine:
     # -- internals --------------------------------------------------------------
 
     def _settle_found_inf(self) -> None:
-        """Read the last step's device flag if it is pending ([Note: a non-finite flag read one step
-        late] in `zkernel.kernel.found_inf`): a set flag counts that step as skipped, warns, and gives
-        the schedule's rate for the steps actually applied."""
-        if not self.pipeline.found_inf_pending or not self.pipeline.settle_found_inf():
-            return
-        self._skipped_steps += 1
-        log.warning(
-            "zkernel.step.nonfinite",
-            step=self.global_steps - 1,  # the last step: a flag is read before the next one
-            norm=None,  # not read on the host: the device flag said some gradient was NaN or inf
-            action="skipped",
-            found="device flag",
-        )
-        self._apply_lr_schedule()
+        """Read the last step's device flag if it is pending (`StepScaling.settle_found_inf`): a set
+        flag counts that step as skipped and gives the schedule's rate for the steps actually applied."""
+        if self.scaling.settle_found_inf(step=self.global_steps - 1):  # the last step: read before the next one
+            self._skipped_steps += 1
+            self._apply_lr_schedule()
 
     def _fold_writes(self) -> None:
         """Writes made to whole parameters since the last forward reach the masters before they are read."""
@@ -794,41 +772,6 @@ class Engine:
 
     def _exit_guard(self) -> None:
         self.scheduler.guarding = False
-
-    def _needs_norm(self) -> bool:
-        return self.config.gradient_clipping > 0 or self.loss_scaler is not None
-
-    def _reads_norm(self) -> bool:
-        """Whether a boundary reads the global norm: where the step needs it, or where the host waits
-        for the end of backward anyway ([Note: non-finite gradients])."""
-        if self._norm_is_free is None:
-            tier = self.pipeline.tier
-            self._norm_is_free = (
-                self.device.type == "cpu"
-                or tier.may_fail_writes
-                or self.params_tier.may_fail_writes
-                or any(tier.steps_on_host(group) for group in self.pipeline.trainable)
-            )
-        return self._needs_norm() or self._norm_is_free or not self._takes_found_inf
-
-    def _unscale(self) -> float:
-        return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    def _coefficient_from(self, norm: float | None) -> float | None:
-        """The step's gradient coefficient (unscale x clip) from the global norm; None to skip (overflow)."""
-        unscale = self._unscale()
-        if norm is None:
-            return unscale
-        norm *= unscale
-        self.last_grad_norm = norm
-        if not math.isfinite(norm):
-            if self.loss_scaler is None:
-                log.warning("zkernel.step.nonfinite", step=self.global_steps, norm=norm, action="skipped")
-            return None
-        max_norm = self.config.gradient_clipping
-        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        return unscale * clip
-
 
 
 def log_context(rank: int, step: int):
