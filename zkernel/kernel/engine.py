@@ -21,12 +21,9 @@ is read, the coefficient, a non-finite gradient) are
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
-from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -38,12 +35,12 @@ from torch.utils.checkpoint import CheckpointError
 from zkernel.kernel import closing, lifecycle
 from zkernel.spec.config import Config
 from zkernel.platform.distributed import DistInfo
-from zkernel.spec.groups import ParamGroup, Phase, StepOptions
+from zkernel.spec.groups import ParamGroup, StepOptions
 from zkernel.telemetry.log import get_logger
-from zkernel.kernel.engine_inputs import input_name, prepare_input, scaled_by
+from zkernel.kernel.engine_inputs import LossScaledTwice, input_name, prepare_input
+from zkernel.kernel.engine_parts import EngineParts
 from zkernel.kernel.loss_scale import DynamicLossScaler
-from zkernel.kernel.memory_report import MemoryReport
-from zkernel.params import param_writes
+from zkernel.kernel.memory_report import MemoryReport, measure_memory
 from zkernel.params.param_writes import WriteFolder
 from zkernel.telemetry.profiling import profiler_range
 from zkernel.kernel.closed import closed_error, requires_open
@@ -51,47 +48,13 @@ from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.kernel.scheduler import Scheduler, streams_device
 from zkernel.kernel.step_pipeline import StepPipeline, StepPolicy
 from zkernel.kernel.step_scaling import StepScaling
-from zkernel.platform.streams import Streams
-from zkernel.spec.tiers import OptimizerTier, ParamsTier, StoredBytes
-from zkernel.telemetry.timeline import SpanKind, Timeline
+from zkernel.telemetry.timeline import SpanKind
 from zkernel.params.unset import UnsetValues
 from zkernel.kernel.user_backward import BackwardPass
+from zkernel.kernel.user_gather import gathered
 from zkernel.kernel.wiring import EngineServices, MicroSteps
 
 log = get_logger()
-
-_MEMORY_CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
-
-
-@attrs.frozen(kw_only=True)
-class EngineParts:
-    """What `zkernel.initialize` built for an engine."""
-
-    runtime_pm: Any
-    groups: list[ParamGroup]
-    compute_dtype: torch.dtype
-    optimizer_tier: OptimizerTier
-    params_tier: ParamsTier
-    worker: ThreadPoolExecutor
-    streams: Streams
-    timeline: Timeline
-    can_rollback: bool
-    skips_params: bool  # the optimizer leaves skipped parameters as they are itself
-    # The optimizer honours ``StepOptions.found_inf`` ([Note: a non-finite flag read one step late]).
-    takes_found_inf: bool = False
-    speculate: str
-    # (parameter name, dtype at initialize), to give the parameters back at close.
-    original_dtypes: tuple[tuple[str, torch.dtype], ...]
-    # Bytes of every parameter, whole, in its dtype at `initialize` (where `close` can put them).
-    whole_bytes: int = 0
-    # (name, shape, dtype) of every parameter and buffer at initialize (state dicts, checkpoints).
-    original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
-    # The planner's decision when the config had "auto" values (`zkernel.spec.planner.Plan`), else None.
-    placement_plan: Any = None
-    # The selected `zkernel.spec.lr_schedule.LRSchedule` (None: no schedule, as ``lr_schedule.name = "none"``).
-    lr_schedule: Any = None
-    # Names of the values the partitioner's meta-device construction left unset ([Note: values left unset]).
-    left_unset: frozenset[str] = frozenset()
 
 
 class Engine:
@@ -165,8 +128,7 @@ class Engine:
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._pass_boundary = False  # whether the backward running now ends a window
         self._user_span: Any = None  # the timeline span of a backward nobody announced, while it runs
-        self._output_fn: Any = None  # the last forward's scalar output, to see a loss scaled twice
-        self._warned_scaled_twice = False
+        self._scaled_twice = LossScaledTwice(config.gradient_accumulation_steps)
         self._redo_window = False  # the last step was not taken: its window must run again
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
@@ -285,12 +247,10 @@ class Engine:
         except BaseException:  # also where the model's hooks did not run (KeyboardInterrupt)
             self.scheduler.abandon_forward()
             raise
-        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-        self._output_fn = loss.grad_fn if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        self._scaled_twice.saw(out)
         return out
 
     @requires_open("gathered_parameters()")
-    @contextlib.contextmanager
     def gathered_parameters(self, *, modifier_rank: int | None = None):
         """Make every parameter whole inside the block (collective: call it on every rank).
 
@@ -305,33 +265,7 @@ class Engine:
         some ranks only]). Parameters in no group (the frozen ones of none, ZeRO-1
         and ZeRO-2) are settled the same way ([Note: parameters in no group]).
         """
-        self.unset.require("engine.gathered_parameters()")
-        if modifier_rank is not None and not 0 <= modifier_rank < self.dist.world_size:
-            raise ValueError(f"modifier_rank {modifier_rank!r} is not a rank of this world size {self.dist.world_size}")
-        self.pipeline.wait_all()
-        groups = [g for g in self.scheduler.bound if not g.gathered]
-        with self.scheduler.plugin_call():
-            for group in groups:
-                self.scheduler.fetch_now(group, Phase.USER)
-        grouped = {id(p) for group in self.groups for p in group.params}
-        loose = [(n, p) for n, p in self._module.named_parameters() if id(p) not in grouped]
-        # [Note: parameters in no group] in `zkernel.params.param_writes`
-        param_writes.watch_loose([p for _, p in loose])
-        completed = False
-        try:
-            yield self._module
-            completed = True
-        finally:
-            with self.scheduler.plugin_call():
-                try:
-                    if completed:  # a block that raised may have raised on some ranks only: no collective
-                        whole = [g for g in self.scheduler.groups if g.gathered]
-                        param_writes.settle(whole, modifier_rank, self.dist.world_size, loose)
-                finally:
-                    param_writes.unwatch([p for _, p in loose])
-                    self.scheduler.fold_writes()
-                    for group in groups:
-                        self.hook.zkernel_release_params(group=group, phase=Phase.USER)
+        return gathered(self, modifier_rank)
 
     @requires_open("backward()")
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
@@ -348,15 +282,8 @@ class Engine:
                 + "; for a non-scalar output call output.backward(gradient) itself"
             )
         steps = self.config.gradient_accumulation_steps
-        if scale_wrt_gas and steps > 1 and not self._warned_scaled_twice and scaled_by(loss, self._output_fn, steps):
-            # [Note: a loss scaled twice] in `zkernel.kernel.engine_inputs`.
-            self._warned_scaled_twice = True
-            log.warning(
-                "zkernel.backward.loss_scaled_twice",
-                gradient_accumulation_steps=steps,
-                advice="engine.backward already averages the gradients over gradient_accumulation_steps "
-                "micro-batches (as DeepSpeed's engine does); pass the forward's loss without dividing it",
-            )
+        if scale_wrt_gas and steps > 1:
+            self._scaled_twice.check(loss)  # [Note: a loss scaled twice] in `zkernel.kernel.engine_inputs`
         self._check_one_backward("engine.backward was called")
         scale = 1.0 / steps if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
@@ -409,7 +336,7 @@ class Engine:
     def _begin_pass(self, roots: torch.Tensor | list[torch.Tensor] | None) -> bool:
         """The prologue of a backward: tell the step pipeline and the scheduler (``roots``: where the
         search for unreachable parameters starts). Returns whether the pass ends a window."""
-        self._output_fn = None  # its graph is gone after this backward; keep none of it
+        self._scaled_twice.forget()  # the output's graph is gone after this backward; keep none of it
         boundary = self.is_accumulation_boundary
         unscale = self.scaling.unscale()
         known = None if self.scaling.needs_norm() else unscale
@@ -556,29 +483,7 @@ class Engine:
         partitioner holds whole on this rank, and why (`MemoryReport`, [Note:
         parameters kept whole]); ``report.whole_lines()`` says it in words.
         """
-        seen: set[tuple[str, int]] = set()
-        report: dict[str, dict[str, int]] = {c: defaultdict(int) for c in _MEMORY_CATEGORIES}
-        contributions = [
-            c for group in self.groups for c in self.hook.zkernel_memory_tensors(group=group) if c
-        ]
-        # Parameters no group holds (frozen ones, which partitioners that keep parameters whole leave
-        # in place) take device memory all the same.
-        grouped = {id(p) for group in self.groups for p in group.params}
-        contributions.append({"params": [p for p in self._module.parameters() if id(p) not in grouped]})
-        for category in _MEMORY_CATEGORIES:
-            for contribution in contributions:
-                for t in contribution.get(category, ()):
-                    if isinstance(t, StoredBytes):  # a swap file's region
-                        key, place, nbytes = (t.place, t.key), t.place, t.nbytes
-                    else:
-                        storage = t.untyped_storage()
-                        key, place, nbytes = (str(t.device), storage.data_ptr()), str(t.device), storage.nbytes()
-                    if key in seen or nbytes == 0:
-                        continue
-                    seen.add(key)
-                    report[category][place] += nbytes
-        whole = [w for group in self.groups for w in self.hook.zkernel_memory_whole(group=group) if w]
-        return MemoryReport({c: dict(v) for c, v in report.items()}, whole)
+        return measure_memory(self.groups, self.hook, self._module)
 
     def close(self) -> None:
         """Give the model back and free everything the engine holds (collective: call on every rank).
