@@ -128,7 +128,7 @@ class Engine:
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._pass_boundary = False  # whether the backward running now ends a window
         self._user_span: Any = None  # the timeline span of a backward nobody announced, while it runs
-        self._scaled_twice = LossScaledTwice(config.gradient_accumulation_steps)
+        self._scaled_twice = LossScaledTwice(config.gradient_accumulation_steps)  # [Note: a loss scaled twice]
         self._redo_window = False  # the last step was not taken: its window must run again
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
