@@ -1,5 +1,5 @@
 """A step is taken whole or not at all, on every rank ([Note: a step is all-or-nothing] in
-`zkernel.kernel.step_outcome`, [Note: non-finite gradients] in `zkernel.kernel.engine`): a NaN loss
+`zkernel.kernel.step_outcome`, [Note: non-finite gradients] in `zkernel.kernel.step_scaling`): a NaN loss
 with clipping off is skipped, counted and logged; a swap-file write that fails in the middle of a step
 (a real RLIMIT_FSIZE in one rank's process) makes every rank raise at the same step, and running the
 batch again once the disk has room ends at torch's uninterrupted model; the same for a parameter shard's
@@ -218,7 +218,7 @@ def test_a_checkpoint_saved_before_the_flag_is_read_resumes_exactly(tmp_path):
     torch.manual_seed(0)
     model = TrickyNet()
     engine = zkernel.initialize(model, cfg)
-    engine._norm_is_free = False  # the path a GPU takes ([Note: a non-finite flag read one step late])
+    engine.scaling.norm_is_free = False  # the path a GPU takes ([Note: a non-finite flag read one step late])
     train(engine, 0, 2, poison=1)
     assert engine.pipeline.found_inf_pending
     engine.save_checkpoint(tmp_path)
@@ -228,7 +228,7 @@ def test_a_checkpoint_saved_before_the_flag_is_read_resumes_exactly(tmp_path):
     torch.manual_seed(1)
     resumed = TrickyNet()
     again = zkernel.initialize(resumed, cfg)
-    again._norm_is_free = False
+    again.scaling.norm_is_free = False
     again.load_checkpoint(tmp_path)
     assert again.skipped_steps == 1 and again.global_steps == 2
     train(again, 2, 5)

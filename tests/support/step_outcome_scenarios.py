@@ -138,7 +138,7 @@ def nonfinite_flag(stage: str, precision: str, steps: int = 5, poison_step: int 
     model = TrickyNet()
     engine = zkernel.initialize(model, cfg)
     if engine.device.type == "cpu":
-        engine._norm_is_free = False  # as on a GPU: the norm would cost a host wait ([Note: non-finite gradients])
+        engine.scaling.norm_is_free = False  # as on a GPU: the norm would cost a host wait ([Note: non-finite gradients])
     poison = {"on": False}
 
     def one_nan(grad):

@@ -262,7 +262,7 @@ class DeepSpeedEngine:
         """The global L2 norm of the last boundary's gradients (after the fp16 unscale, before clipping),
         as the engine measured it for clipping and the non-finite check; inf for an overflow; None
         where it was not measured (no clipping, no fp16, every group stepped on a GPU: [Note:
-        non-finite gradients] in `zkernel.kernel.engine`), as DeepSpeed's is None when its optimizer
+        non-finite gradients] in `zkernel.kernel.step_scaling`), as DeepSpeed's is None when its optimizer
         computes none."""
         return self.engine.last_grad_norm
 

@@ -15,7 +15,8 @@ from zkernel.platform import native
 from zkernel.spec.config import Config, ConfigError, auto_keys
 from zkernel.kernel.config_source import load_config
 from zkernel.platform.distributed import init_distributed, local_world_size
-from zkernel.kernel.engine import Engine, EngineParts
+from zkernel.kernel.engine import Engine
+from zkernel.kernel.engine_parts import EngineParts
 from zkernel.spec.groups import OptimizerDeclaration, ParamGroup
 from zkernel.telemetry.log import get_logger
 from zkernel.spec.lr_schedule import LRSchedule

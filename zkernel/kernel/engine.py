@@ -14,43 +14,16 @@ The optimizer phase is `zkernel.kernel.step_pipeline.StepPipeline` (see its note
 gradients are handed to the optimizer tier as they are reduced during
 backward, the global norm is known when a boundary backward ends, and groups
 step one by one (on the host worker thread where the tier keeps them on the
-host), the step's coefficient folding the loss unscale and the clip factor.
-An fp16 overflow anywhere shows up as a non-finite global norm on every rank,
-so all ranks skip together.
-
-[Note: non-finite gradients] A NaN or inf gradient is not applied, in any
-precision, with clipping or without, wherever checking it costs no host sync
-of its own: the global norm is computed at every boundary (its all-reduce is
-the one clipping makes, so a non-finite gradient on one rank makes the norm inf
-on every rank), and a non-finite norm skips the step on every rank, counted in
-``skipped_steps`` and logged as ``zkernel.step.nonfinite`` (WARNING; fp16's
-overflow at INFO, as the loss scale expects them). Host steps started during
-backward with a known coefficient are checked first against their own group's
-norm (a host value by then) and rolled back when another group or rank was not
-finite, so they are taken only for an optimizer that can roll back.
-Reading the norm makes the host wait for the end of backward. With clipping or
-fp16 the step needs it anyway; on a CPU device, with an optimizer tier that
-steps groups on the host (which waits for their gradients) or a tier whose
-writes can fail (the outcome travels in the norm's all-reduce), the wait is
-already there.
-Where every group steps on a GPU with clipping off, it would be a new sync per
-step (1-2% of GPT-1.3B's step on one H200: BENCHMARKS.md, issue 42's calls), so
-there the norm is not read: the step gets a device flag instead, which the
-optimizer honours on the device and the host reads one step late, before the
-next step and before anything reads the counters ([Note: a non-finite flag
-read one step late] in `zkernel.kernel.found_inf`); the step is skipped,
-counted and warned all the same, only later. An optimizer that cannot honour
-the flag (``takes_found_inf`` not declared) has the norm read instead.
+host). The step's scaling and skip decisions (the loss scale, whether the norm
+is read, the coefficient, a non-finite gradient) are
+`zkernel.kernel.step_scaling.StepScaling`'s ([Note: non-finite gradients] there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
-from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -62,59 +35,26 @@ from torch.utils.checkpoint import CheckpointError
 from zkernel.kernel import closing, lifecycle
 from zkernel.spec.config import Config
 from zkernel.platform.distributed import DistInfo
-from zkernel.spec.groups import ParamGroup, Phase, StepOptions
+from zkernel.spec.groups import ParamGroup, StepOptions
 from zkernel.telemetry.log import get_logger
-from zkernel.kernel.engine_inputs import input_name, prepare_input, scaled_by
+from zkernel.kernel.engine_inputs import LossScaledTwice, input_name, prepare_input
+from zkernel.kernel.engine_parts import EngineParts
 from zkernel.kernel.loss_scale import DynamicLossScaler
-from zkernel.kernel.memory_report import MemoryReport
-from zkernel.params import param_writes
+from zkernel.kernel.memory_report import MemoryReport, measure_memory
 from zkernel.params.param_writes import WriteFolder
 from zkernel.telemetry.profiling import profiler_range
 from zkernel.kernel.closed import closed_error, requires_open
 from zkernel.kernel.reduction_order import ReductionOrder
 from zkernel.kernel.scheduler import Scheduler, streams_device
 from zkernel.kernel.step_pipeline import StepPipeline, StepPolicy
-from zkernel.platform.streams import Streams
-from zkernel.spec.tiers import OptimizerTier, ParamsTier, StoredBytes
-from zkernel.telemetry.timeline import SpanKind, Timeline
+from zkernel.kernel.step_scaling import StepScaling
+from zkernel.telemetry.timeline import SpanKind
 from zkernel.params.unset import UnsetValues
 from zkernel.kernel.user_backward import BackwardPass
+from zkernel.kernel.user_gather import gathered
 from zkernel.kernel.wiring import EngineServices, MicroSteps
 
 log = get_logger()
-
-_MEMORY_CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
-
-
-@attrs.frozen(kw_only=True)
-class EngineParts:
-    """What `zkernel.initialize` built for an engine."""
-
-    runtime_pm: Any
-    groups: list[ParamGroup]
-    compute_dtype: torch.dtype
-    optimizer_tier: OptimizerTier
-    params_tier: ParamsTier
-    worker: ThreadPoolExecutor
-    streams: Streams
-    timeline: Timeline
-    can_rollback: bool
-    skips_params: bool  # the optimizer leaves skipped parameters as they are itself
-    # The optimizer honours ``StepOptions.found_inf`` ([Note: a non-finite flag read one step late]).
-    takes_found_inf: bool = False
-    speculate: str
-    # (parameter name, dtype at initialize), to give the parameters back at close.
-    original_dtypes: tuple[tuple[str, torch.dtype], ...]
-    # Bytes of every parameter, whole, in its dtype at `initialize` (where `close` can put them).
-    whole_bytes: int = 0
-    # (name, shape, dtype) of every parameter and buffer at initialize (state dicts, checkpoints).
-    original_tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
-    # The planner's decision when the config had "auto" values (`zkernel.spec.planner.Plan`), else None.
-    placement_plan: Any = None
-    # The selected `zkernel.spec.lr_schedule.LRSchedule` (None: no schedule, as ``lr_schedule.name = "none"``).
-    lr_schedule: Any = None
-    # Names of the values the partitioner's meta-device construction left unset ([Note: values left unset]).
-    left_unset: frozenset[str] = frozenset()
 
 
 class Engine:
@@ -132,7 +72,6 @@ class Engine:
         self.optimizer_tier = parts.optimizer_tier
         self.params_tier = parts.params_tier
         self._original_dtypes = parts.original_dtypes
-        self._takes_found_inf = parts.takes_found_inf
         self._whole_bytes = parts.whole_bytes
         # name -> (shape, dtype) of each parameter and buffer as the plain model had it.
         self.original_tensors = {n: (torch.Size(shape), dtype) for n, shape, dtype in parts.original_tensors}
@@ -140,7 +79,6 @@ class Engine:
         self.timeline = parts.timeline
         # What the planner chose and why (`zkernel.spec.planner.Plan`) when the config said "auto"; else None.
         self.placement_plan = parts.placement_plan
-        self.loss_scaler = DynamicLossScaler.from_config(config) if config.precision == "fp16" else None
         opt = config.optimizer
         self._base_hyper = StepOptions(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         self.lr_schedule = parts.lr_schedule
@@ -162,6 +100,7 @@ class Engine:
             worker=parts.worker,
             timeline=parts.timeline,
         )
+        self.scaling = StepScaling(config, self.pipeline, dist_info.device, parts.takes_found_inf)
         self.unset = UnsetValues(module, parts.left_unset)  # [Note: values left unset] in `zkernel.params.unset`
         self.writes = WriteFolder(self)  # [Note: writes to gathered parameters] in `zkernel.params.param_writes`
         # [Note: a backward the engine is not told of] in `zkernel.kernel.user_backward`
@@ -185,16 +124,11 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._apply_lr_schedule()
-        self.last_grad_norm: float | None = None
         self._coefficient: tuple[float | None] | None = None  # this window's (coefficient,), once known
         self._backward_done = False  # a backward ran for the micro-batch that step() has not counted yet
         self._pass_boundary = False  # whether the backward running now ends a window
         self._user_span: Any = None  # the timeline span of a backward nobody announced, while it runs
-        # See `_reads_norm`. Tests set it False to take the device-flag path on a CPU device ([Note: a
-        # non-finite flag read one step late] in `zkernel.kernel.found_inf`).
-        self._norm_is_free: bool | None = None
-        self._output_fn: Any = None  # the last forward's scalar output, to see a loss scaled twice
-        self._warned_scaled_twice = False
+        self._scaled_twice = LossScaledTwice(config.gradient_accumulation_steps)  # [Note: a loss scaled twice]
         self._redo_window = False  # the last step was not taken: its window must run again
         self._closed = False
         # The finalizer must not reach the engine or the model (it would keep them alive):
@@ -256,6 +190,20 @@ class Engine:
         self.pipeline.hyper = attrs.evolve(self.pipeline.hyper, lr=float(value))
 
     @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        """The fp16 run's dynamic loss scaler (None in other precisions): `StepScaling.loss_scaler`."""
+        return self.scaling.loss_scaler
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last global gradient norm read on the host, unscaled (None before any): `StepScaling.last_grad_norm`."""
+        return self.scaling.last_grad_norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: float | None) -> None:
+        self.scaling.last_grad_norm = value
+
+    @property
     def micro_steps(self) -> int:
         """Micro-batches counted by `step` so far (shared with the scheduler: `zkernel.kernel.wiring.MicroSteps`)."""
         return self._micro_steps.count
@@ -299,12 +247,10 @@ class Engine:
         except BaseException:  # also where the model's hooks did not run (KeyboardInterrupt)
             self.scheduler.abandon_forward()
             raise
-        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-        self._output_fn = loss.grad_fn if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        self._scaled_twice.saw(out)
         return out
 
     @requires_open("gathered_parameters()")
-    @contextlib.contextmanager
     def gathered_parameters(self, *, modifier_rank: int | None = None):
         """Make every parameter whole inside the block (collective: call it on every rank).
 
@@ -319,33 +265,7 @@ class Engine:
         some ranks only]). Parameters in no group (the frozen ones of none, ZeRO-1
         and ZeRO-2) are settled the same way ([Note: parameters in no group]).
         """
-        self.unset.require("engine.gathered_parameters()")
-        if modifier_rank is not None and not 0 <= modifier_rank < self.dist.world_size:
-            raise ValueError(f"modifier_rank {modifier_rank!r} is not a rank of this world size {self.dist.world_size}")
-        self.pipeline.wait_all()
-        groups = [g for g in self.scheduler.bound if not g.gathered]
-        with self.scheduler.plugin_call():
-            for group in groups:
-                self.scheduler.fetch_now(group, Phase.USER)
-        grouped = {id(p) for group in self.groups for p in group.params}
-        loose = [(n, p) for n, p in self._module.named_parameters() if id(p) not in grouped]
-        # [Note: parameters in no group] in `zkernel.params.param_writes`
-        param_writes.watch_loose([p for _, p in loose])
-        completed = False
-        try:
-            yield self._module
-            completed = True
-        finally:
-            with self.scheduler.plugin_call():
-                try:
-                    if completed:  # a block that raised may have raised on some ranks only: no collective
-                        whole = [g for g in self.scheduler.groups if g.gathered]
-                        param_writes.settle(whole, modifier_rank, self.dist.world_size, loose)
-                finally:
-                    param_writes.unwatch([p for _, p in loose])
-                    self.scheduler.fold_writes()
-                    for group in groups:
-                        self.hook.zkernel_release_params(group=group, phase=Phase.USER)
+        return gathered(self, modifier_rank)
 
     @requires_open("backward()")
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
@@ -362,15 +282,8 @@ class Engine:
                 + "; for a non-scalar output call output.backward(gradient) itself"
             )
         steps = self.config.gradient_accumulation_steps
-        if scale_wrt_gas and steps > 1 and not self._warned_scaled_twice and scaled_by(loss, self._output_fn, steps):
-            # [Note: a loss scaled twice] in `zkernel.kernel.engine_inputs`.
-            self._warned_scaled_twice = True
-            log.warning(
-                "zkernel.backward.loss_scaled_twice",
-                gradient_accumulation_steps=steps,
-                advice="engine.backward already averages the gradients over gradient_accumulation_steps "
-                "micro-batches (as DeepSpeed's engine does); pass the forward's loss without dividing it",
-            )
+        if scale_wrt_gas and steps > 1:
+            self._scaled_twice.check(loss)  # [Note: a loss scaled twice] in `zkernel.kernel.engine_inputs`
         self._check_one_backward("engine.backward was called")
         scale = 1.0 / steps if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
@@ -381,8 +294,9 @@ class Engine:
             with profiler_range("zkernel::backward"), self._compute_span("backward"):
                 (loss.float() * scale).backward(retain_graph=retain_graph)
                 self.scheduler.finish_backward()
-            # The norm at every boundary where reading it adds no sync ([Note: non-finite gradients]).
-            norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
+            # The norm at every boundary where reading it adds no sync ([Note: non-finite gradients] in
+            # `zkernel.kernel.step_scaling`).
+            norm = self.pipeline.end_backward(boundary, self.scaling.reads_norm(), self.scheduler.readiness.window_used)
         except CheckpointError as error:
             raise type(error)(self.scheduler.explain_recompute_error(error)) from error
         finally:
@@ -422,10 +336,10 @@ class Engine:
     def _begin_pass(self, roots: torch.Tensor | list[torch.Tensor] | None) -> bool:
         """The prologue of a backward: tell the step pipeline and the scheduler (``roots``: where the
         search for unreachable parameters starts). Returns whether the pass ends a window."""
-        self._output_fn = None  # its graph is gone after this backward; keep none of it
+        self._scaled_twice.forget()  # the output's graph is gone after this backward; keep none of it
         boundary = self.is_accumulation_boundary
-        unscale = self._unscale()
-        known = None if self._needs_norm() else unscale
+        unscale = self.scaling.unscale()
+        known = None if self.scaling.needs_norm() else unscale
         self.pipeline.begin_backward(boundary, known=known, speculative=unscale)
         self.scheduler.begin_backward(boundary, roots)
         self._pass_boundary = boundary
@@ -436,7 +350,7 @@ class Engine:
         self._backward_done = True
         self._redo_window = False
         if boundary:
-            self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
+            self._coefficient = (None if self.pipeline.outcome.failed else self.scaling.coefficient_from(norm, self.global_steps),)
 
     def _begin_user_backward(self, roots: list[torch.Tensor] | None) -> float:
         """Called by `BackwardPass.enter` inside a backward nobody announced, at its first event:
@@ -470,7 +384,7 @@ class Engine:
         try:
             with profiler_range("zkernel::backward_end"):
                 self.scheduler.finish_backward()
-                norm = self.pipeline.end_backward(boundary, self._reads_norm(), self.scheduler.readiness.window_used)
+                norm = self.pipeline.end_backward(boundary, self.scaling.reads_norm(), self.scheduler.readiness.window_used)
         finally:
             self._exit_guard()
             span, self._user_span = self._user_span, None
@@ -515,7 +429,7 @@ class Engine:
         if self._coefficient is None:  # no backward ended this window: step what got gradients
             self.pipeline.begin_backward(True, known=None, speculative=None)
             norm = self.pipeline.end_backward(True, True, self.scheduler.readiness.window_used)
-            self._coefficient = (None if self.pipeline.outcome.failed else self._coefficient_from(norm),)
+            self._coefficient = (None if self.pipeline.outcome.failed else self.scaling.coefficient_from(norm, self.global_steps),)
         (coefficient,), self._coefficient = self._coefficient, None
         self._settle_found_inf()  # the last step's flag: its counts and rate before this step's
         if self.pipeline.outcome.failed:
@@ -569,29 +483,7 @@ class Engine:
         partitioner holds whole on this rank, and why (`MemoryReport`, [Note:
         parameters kept whole]); ``report.whole_lines()`` says it in words.
         """
-        seen: set[tuple[str, int]] = set()
-        report: dict[str, dict[str, int]] = {c: defaultdict(int) for c in _MEMORY_CATEGORIES}
-        contributions = [
-            c for group in self.groups for c in self.hook.zkernel_memory_tensors(group=group) if c
-        ]
-        # Parameters no group holds (frozen ones, which partitioners that keep parameters whole leave
-        # in place) take device memory all the same.
-        grouped = {id(p) for group in self.groups for p in group.params}
-        contributions.append({"params": [p for p in self._module.parameters() if id(p) not in grouped]})
-        for category in _MEMORY_CATEGORIES:
-            for contribution in contributions:
-                for t in contribution.get(category, ()):
-                    if isinstance(t, StoredBytes):  # a swap file's region
-                        key, place, nbytes = (t.place, t.key), t.place, t.nbytes
-                    else:
-                        storage = t.untyped_storage()
-                        key, place, nbytes = (str(t.device), storage.data_ptr()), str(t.device), storage.nbytes()
-                    if key in seen or nbytes == 0:
-                        continue
-                    seen.add(key)
-                    report[category][place] += nbytes
-        whole = [w for group in self.groups for w in self.hook.zkernel_memory_whole(group=group) if w]
-        return MemoryReport({c: dict(v) for c, v in report.items()}, whole)
+        return measure_memory(self.groups, self.hook, self._module)
 
     def close(self) -> None:
         """Give the model back and free everything the engine holds (collective: call on every rank).
@@ -761,20 +653,11 @@ class Engine:
     # -- internals --------------------------------------------------------------
 
     def _settle_found_inf(self) -> None:
-        """Read the last step's device flag if it is pending ([Note: a non-finite flag read one step
-        late] in `zkernel.kernel.found_inf`): a set flag counts that step as skipped, warns, and gives
-        the schedule's rate for the steps actually applied."""
-        if not self.pipeline.found_inf_pending or not self.pipeline.settle_found_inf():
-            return
-        self._skipped_steps += 1
-        log.warning(
-            "zkernel.step.nonfinite",
-            step=self.global_steps - 1,  # the last step: a flag is read before the next one
-            norm=None,  # not read on the host: the device flag said some gradient was NaN or inf
-            action="skipped",
-            found="device flag",
-        )
-        self._apply_lr_schedule()
+        """Read the last step's device flag if it is pending (`StepScaling.settle_found_inf`): a set
+        flag counts that step as skipped and gives the schedule's rate for the steps actually applied."""
+        if self.scaling.settle_found_inf(step=self.global_steps - 1):  # the last step: read before the next one
+            self._skipped_steps += 1
+            self._apply_lr_schedule()
 
     def _fold_writes(self) -> None:
         """Writes made to whole parameters since the last forward reach the masters before they are read."""
@@ -794,41 +677,6 @@ class Engine:
 
     def _exit_guard(self) -> None:
         self.scheduler.guarding = False
-
-    def _needs_norm(self) -> bool:
-        return self.config.gradient_clipping > 0 or self.loss_scaler is not None
-
-    def _reads_norm(self) -> bool:
-        """Whether a boundary reads the global norm: where the step needs it, or where the host waits
-        for the end of backward anyway ([Note: non-finite gradients])."""
-        if self._norm_is_free is None:
-            tier = self.pipeline.tier
-            self._norm_is_free = (
-                self.device.type == "cpu"
-                or tier.may_fail_writes
-                or self.params_tier.may_fail_writes
-                or any(tier.steps_on_host(group) for group in self.pipeline.trainable)
-            )
-        return self._needs_norm() or self._norm_is_free or not self._takes_found_inf
-
-    def _unscale(self) -> float:
-        return 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    def _coefficient_from(self, norm: float | None) -> float | None:
-        """The step's gradient coefficient (unscale x clip) from the global norm; None to skip (overflow)."""
-        unscale = self._unscale()
-        if norm is None:
-            return unscale
-        norm *= unscale
-        self.last_grad_norm = norm
-        if not math.isfinite(norm):
-            if self.loss_scaler is None:
-                log.warning("zkernel.step.nonfinite", step=self.global_steps, norm=norm, action="skipped")
-            return None
-        max_norm = self.config.gradient_clipping
-        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        return unscale * clip
-
 
 
 def log_context(rank: int, step: int):

@@ -5,7 +5,7 @@ the loss divided by the accumulation steps before `Engine.backward`, which
 already averages over them. Seen only where it is cheap: the loss is the
 forward's own scalar output divided by (or multiplied by the inverse of)
 exactly that number, a constant held on the host; `scaled_by` reads no device
-value, and the engine warns once.
+value, and the engine warns once (`LossScaledTwice`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import MappingKey, SequenceKey
 
-__all__ = ["input_name", "prepare_input", "scaled_by"]
+from zkernel.telemetry.log import get_logger
+
+log = get_logger()
+
+__all__ = ["LossScaledTwice", "input_name", "prepare_input", "scaled_by"]
 
 
 def prepare_input(value: Any, device: torch.device, compute_dtype: torch.dtype, where: str = "an input") -> Any:
@@ -63,3 +67,39 @@ def scaled_by(loss: torch.Tensor, output_fn: Any, steps: int) -> bool:
         return False
     expected = steps if fn.name() == "DivBackward0" else 1.0 / steps
     return math.isclose(float(other), expected, rel_tol=1e-6)
+
+
+class LossScaledTwice:
+    """The engine's check for a loss already divided by the accumulation steps ([Note: a loss scaled
+    twice]), warned of once per engine.
+
+    Built by `Engine.__init__` with ``gradient_accumulation_steps``; the engine calls `saw` with
+    each forward's output, `check` in `Engine.backward` (where it divides the loss), and `forget`
+    when a backward begins, on the training thread (`forget` also on autograd's, for a backward
+    nobody announced)."""
+
+    def __init__(self, steps: int) -> None:
+        self._steps = steps
+        self._output_fn: Any = None  # the last forward's scalar output's grad_fn
+        self._warned = False
+
+    def saw(self, out: Any) -> None:
+        """Keep the grad_fn of a forward's scalar output (``out`` itself, or its ``loss``)."""
+        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+        self._output_fn = loss.grad_fn if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+    def forget(self) -> None:
+        """Drop the kept output: its graph is gone after the backward that begins."""
+        self._output_fn = None
+
+    def check(self, loss: torch.Tensor) -> None:
+        """Warn (once) where ``loss`` is the kept output divided by the accumulation steps."""
+        if self._warned or not scaled_by(loss, self._output_fn, self._steps):
+            return
+        self._warned = True
+        log.warning(
+            "zkernel.backward.loss_scaled_twice",
+            gradient_accumulation_steps=self._steps,
+            advice="engine.backward already averages the gradients over gradient_accumulation_steps "
+            "micro-batches (as DeepSpeed's engine does); pass the forward's loss without dividing it",
+        )

@@ -2,7 +2,7 @@
 
 [Note: a non-finite flag read one step late] Where the host does not read the
 global gradient norm at a boundary ([Note: non-finite gradients] in
-`zkernel.kernel.engine`: every group steps on a GPU, clipping off, no fp16),
+`zkernel.kernel.step_scaling`: every group steps on a GPU, clipping off, no fp16),
 a NaN or inf gradient is still never applied. One path does it:
 
 1. at the end of a boundary backward the step pipeline sums the groups'
@@ -35,7 +35,7 @@ a NaN or inf gradient is still never applied. One path does it:
 An optimizer that cannot honour the flag says so (``takes_found_inf`` False)
 and the engine reads the norm instead, a host wait per step but exact. On a
 CPU device the norm is free, so there the flag is used only where a test asks
-for it (`Engine._norm_is_free` False), which runs this same path with a
+for it (``engine.scaling.norm_is_free`` False), which runs this same path with a
 synchronous copy and no event.
 """
 

@@ -1,4 +1,4 @@
-"""What `Engine.memory_report` returns: bytes by category and place, and the parameters kept whole.
+"""What `Engine.memory_report` returns, measured here: bytes by category and place, the parameters kept whole.
 
 [Note: parameters kept whole] A sharding partitioner's report can show more
 ``params`` per rank than a shard: zero3 keeps units under its
@@ -12,9 +12,17 @@ summed per reason, each with the config key that changes it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 
-from zkernel.spec.tiers import WholeParams
+from torch import nn
+
+from zkernel.spec.groups import ParamGroup
+from zkernel.spec.tiers import StoredBytes, WholeParams
+
+__all__ = ["CATEGORIES", "MemoryReport", "measure_memory", "merge_whole"]
+
+CATEGORIES = ("params", "grads", "master_weights", "optimizer_state")
 
 
 class MemoryReport(dict):
@@ -45,6 +53,34 @@ class MemoryReport(dict):
                 line += f"; set {entry.setting} to change it"
             lines.append(line)
         return lines
+
+
+def measure_memory(groups: Sequence[ParamGroup], hook, module: nn.Module) -> MemoryReport:
+    """What `Engine.memory_report` returns: the tensors and swap-file regions the selected components
+    name for each of ``groups`` (``hook``: the engine's runtime hooks, ``zkernel_memory_tensors``),
+    plus ``module``'s parameters in no group, each storage counted once, under the first category
+    that names it; and what the partitioner holds whole (``zkernel_memory_whole``)."""
+    seen: set[tuple[str, int]] = set()
+    report: dict[str, dict[str, int]] = {c: defaultdict(int) for c in CATEGORIES}
+    contributions = [c for group in groups for c in hook.zkernel_memory_tensors(group=group) if c]
+    # Parameters no group holds (frozen ones, which partitioners that keep parameters whole leave
+    # in place) take device memory all the same.
+    grouped = {id(p) for group in groups for p in group.params}
+    contributions.append({"params": [p for p in module.parameters() if id(p) not in grouped]})
+    for category in CATEGORIES:
+        for contribution in contributions:
+            for t in contribution.get(category, ()):
+                if isinstance(t, StoredBytes):  # a swap file's region
+                    key, place, nbytes = (t.place, t.key), t.place, t.nbytes
+                else:
+                    storage = t.untyped_storage()
+                    key, place, nbytes = (str(t.device), storage.data_ptr()), str(t.device), storage.nbytes()
+                if key in seen or nbytes == 0:
+                    continue
+                seen.add(key)
+                report[category][place] += nbytes
+    whole = [w for group in groups for w in hook.zkernel_memory_whole(group=group) if w]
+    return MemoryReport({c: dict(v) for c, v in report.items()}, whole)
 
 
 def merge_whole(entries: Iterable[WholeParams]) -> tuple[WholeParams, ...]:

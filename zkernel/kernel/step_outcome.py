@@ -4,7 +4,7 @@
 some of them during backward (host steps whose coefficient is known early,
 [Note: early and speculative steps] in `zkernel.kernel.step_pipeline`). Two
 things can make a step wrong only after some groups took it: a gradient that
-is not finite ([Note: non-finite gradients] in `zkernel.kernel.engine`), and a
+is not finite ([Note: non-finite gradients] in `zkernel.kernel.step_scaling`), and a
 write of the optimizer's state back to where it lives that failed (a full
 disk, an I/O error: `OptimizerTier.take_write_failures`, and a parameter
 shard's: `ParamsTier.take_write_failures`; the tier keeps the newest values in

@@ -187,8 +187,9 @@ class StepPipeline:
         if not boundary:
             return
         if known is not None:
-            # Known, but not yet whether every gradient is finite: an early step may still be
-            # undone ([Note: non-finite gradients]), so only an optimizer that can roll back takes it.
+            # Known, but not yet whether every gradient is finite: an early step may still be undone
+            # ([Note: non-finite gradients] in `zkernel.kernel.step_scaling`), so only an optimizer
+            # that can roll back takes it.
             if self.can_rollback:
                 self._early_coefficient, self._early_exact = known, True
         elif speculative is not None and self.can_rollback and self._want_speculation():
@@ -402,7 +403,8 @@ class StepPipeline:
         spike loses precision); the window then stops stepping early."""
         self.tier.acquire(group)
         # Even an exact coefficient's step is undone when a gradient of the window is not finite
-        # ([Note: non-finite gradients]): it is checked as a speculative one is.
+        # ([Note: non-finite gradients] in `zkernel.kernel.step_scaling`): it is checked as a
+        # speculative one is.
         if self._abort_speculation or self._will_clip_or_skip(group, options.grad_scale):
             if not self._abort_speculation and not exact:
                 self.aborted_speculations += 1

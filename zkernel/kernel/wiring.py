@@ -6,6 +6,9 @@ for, by these names:
 * the step pipeline first (`zkernel.kernel.step_pipeline.StepPipeline`): it
   refers to neither of the others. The scheduler it publishes through is an
   argument of `StepPipeline.step` (a `Publisher`), the one call that needs it.
+  The step's scaling and skip decisions
+  (`zkernel.kernel.step_scaling.StepScaling`) are built over it; they too
+  refer to neither the engine nor the scheduler.
 * the scheduler next (`zkernel.kernel.scheduler.Scheduler`): it gets the
   pipeline as its `StepGate` (the gradient handoff and the pending updates)
   and the engine's side as one `EngineServices` value.
