@@ -112,7 +112,8 @@ def _worker(args) -> None:
         + (f" checkpointing {checkpointed}" if checkpointed else ""),
         "optimizer_options": {k: v for k, v in dict(cfg.offload.optimizer_options).items()},
         "gpu_share_numel": getattr(tier, "gpu_share_numel", None),
-        "trainable_numel": sum(grp.master.numel() for grp in engine.groups if grp.requires_grad),
+        "trainable_numel": sum(grp.shard_layout.numel for grp in engine.groups if grp.requires_grad),
+        "split_master_numel": getattr(tier, "split_master_numel", None),
         "planned": engine.placement_plan.placement if engine.placement_plan is not None else None,
     }
     summaries = engine.timeline.summaries

@@ -1,10 +1,12 @@
 """Split masters ([Note: split masters in the tiers]): the same training, bit for bit, at 2.125 bytes a master.
 
-On 2 gloo ranks, bf16, accumulation 2 and a clip that applies every step: the ``cpu`` tier (zero1,
-zero2, zero3, and with speculative steps rolled back) and the ``nvme`` tier (all in host memory, and
-half on disk) train with split masters exactly as with whole ones, keep 2.125 bytes per master
-element instead of 4, and checkpoints cross between the two. A run that cannot split masters is
-refused when they are asked for, and keeps them whole under "auto".
+On 2 gloo ranks, bf16, accumulation 2, most cases with a clip that applies every step: the ``cpu``
+tier (zero1, zero2, zero3, zero3 unclipped) and the ``nvme`` tier (all in host memory, and half on
+disk) train with split masters exactly as with whole ones, and with speculative steps rolled back
+as closely as a rollback allows; every master in host memory is kept split, and checkpoints cross
+between the two. A run that cannot split masters is refused when they are asked for, and keeps them
+whole under "auto". On a GPU (CUDA): the GPU share's masters split on the GPU, host groups rebuilt
+from the shard downloaded from it.
 """
 
 from __future__ import annotations
@@ -27,19 +29,30 @@ def runs(tmp_path_factory):
 CASES = ("zero1-cpu", "zero2-cpu", "zero3-cpu", "zero3-cpu-unclipped", "zero3-nvme-host", "zero3-nvme-half", "zero3-cpu-speculative")
 
 
+def _same_training(whole: dict, split: dict, case: str) -> None:
+    """Bit for bit; with speculative steps as close as a rollback leaves them: which groups step during
+    backward, and so are rolled back (to within a few fp32 ulps, [Note: rollback error]), depends on
+    timing, in either run alike. A rebuild from a stale parameter would be off by a bf16 ulp (2**-8)."""
+    if "speculative" not in case:
+        assert split["losses"] == whole["losses"], case
+        for name, value in whole["params"].items():
+            assert torch.equal(split["params"][name], value), (case, name)
+        return
+    assert split["losses"] == pytest.approx(whole["losses"], rel=1e-5), case
+    for name, value in whole["params"].items():
+        torch.testing.assert_close(split["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+    assert split["rollbacks"] > 0 and whole["rollbacks"] > 0, case  # the clip applied after steps during backward
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_split_masters_train_bit_for_bit_as_whole_ones(runs, case):
     whole, split = runs[case]["whole"], runs[case]["split"]
-    assert split["losses"] == whole["losses"]
-    for name, value in whole["params"].items():
-        assert torch.equal(split["params"][name], value), name
+    _same_training(whole, split, case)
     assert whole["split_numel"] == 0
     if case.endswith("half"):  # the groups in host memory are split; those on disk keep whole files
         assert 0 < split["split_numel"] < whole["trainable"] and split["disk_numel"] > 0
     else:
         assert split["split_numel"] == whole["trainable"]
-    if case.endswith("speculative"):
-        assert split["rollbacks"] == whole["rollbacks"] > 0  # every speculative step clipped: rolled back
 
 
 def test_checkpoints_cross_between_split_and_whole_masters(runs):
@@ -76,10 +89,7 @@ def test_on_a_gpu_split_masters_train_bit_for_bit_as_whole_ones(tmp_path):
     runs = run_ranks(1, scenario.on_gpu, str(tmp_path))[0]
     for case in ("cpu-share", "cpu-host", "cpu-host-speculative", "nvme-auto-share"):
         whole, split = runs[case]["whole"], runs[case]["split"]
-        assert split["losses"] == whole["losses"], case
-        for name, value in whole["params"].items():
-            assert torch.equal(split["params"][name], value), (case, name)
+        _same_training(whole, split, case)
         assert split["split_numel"] > 0 and whole["split_numel"] == 0, case
-    assert runs["cpu-host-speculative"]["split"]["rollbacks"] > 0
     assert runs["cpu-share"]["split"]["split_numel"] == runs["cpu-share"]["split"]["trainable"]
     assert runs["resumed"]["losses"] == runs["cpu-share"]["split"]["losses"][scenario.STEPS // 2 :]
