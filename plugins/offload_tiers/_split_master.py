@@ -109,6 +109,7 @@ class SplitMasters:
         self._free: list[torch.Tensor] = []  # fp32 buffers of `_largest` elements, given back
         self._downloads: list[torch.Tensor] = []  # page-locked bf16 buffers a GPU shard is downloaded into
         self._largest = 0
+        self.buffers = 0  # rebuild buffers allocated so far: the most masters lent at once
         self._lock = threading.Lock()
         self._stream = None  # the side stream shards are downloaded on (created on first use)
         self._written: dict[int, object] = {}  # group index -> event after this tier's last write of its shard
@@ -149,8 +150,9 @@ class SplitMasters:
         halves = self._halves[group.index]
         with self._lock:
             buffer = self._free.pop() if self._free else None
-        if buffer is None:
+        if buffer is None or buffer.numel() < halves.numel:  # (the GPU share's largest grows as groups move in)
             buffer = torch.empty(self._largest, dtype=torch.float32, device=self.device)
+            self.buffers += 1
         out = buffer[: halves.numel]
         self._join(group, halves, out)
         self._lent[group.index] = buffer

@@ -109,6 +109,11 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
         tiers]), host-stepped and on the GPU."""
         return self._home.split_numel() + self._share.tier.split_numel()
 
+    @property
+    def split_master_buffers(self) -> int:
+        """fp32 buffers split masters have been rebuilt in so far: the most host groups lent at once."""
+        return self._home.split.buffers if self._home.split is not None else 0
+
     # -- placement (main thread) ------------------------------------------------------------------
 
     def pair(self, params_tier):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -47,11 +48,25 @@ def _train(engine, start: int, count: int) -> list[float]:
     return losses
 
 
-def run(cfg: dict, *, save: str | None = None, load: str | None = None) -> dict:
+def _slow_clip_check(pipeline) -> None:
+    """The host worker learns that a window clips only after every group's early step was queued, as on a
+    GPU, where backward runs ahead of the host worker (here it would keep up and queue one)."""
+    check = pipeline._will_clip_or_skip
+
+    def slow(group, unscale):
+        time.sleep(0.2)
+        return check(group, unscale)
+
+    pipeline._will_clip_or_skip = slow
+
+
+def run(cfg: dict, *, save: str | None = None, load: str | None = None, slow_check: bool = False) -> dict:
     """STEPS steps (the last two after a reload when ``load``); losses, closed parameters, master bytes."""
     torch.manual_seed(0)
     model = TrickyNet()
     engine = zkernel.initialize(model, cfg)
+    if slow_check:
+        _slow_clip_check(engine.pipeline)
     if load is not None:
         engine.load_checkpoint(load)
         losses = _train(engine, STEPS // 2, STEPS - STEPS // 2)
@@ -69,6 +84,7 @@ def run(cfg: dict, *, save: str | None = None, load: str | None = None) -> dict:
         "trainable": trainable,
         "rollbacks": pipeline.rollbacks,
         "split_numel": engine.optimizer_tier.split_master_numel,
+        "split_buffers": engine.optimizer_tier.split_master_buffers,
         "disk_numel": getattr(engine.optimizer_tier, "nbytes_on_disk", 0),
     }
     engine.close()
@@ -89,14 +105,17 @@ def whole_and_split(root: str) -> dict:
         # Clipping 2.0: groups' own norms stay below it, so they step during backward, and three of the
         # four windows' norms pass it, so those steps are rolled back and taken again.
         "zero3-cpu-speculative": ("cpu", "zero3", {"speculate": "always", "clip": 2.0}),
+        # Clipping 0.05: the first group's own norm shows the window clips; the rest wait for the step.
+        "zero3-cpu-speculation-stopped": ("cpu", "zero3", {"speculate": "always"}),
     }
     out = {}
     for name, (tier, stage, options) in cases.items():
         nvme = f"{root}/{name}-nvme-{rank}"
         os.makedirs(nvme, exist_ok=True)
-        whole = run(config(tier, stage, False, nvme, **options))
+        slow = name.endswith("stopped")
+        whole = run(config(tier, stage, False, nvme, **options), slow_check=slow)
         split = run(config(tier, stage, True if tier == "cpu" else "auto", nvme, **options),
-                    save=f"{root}/{name}-ckpt")
+                    save=f"{root}/{name}-ckpt", slow_check=slow)
         out[name] = {"whole": whole, "split": split}
     # A checkpoint written with split masters resumes an engine keeping them whole, and the other way.
     out["split->whole"] = run(config("cpu", "zero3", False, ""), load=f"{root}/zero3-cpu-ckpt")

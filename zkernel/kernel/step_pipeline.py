@@ -401,6 +401,11 @@ class StepPipeline:
         """A step during backward. It is not taken when the group's own gradient already shows the
         window will clip or skip (a non-finite step cannot be undone, and a rollback after a large
         spike loses precision); the window then stops stepping early."""
+        if self._abort_speculation:
+            # [Note: an untaken early step holds nothing] Not acquired: the step proper acquires it.
+            # A tier may lend memory at `acquire` (a split master's rebuild buffer): every group of a
+            # clipped window held one from backward to its step (27 GB for GPT-6.7B on the host).
+            return _NOT_STEPPED
         self.tier.acquire(group)
         # Even an exact coefficient's step is undone when a gradient of the window is not finite
         # ([Note: non-finite gradients] in `zkernel.kernel.step_scaling`): it is checked as a
@@ -428,7 +433,7 @@ class StepPipeline:
         if event is _NOT_STEPPED:
             if final is None:
                 return self._host_skip(group)
-            return self._host_step(group, final, True)
+            return self._host_step(group, final)  # (acquires again: a tier's acquire is idempotent)
         if final is not None and final.grad_scale == used.grad_scale:
             self.tier.end_window(group)
             return event

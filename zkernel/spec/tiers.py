@@ -162,7 +162,8 @@ class OptimizerTier(abc.ABC):
 
     def acquire(self, group: ParamGroup) -> None:
         """Block until ``group.master``, ``group.grad`` and ``group.optim_state`` are ready for the
-        optimizer in the calling thread. Default: wait for nothing."""
+        optimizer in the calling thread. Idempotent until `release`: the step pipeline acquires again
+        a group whose early step it left untaken. Default: wait for nothing."""
 
     def release(self, group: ParamGroup) -> None:
         """After the optimizer updated ``group`` and the params tier took the updated parameters
