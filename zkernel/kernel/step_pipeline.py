@@ -404,7 +404,7 @@ class StepPipeline:
         if self._abort_speculation:
             # [Note: an untaken early step holds nothing] Not acquired: the step proper acquires it.
             # A tier may lend memory at `acquire` (a split master's rebuild buffer): every group of a
-            # clipped window held one from backward to its step (27 GB for GPT-6.7B on the host).
+            # clipped window held one from backward to its step (up to ~27 GB for GPT-6.7B on the host).
             return _NOT_STEPPED
         self.tier.acquire(group)
         # Even an exact coefficient's step is undone when a gradient of the window is not finite
