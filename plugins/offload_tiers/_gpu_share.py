@@ -113,7 +113,7 @@ class GpuShare:
 
     def __init__(self, context, option: float | str, *, split: bool | None = False, tier: str = "cpu") -> None:
         self.tier = SplitDeviceOptimizerTier(context, split, tier)
-        self.split = split is not False
+        self.split = split is not False and context.compute_dtype == torch.bfloat16  # (else never split)
         self.option = option
         self.compute_dtype = context.compute_dtype
         self.device = context.device
