@@ -3,8 +3,10 @@ each rank's result (or its traceback)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import multiprocessing as mp
+from multiprocessing import forkserver
 import os
 import pickle
 import socket
@@ -47,13 +49,35 @@ def _preloaded_modules() -> list[str]:
     return ["torch", "torch.distributed", "zkernel.kernel.bootstrap", *plugins]
 
 
-def _context():
-    """Ranks fork from a server that imported torch and zkernel once (3 s of a core per process
-    otherwise). The server is a fresh interpreter that never touches CUDA, so each rank still picks
-    its devices."""
+def fork_server_context():
+    """The multiprocessing context whose processes fork from one server per test session that imported
+    torch and zkernel once (3 s of a core per process otherwise); `run_ranks` and
+    tests/support/forked_script.py start their processes from it. The server is a fresh interpreter
+    that never touches CUDA, so each rank still picks its devices.
+
+    The server starts here, on the first call, with a fixed mmap threshold (`_fixed_mmap_threshold`),
+    which it passes to every process forked from it.
+    """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_preloaded_modules())
+    with _fixed_mmap_threshold():
+        forkserver.ensure_running()
     return ctx
+
+
+@contextlib.contextmanager
+def _fixed_mmap_threshold():
+    """A fixed mmap threshold in this process's environment for the processes started inside: freed
+    large blocks go back to the OS, so a process's RSS tracks its live memory (glibc reads it at start)."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
 def _child(rank: int, world: int, port: int, out: str, fn, args, hide_gpus: bool, env: dict[str, str]) -> None:
@@ -96,25 +120,16 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, fresh: bool = False
     are now (a forked rank writes where the server's pointed when it started).
     """
     hide_gpus = too_few_gpus(world)
-    ctx = mp.get_context("spawn") if fresh else _context()
+    ctx = mp.get_context("spawn") if fresh else fork_server_context()
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
         env = dict(os.environ)
         procs = [ctx.Process(target=_child, args=(r, world, port, outs[r], fn, args, hide_gpus, env))
                  for r in range(world)]  # fmt: skip
-        # Fixed mmap threshold: freed large blocks go back to the OS, so RSS tracks live memory. glibc
-        # reads it at start: the forkserver, started by the first call, passes it to every rank.
-        saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        try:
+        with _fixed_mmap_threshold():  # for spawned ranks; forked ones have the server's
             for p in procs:
                 p.start()
-        finally:
-            if saved is None:
-                del os.environ["MALLOC_MMAP_THRESHOLD_"]
-            else:
-                os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
         for p in procs:
             p.join(timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
