@@ -146,3 +146,12 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, fresh: bool = False
                 raise RuntimeError(f"rank {r} of {world} failed:\n{value}")
             results.append(value)
         return results
+
+
+def in_turn(calls: dict[str, tuple]) -> dict:
+    """On a rank: each ``name: (fn, *args)`` of ``calls`` run in turn, their results by name.
+
+    For `run_ranks`, so that a module's runs share one spawn where the ranks import something slow
+    (transformers' Trainer: seconds per process); each run sets up and tears down what it uses.
+    """
+    return {name: fn(*args) for name, (fn, *args) in calls.items()}
