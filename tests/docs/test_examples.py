@@ -2,6 +2,8 @@
 
 A ```python block runs in a fresh process in a temp directory with the repository
 importable (under torchrun with 2 gloo ranks where its marker says so) and must exit 0;
+a plain one is forked from a server that imported torch once ([Note: a forked script is a
+fresh process] in tests/support/forked_script.py);
 a ```toml or ```json block is a config zkernel must accept: loaded by
 `zkernel.kernel.config_source.load_config` and every component it names resolved
 against the installed plugins with its options. Parametrized by file:line, so a
@@ -18,6 +20,7 @@ import sys
 import pytest
 
 from tests.docs.examples import all_examples
+from tests.support.forked_script import run_script
 from tests.support.paths import REPO
 
 EXAMPLES = all_examples()
@@ -44,9 +47,9 @@ def test_python_example_runs(example, tmp_path):
     if example.mode == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(example.nproc), str(script)]
-    else:
-        command = [sys.executable, str(script)]
-    result = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        result = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    else:  # `python example.py`, forked from a server that imported torch once
+        result = run_script(script, cwd=tmp_path, env=_env(), timeout=TIMEOUT_S)
     assert result.returncode == 0, (
         f"{example.id} failed ({result.returncode}):\n{example.code}\n--- stdout\n{result.stdout[-3000:]}"
         f"\n--- stderr\n{result.stderr[-5000:]}"

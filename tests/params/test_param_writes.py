@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zkernel
-from tests.support.harness import run_ranks
+from tests.support.harness import in_turn, run_ranks
 
 WORLD, STEPS, MICRO, DIM, LR = 2, 4, 3, 8, 5e-2
 BOUND, SCALE_MAX = 0.05, 1.1
@@ -89,6 +89,7 @@ CONFIGS = {
     "zero2, optimizer on the cpu": {"partitioner": "zero2", "offload": {"optimizer": "cpu"}},
     "zero1": {"partitioner": "zero1"},
 }  # fmt: skip
+BF16 = ["every module split", "zero1"]  # the configurations also run with bf16 compute
 
 
 def _config(name: str, precision: str = "fp32") -> dict:
@@ -130,8 +131,8 @@ def _train(model_cls, name: str, precision: str = "fp32") -> dict:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_writes_inside_forward_and_between_steps_train_like_torch(name):
-    for result in run_ranks(WORLD, _train, SelfClamping, name):
+def test_writes_inside_forward_and_between_steps_train_like_torch(runs, name):
+    for result in (rank[("writes", name)] for rank in runs):
         reference, tolerance = result["reference"], result["tolerance"]
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=tolerance, atol=0)
         for key, expected in reference["state"].items():
@@ -141,9 +142,9 @@ def test_writes_inside_forward_and_between_steps_train_like_torch(name):
         assert result["compared"] > 0
 
 
-@pytest.mark.parametrize("name", ["every module split", "zero1"])
-def test_writes_in_bf16_keep_the_masters_precision_elsewhere(name):
-    result = run_ranks(WORLD, _train, SelfClamping, name, "bf16")[0]
+@pytest.mark.parametrize("name", BF16)
+def test_writes_in_bf16_keep_the_masters_precision_elsewhere(runs, name):
+    result = runs[0][("bf16 writes", name)]
     state, reference = result["state"], _reference_in_process(SelfClamping)["state"]
     assert state["coef.weight"].dtype == torch.float32
     for key, expected in reference.items():  # bf16 compute against fp32 torch; unclamped weights are 0.3 off
@@ -153,8 +154,8 @@ def test_writes_in_bf16_keep_the_masters_precision_elsewhere(name):
     assert (state["coef.bias"][1:] != state["coef.bias"][1:].bfloat16().float()).any()
 
 
-def test_training_without_writes_folds_nothing():
-    for result in run_ranks(WORLD, _train, Plain, "small parameters kept whole"):
+def test_training_without_writes_folds_nothing(runs):
+    for result in (rank["no writes"] for rank in runs):
         assert result["compared"] == 0
         torch.testing.assert_close(result["losses"], result["reference"]["losses"], rtol=result["tolerance"], atol=0)
 
@@ -169,6 +170,7 @@ ASSIGNING = {
     "zero1, optimizer on the cpu": {"partitioner": "zero1", "offload": {"optimizer": "cpu"}},
     "zero3 kept whole, optimizer on the cpu": {"partitioner": "zero3", "offload": {"optimizer": "cpu"}},
 }  # fmt: skip
+WRONG_SHAPE = ["zero1", "zero3"]  # the partitioners an assignment of another shape is tried under
 
 
 def _assign_between_steps(model: nn.Module, step: int) -> None:
@@ -226,11 +228,11 @@ def _train_assigning(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(ASSIGNING))
-def test_data_assigned_between_steps_trains_like_torch(name):
+def test_data_assigned_between_steps_trains_like_torch(runs, name):
     """``w.data = w.data.clamp(...)`` after each step, ``w.data.clamp_()`` and zeros assigned to a bias: the
     parameter keeps its storage in the engine, so the next forward, the masters, ``state_dict()`` and
     ``close()`` all see the assignment, as in plain torch."""
-    for result in run_ranks(WORLD, _train_assigning, name):
+    for result in (rank[("assigned", name)] for rank in runs):
         reference = result["reference"]
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
         for key, expected in reference["state"].items():
@@ -261,7 +263,21 @@ def _assign_wrong_shape(partitioner: str) -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("partitioner", ["zero1", "zero3"])
-def test_data_assignment_of_another_shape_is_refused_another_dtype_cast(partitioner):
-    for message in run_ranks(WORLD, _assign_wrong_shape, partitioner):
+@pytest.mark.parametrize("partitioner", WRONG_SHAPE)
+def test_data_assignment_of_another_shape_is_refused_another_dtype_cast(runs, partitioner):
+    for message in (rank[("wrong shape", partitioner)] for rank in runs):
         assert "'coef.bias'" in message and "(9,)" in message and "engine.close()" in message
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    """Every two-rank run of this module in one spawn (each builds and closes its own engine): per rank,
+    the results by (kind, configuration)."""
+    calls = {
+        **{("writes", name): (_train, SelfClamping, name) for name in CONFIGS},
+        **{("bf16 writes", name): (_train, SelfClamping, name, "bf16") for name in BF16},
+        "no writes": (_train, Plain, "small parameters kept whole"),
+        **{("assigned", name): (_train_assigning, name) for name in ASSIGNING},
+        **{("wrong shape", partitioner): (_assign_wrong_shape, partitioner) for partitioner in WRONG_SHAPE},
+    }
+    return run_ranks(WORLD, in_turn, calls)

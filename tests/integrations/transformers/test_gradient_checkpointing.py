@@ -15,6 +15,8 @@ gradient checkpointing] in `zkernel.integrations.transformers.trainer`).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -23,7 +25,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 from tests.integrations.transformers import scenarios  # noqa: E402
-from tests.support.harness import run_ranks  # noqa: E402
+from tests.support.harness import in_turn, run_ranks  # noqa: E402
 from zkernel.errors import ConfigError  # noqa: E402
 from zkernel.integrations.transformers import ZKernelTrainer  # noqa: E402
 
@@ -32,23 +34,30 @@ LORA_RUNS = ["zero1", "zero2_cpu_optimizer", "zero3_offload"]  # peft_scenarios.
 
 
 @pytest.fixture(scope="module")
-def checkpointed(tmp_path_factory):
-    """Per checkpointing kind, each rank's results of `scenarios.gradient_checkpointing_against_ddp`."""
-    return {
-        kind: run_ranks(2, scenarios.gradient_checkpointing_against_ddp,
-                        str(tmp_path_factory.mktemp(kind)), kind == "reentrant")
-        for kind in ("non_reentrant", "reentrant")
-    }
+def spawned(tmp_path_factory) -> list[dict]:
+    """Every two-rank run of this module in one spawn (the Trainer takes seconds to import per process):
+    per rank, each run's results by name; the LoRA run where peft is installed."""
+    calls = {kind: (scenarios.gradient_checkpointing_against_ddp, str(tmp_path_factory.mktemp(kind)), kind == "reentrant")
+             for kind in ("non_reentrant", "reentrant")}  # fmt: skip
+    if importlib.util.find_spec("peft") is not None:
+        calls["lora"] = (scenarios.gradient_checkpointing_against_ddp, str(tmp_path_factory.mktemp("lora")), True, True)
+    calls["own parameter"] = (scenarios.layer_with_its_own_parameter,)
+    return run_ranks(2, in_turn, calls)
 
 
 @pytest.fixture(scope="module")
-def checkpointed_lora(tmp_path_factory):
+def checkpointed(spawned):
+    """Per checkpointing kind, each rank's results of `scenarios.gradient_checkpointing_against_ddp`."""
+    return {kind: [rank[kind] for rank in spawned] for kind in ("non_reentrant", "reentrant")}
+
+
+@pytest.fixture(scope="module")
+def checkpointed_lora(spawned):
     pytest.importorskip("peft")
     from tests.integrations.transformers import peft_scenarios
 
     assert list(peft_scenarios.PEFT_RUNS) == LORA_RUNS
-    return run_ranks(2, scenarios.gradient_checkpointing_against_ddp, str(tmp_path_factory.mktemp("lora")), True,
-                     True)
+    return [rank["lora"] for rank in spawned]
 
 
 def _close(a: float, b: float, rel: float) -> bool:
@@ -127,9 +136,9 @@ def test_trainer_checkpointing_with_a_planned_micro_batch_is_an_error(tmp_path):
                    zkernel_config={"partitioner": "auto"})
 
 
-def test_a_checkpointed_layers_own_parameter_under_zero3():
+def test_a_checkpointed_layers_own_parameter_under_zero3(spawned):
     """transformers 5 checkpoints inside the layer's ``forward``: a parameter the layer holds itself is used in
     the recomputation without the layer's hooks firing, and still gets its gradient (an AdamW step of 0.1 moves
     every weight by about 0.1, so a missing gradient shows)."""
-    for rank in run_ranks(2, scenarios.layer_with_its_own_parameter):
+    for rank in (ranks["own parameter"] for ranks in spawned):
         assert rank["non_reentrant"] < 1e-5 and rank["reentrant"] < 1e-5, rank

@@ -25,7 +25,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 from tests.integrations.transformers import scenarios  # noqa: E402
-from tests.support.harness import run_ranks  # noqa: E402
+from tests.support.harness import in_turn, run_ranks  # noqa: E402
 from zkernel.errors import ConfigError  # noqa: E402
 from zkernel.integrations.transformers import ZKernelTrainer  # noqa: E402
 from zkernel.integrations.transformers.config import resolve  # noqa: E402
@@ -34,15 +34,21 @@ LATER = slice(scenarios.SAVE_AT, None)  # the steps after the mid-run checkpoint
 
 
 @pytest.fixture(scope="module")
-def against_ddp(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trainer")
-    return run_ranks(2, scenarios.trainer_against_ddp, str(root))
+def spawned(tmp_path_factory) -> list[dict]:
+    """Both two-rank runs of this module in one spawn (the Trainer takes seconds to import per process):
+    per rank, each run's results by name."""
+    return run_ranks(2, in_turn, {"against ddp": (scenarios.trainer_against_ddp, str(tmp_path_factory.mktemp("trainer"))),
+                                  "best at end": (scenarios.best_model_at_end, str(tmp_path_factory.mktemp("best")))})
 
 
 @pytest.fixture(scope="module")
-def best_at_end(tmp_path_factory):
-    root = tmp_path_factory.mktemp("best")
-    return run_ranks(2, scenarios.best_model_at_end, str(root))
+def against_ddp(spawned):
+    return [rank["against ddp"] for rank in spawned]
+
+
+@pytest.fixture(scope="module")
+def best_at_end(spawned):
+    return [rank["best at end"] for rank in spawned]
 
 
 def _close(a: float, b: float, rel: float) -> bool:
