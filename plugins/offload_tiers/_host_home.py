@@ -7,7 +7,7 @@ import torch
 from zkernel.platform.host_memory import host_empty, host_zeros
 from zkernel.spec.tiers import ShardState
 
-from ._split_master import SplitMasters, check_split_possible, why_not_split
+from ._split_master import SplitMasters
 from ._state import write_optimizer_state
 
 
@@ -44,13 +44,8 @@ class HostPlacement:
 
     def settle(self, group) -> None:
         """Once the tier's other parts have read the new ``group.master``: keep it split where asked."""
-        if self.split is None:
-            return
-        if self.split_wish:
-            check_split_possible(group, self.compute_dtype, self.tier)
-        elif why_not_split(group, self.compute_dtype) is not None:
-            return
-        self.split.keep(group)
+        if self.split is not None:
+            self.split.settle(group, self.split_wish, self.compute_dtype, self.tier)
 
     def splits(self, group) -> bool:
         return self.split is not None and self.split.holds(group)

@@ -135,6 +135,15 @@ class SplitMasters:
         self._largest = max(self._largest, numel)
         group.master = None
 
+    def settle(self, group, wish: bool | None, compute_dtype: torch.dtype, tier: str) -> None:
+        """Keep ``group``'s master split if ``wish`` asks (True: or raise `ConfigError` where it cannot
+        be; None: where it can be)."""
+        if wish:
+            check_split_possible(group, compute_dtype, tier)
+        elif why_not_split(group, compute_dtype) is not None:
+            return
+        self.keep(group)
+
     def drop(self, group) -> torch.Tensor:
         """Stop keeping ``group`` split (it moves elsewhere): its fp32 master, rebuilt (main thread)."""
         master = self.read(group)
@@ -290,13 +299,8 @@ class SplitDeviceOptimizerTier(DeviceOptimizerTier):
 
     def adopt(self, group, master, state):
         super().adopt(group, master, state)
-        if self.split is None:
-            return
-        if self.split_wish:
-            check_split_possible(group, self.compute_dtype, self.tier)
-        elif why_not_split(group, self.compute_dtype) is not None:
-            return
-        self.split.keep(group)
+        if self.split is not None:
+            self.split.settle(group, self.split_wish, self.compute_dtype, self.tier)
 
     def acquire(self, group):
         if self.splits(group):
@@ -325,3 +329,24 @@ class SplitDeviceOptimizerTier(DeviceOptimizerTier):
         if tensors is not None and self.splits(group):
             tensors["master_weights"] = [*self.split.tensors(group), *self.split.working()]
         return tensors
+
+
+class SplitMasterStats:
+    """Split masters in a host tier (``_home`` a `HostPlacement`, ``_share`` a `GpuShare`): how the
+    tier learns whether parameter shards are tensors, and what it reports of its split masters."""
+
+    _shard_in_memory = True
+
+    def pair(self, params_tier) -> None:
+        self._shard_in_memory = params_tier.shard_in_memory
+
+    @property
+    def split_master_numel(self) -> int:
+        """Master elements kept as low halves beside their parameter shard now ([Note: split masters in the
+        tiers]), host-stepped and on the GPU."""
+        return self._home.split_numel() + self._share.tier.split_numel()
+
+    @property
+    def split_master_buffers(self) -> int:
+        """fp32 buffers split masters have been rebuilt in so far: the most host groups lent at once."""
+        return self._home.split.buffers if self._home.split is not None else 0

@@ -45,7 +45,7 @@ from ._cpu_params import CpuParamsOptions, CpuParamsTier
 from ._gpu_share import SHARE_BYTES, SIZED_FRACTION, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
-from ._split_master import SPLIT_MASTER_CHOICES, master_bytes, resolve_split
+from ._split_master import SPLIT_MASTER_CHOICES, SplitMasterStats, master_bytes, resolve_split
 from ._staging import HostUpdates
 
 
@@ -89,7 +89,7 @@ def _check_share(value, key: str) -> None:
         raise ValueError(f"offload.optimizer_options.{key} must be a number in [0, 1] or \"auto\", got {value!r}")
 
 
-class CpuTier(ShareRouting, OptimizerTier):
+class CpuTier(SplitMasterStats, ShareRouting, OptimizerTier):
     """Masters, optimizer state and gradients in host memory; the step runs on the host.
 
     A thin composition (see the module docstring): groups the GPU share holds
@@ -117,23 +117,8 @@ class CpuTier(ShareRouting, OptimizerTier):
         )
         self._updates = HostUpdates(self.options.staging_buffers, context.compute_dtype, pin, context.streams)
         self._share = GpuShare(context, self.options.gpu_share, split=self._split)
-        self._shard_in_memory = True
-
-    @property
-    def split_master_numel(self) -> int:
-        """Master elements kept as low halves beside their parameter shard now ([Note: split masters in the
-        tiers]), host-stepped and on the GPU."""
-        return self._home.split_numel() + self._share.tier.split_numel()
-
-    @property
-    def split_master_buffers(self) -> int:
-        """fp32 buffers split masters have been rebuilt in so far: the most host groups lent at once."""
-        return self._home.split.buffers if self._home.split is not None else 0
 
     # -- placement (main thread) -----------------------------------------------------------
-
-    def pair(self, params_tier):
-        self._shard_in_memory = params_tier.shard_in_memory
 
     def demand(self, numel, state, compute_dtype):
         self._share.planned_numel = numel

@@ -56,7 +56,7 @@ from ._host_landing import HostLanding
 from ._nvme_optimizer import DEFAULT_BUFFER_BYTES, OptimizerSwap
 from ._nvme_options import NvmeParamsOptions, NvmeTierOptions
 from ._nvme_params import NvmeParamsTier
-from ._split_master import master_bytes, resolve_split
+from ._split_master import SplitMasterStats, master_bytes, resolve_split
 from ._staging import HostUpdates
 from ._swap_traffic import SwapStats, SwapTraffic
 
@@ -65,7 +65,7 @@ __all__ = ["NvmeParamsOptions", "NvmeParamsTier", "NvmeTier", "NvmeTierOptions",
 log = get_logger()
 
 
-class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
+class NvmeTier(SplitMasterStats, SwapStats, ShareRouting, OptimizerTier):
     """Masters and optimizer state in swap files, streamed through a bounded pinned pool for each step.
 
     Every call runs on the thread [Note: tier threads] names; `prepare` on the
@@ -98,26 +98,11 @@ class NvmeTier(SwapStats, ShareRouting, OptimizerTier):
         )
         self._updates = HostUpdates(options.staging_buffers, context.compute_dtype, options.pin_memory, context.streams)
         self._share = GpuShare(context, options.gpu_share, split=self._split, tier="nvme")  # placed at adopt ([Note: spill])
-        self._shard_in_memory = True
         self.host_share_numel = 0
         self._placement_logged = False
         self._closed = False
 
-    @property
-    def split_master_numel(self) -> int:
-        """Master elements kept as low halves beside their parameter shard now ([Note: split masters in the
-        tiers]), host-stepped and on the GPU."""
-        return self._home.split_numel() + self._share.tier.split_numel()
-
-    @property
-    def split_master_buffers(self) -> int:
-        """fp32 buffers split masters have been rebuilt in so far: the most host groups lent at once."""
-        return self._home.split.buffers if self._home.split is not None else 0
-
     # -- placement (main thread) ------------------------------------------------------------------
-
-    def pair(self, params_tier):
-        self._shard_in_memory = params_tier.shard_in_memory
 
     def demand(self, numel, state, compute_dtype):
         self._share.planned_numel = numel
