@@ -520,14 +520,6 @@ const char* path_name(Path p) {
     }
 }
 
-void run_chunked(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& range) {
-    const int64_t tasks = (n + kChunk - 1) / kChunk;
-    parallel_for(tasks, threads, [&](int64_t t) {
-        const int64_t begin = t * kChunk;
-        range(begin, std::min(n, begin + kChunk));
-    });
-}
-
 }  // namespace
 
 void adam_step(float* param, const void* grad, GradDtype grad_dtype, float* exp_avg,
@@ -542,7 +534,7 @@ void adam_step(float* param, const void* grad, GradDtype grad_dtype, float* exp_
     const Path path = static_cast<Path>(g_path.load());
     const AdamRange range = grad_dtype == GradDtype::BF16 ? pick_adam<true>(path, out_dtype)
                                                           : pick_adam<false>(path, out_dtype);
-    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(buffers, coeffs, begin, end); });
+    parallel_chunks(n, kChunk, threads, [&](int64_t begin, int64_t end) { range(buffers, coeffs, begin, end); });
 }
 
 void adam_rollback(float* param, const void* grad, GradDtype grad_dtype, float* exp_avg, float* exp_avg_sq,
@@ -565,7 +557,7 @@ void adam_rollback(float* param, const void* grad, GradDtype grad_dtype, float* 
     const Path path = static_cast<Path>(g_path.load());
     const RollbackRange range = grad_dtype == GradDtype::BF16 ? pick_rollback<true>(path, mode)
                                                               : pick_rollback<false>(path, mode);
-    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(buffers, r, begin, end); });
+    parallel_chunks(n, kChunk, threads, [&](int64_t begin, int64_t end) { range(buffers, r, begin, end); });
 }
 
 void convert_f32(const float* src, void* dst, OutDtype dst_dtype, int64_t n, int threads) {
@@ -574,7 +566,7 @@ void convert_f32(const float* src, void* dst, OutDtype dst_dtype, int64_t n, int
     const ConvertRange range = dst_dtype == OutDtype::BF16
                                    ? pick_convert<static_cast<int>(OutDtype::BF16)>(path)
                                    : pick_convert<static_cast<int>(OutDtype::F16)>(path);
-    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(src, dst, begin, end); });
+    parallel_chunks(n, kChunk, threads, [&](int64_t begin, int64_t end) { range(src, dst, begin, end); });
 }
 
 std::string simd_path() { return path_name(static_cast<Path>(g_path.load())); }

@@ -216,27 +216,19 @@ JoinRange pick_join(const std::string& path, bool stream) {
     return join_scalar;
 }
 
-void run_chunked(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& range) {
-    const int64_t tasks = (n + kChunk - 1) / kChunk;
-    parallel_for(tasks, threads, [&](int64_t t) {
-        const int64_t begin = t * kChunk;
-        range(begin, std::min(n, begin + kChunk));
-    });
-}
-
 }  // namespace
 
 void split_master(const float* master, uint16_t* low, uint8_t* ties, int64_t n, int threads) {
     if (n <= 0) return;
     const SplitRange range = pick_split(simd_path(), n >= kStreamMin);
-    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(master, low, ties, begin, end); });
+    parallel_chunks(n, kChunk, threads, [&](int64_t begin, int64_t end) { range(master, low, ties, begin, end); });
 }
 
 void join_master(const uint16_t* high, const uint16_t* low, const uint8_t* ties, float* out, int64_t n,
                  int threads) {
     if (n <= 0) return;
     const JoinRange range = pick_join(simd_path(), n >= kStreamMin);
-    run_chunked(n, threads, [&](int64_t begin, int64_t end) { range(high, low, ties, out, begin, end); });
+    parallel_chunks(n, kChunk, threads, [&](int64_t begin, int64_t end) { range(high, low, ties, out, begin, end); });
 }
 
 }  // namespace zk

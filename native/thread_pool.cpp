@@ -268,6 +268,15 @@ void parallel_for(int64_t n_tasks, int threads, const std::function<void(int64_t
     pool().run(n_tasks, threads, fn);
 }
 
+void parallel_chunks(int64_t n, int64_t chunk, int threads, const std::function<void(int64_t, int64_t)>& range) {
+    if (n <= 0) return;
+    const int64_t tasks = (n + chunk - 1) / chunk;
+    parallel_for(tasks, threads, [&](int64_t t) {
+        const int64_t begin = t * chunk;
+        range(begin, std::min(n, begin + chunk));
+    });
+}
+
 int pool_threads() { return pool().threads(); }
 
 void set_pool_threads(int n) { pool().resize(n); }

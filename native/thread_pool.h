@@ -32,6 +32,11 @@ namespace zk {
 // (0 = the pool's size). Blocks until all tasks are done.
 void parallel_for(int64_t n_tasks, int threads, const std::function<void(int64_t)>& fn);
 
+// Run range(begin, end) over [0, n) in chunks of `chunk` elements (the last one shorter), one
+// task per chunk, on up to `threads` threads; every chunk but the last starts at a multiple of
+// `chunk`. Blocks until all are done.
+void parallel_chunks(int64_t n, int64_t chunk, int threads, const std::function<void(int64_t, int64_t)>& range);
+
 // Number of threads parallel_for uses by default (worker threads + caller).
 int pool_threads();
 
