@@ -29,9 +29,9 @@ holds the answers to ``memory_report()``):
   it lends the optimizer a buffer for each update, so no staging copy is kept.
 
 Both optimizer tiers answer their ``split_master`` option
-(`TierSizing.split_master`: the masters on the GPU and in host memory kept as
+(`TierSizing.split_master`: the masters on the GPU, in host memory and, for ``nvme``, in swap files kept as
 a low half and a tie bit, 2.125 bytes an element, where the run allows it;
-swap files hold whole masters; [Note: sizing a split master] in
+[Note: sizing a split master] in
 `zkernel.spec.sizing` and [Note: split masters in the tiers] in
 `_split_master`). ``"auto"``, the default, is true for ``nvme`` (more of the
 optimizer stays off the disk) and false for ``cpu`` (chosen where host memory
@@ -54,11 +54,11 @@ _IN_MEMORY = (DEVICE, "cpu")  # where the tiers keep masters split: the GPU shar
 _ON_DISK = {Role.MASTER: "nvme", Role.GRAD_LANDING: "cpu", Role.OPTIMIZER_STATE: "nvme", Role.STAGING: "cpu"}
 
 
-def split_master(options, auto: bool) -> tuple[str, ...]:
-    """Where the tier keeps masters split (`TierSizing.split_master`) by its ``split_master`` option
-    (``"auto"``: as ``auto``); asked by `cpu_footprint` and `nvme_footprint`."""
+def split_master(options, auto: bool, places: tuple[str, ...] = _IN_MEMORY) -> tuple[str, ...]:
+    """Where the tier keeps masters split (`TierSizing.split_master`: ``places``) by its ``split_master``
+    option (``"auto"``: as ``auto``); asked by `cpu_footprint` and `nvme_footprint`."""
     value = options.split_master
-    return _IN_MEMORY if (auto if value == "auto" else bool(value)) else ()
+    return places if (auto if value == "auto" else bool(value)) else ()
 
 
 def _share(value) -> float:
@@ -115,6 +115,6 @@ def nvme_footprint(role: str, options) -> TierSizing:
         staging_pool=options.staging_buffers,
         steps_on="cpu",
         pool_bytes=optimizer_pool,
-        split_master=split_master(options, auto=True),
+        split_master=split_master(options, auto=True, places=(*_IN_MEMORY, "nvme")),  # its swap files too
         split_option="split_master",
     )

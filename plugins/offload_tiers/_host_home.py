@@ -47,6 +47,10 @@ class HostPlacement:
         if self.split is not None:
             self.split.settle(group, self.split_wish, self.compute_dtype, self.tier)
 
+    def splits_on_disk(self, group) -> bool:
+        """Whether a group whose master lives in a swap file keeps it split there (as `settle` decides)."""
+        return self.split is not None and self.split.decide(group, self.split_wish, self.compute_dtype, self.tier)
+
     def splits(self, group) -> bool:
         return self.split is not None and self.split.holds(group)
 

@@ -128,6 +128,7 @@ import attrs
 import torch
 
 from zkernel.platform.aio import aligned_empty
+from zkernel.platform.split_master import tie_bytes
 from zkernel.spec.config import ConfigError
 from zkernel.spec.tiers import ShardState, StoredBytes
 from zkernel.telemetry.timeline import SpanKind
@@ -135,6 +136,7 @@ from zkernel.telemetry.timeline import SpanKind
 from ._arena import Block, PinnedArena, aligned
 from ._nvme_options import NvmeTierOptions
 from ._progress import Preallocation
+from ._split_master import Halves
 from ._swap_file import Extent, SwapFile, extents_of
 from ._swap_traffic import SwapTraffic
 
@@ -154,7 +156,7 @@ class _State(enum.Enum):
 
 @attrs.define(eq=False)
 class _Segment:
-    name: str  # "master" or a declared state's name
+    name: str  # "master" (or "master_low" and "master_ties", split), or a declared state's name
     offset: int  # in the file image
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -189,6 +191,7 @@ class _SwapSlot:
     fenced: bool = True  # see [Note: block reuse]
     wanted: bool = False  # prepared or acquired for the step being taken; else a read-ahead ([Note: read-ahead])
     read_seq: int = 0  # when its current block's read started (evictions take the newest read-ahead first)
+    split: bool = False  # its file holds the master's low half and tie bits ([Note: split masters in the tiers])
 
     @property
     def footprint(self) -> int:
@@ -206,7 +209,8 @@ class OptimizerSwap:
     every group's state, the queue and the pool.
     """
 
-    def __init__(self, options: NvmeTierOptions, traffic: SwapTraffic, streams, cuda: bool) -> None:
+    def __init__(self, options: NvmeTierOptions, traffic: SwapTraffic, streams, cuda: bool, split=None) -> None:
+        self.split = split  # a `SplitMasters` that rebuilds split masters (its own halves unused here), or None
         self.nvme_options = options
         self.traffic = traffic
         self.io = traffic.io
@@ -238,16 +242,23 @@ class OptimizerSwap:
         """Master elements on disk."""
         return sum(s.segments[0].numel for s in self._swap.values())
 
+    def split_numel(self) -> int:
+        """Master elements whose files hold them split."""
+        return sum(s.segments[0].numel for s in self._swap.values() if s.split)
+
     def nbytes(self) -> int:
         """Bytes of every swap file."""
         return sum(s.footprint for s in self._swap.values())
 
-    def adopt(self, group, master, state):
-        """Lay out ``group``'s file and write the initial ``master`` (the state starts as zeros);
-        ``group.master`` and ``group.optim_state`` are then empty until the group steps."""
+    def adopt(self, group, master, state, split: bool = False):
+        """Lay out ``group``'s file and write the initial ``master`` (the state starts as zeros), whole or,
+        with ``split``, as its low half and tie bits; ``group.master`` and ``group.optim_state`` are then
+        empty until the group steps."""
         numel = master.numel()
         segments, offset = [], 0
-        for name, dtype, shape in (("master", torch.float32, (numel,)), *((s.name, s.dtype, s.shape) for s in state)):
+        masters = (("master_low", torch.int16, (numel,)), ("master_ties", torch.uint8, (tie_bytes(numel),))) if split \
+            else (("master", torch.float32, (numel,)),)
+        for name, dtype, shape in (*masters, *((s.name, s.dtype, s.shape) for s in state)):
             segment = _Segment(name, offset, dtype, tuple(shape))
             segments.append(segment)
             offset += aligned(segment.nbytes)
@@ -259,8 +270,10 @@ class OptimizerSwap:
         )
         self._check_pool_fits(group, file.nbytes)
         file.preallocate(f"the optimizer state of group {group.name!r}")
-        slot = _SwapSlot(weakref.ref(group), group.name, file, segments)
+        slot = _SwapSlot(weakref.ref(group), group.name, file, segments, split=split)
         self._swap[group.index] = slot
+        if split:
+            self.split.expect(numel)
         self._write_master(slot, master)
         self._layout.advance(file.nbytes)
         group.master = None  # in memory only while the group steps
@@ -278,15 +291,27 @@ class OptimizerSwap:
 
     def _write_master(self, slot: _SwapSlot, master: torch.Tensor) -> None:
         """Write the initial master into the file (the state extents stay unwritten: zeros)."""
-        segment = slot.segments[0]
-        image = aligned_empty(aligned(segment.nbytes), torch.uint8, pin=False)
-        image[: segment.nbytes].view(torch.float32).copy_(master.detach().reshape(-1))
-        image[segment.nbytes :].zero_()
+        masters = slot.segments[:2] if slot.split else slot.segments[:1]
+        end = masters[-1].offset + masters[-1].nbytes
+        image = aligned_empty(aligned(end), torch.uint8, pin=False)
+        image.zero_()
+        if slot.split:
+            group = slot.group()
+            self.split.write(group, master, self._halves(slot, image))  # (and rounds it into the shard)
+        else:
+            image[: masters[0].nbytes].view(torch.float32).copy_(master.detach().reshape(-1))
         try:
             slot.file.write_now(self.io, image, kind=SpanKind.NVME_WRITE, label=slot.name, only=(0, image.numel()))
         except OSError as error:
             error.add_note(f"writing the initial master of group {slot.name!r} to its swap file")
             raise
+
+    @staticmethod
+    def _halves(slot: _SwapSlot, image: torch.Tensor) -> Halves:
+        """The split master's parts as views of ``image`` (a block's data or a file image)."""
+        low, ties = slot.segments[0], slot.segments[1]
+        return Halves(image[low.offset : low.offset + low.nbytes].view(torch.int16),
+                      image[ties.offset : ties.offset + ties.nbytes], low.numel)
 
     def _pool(self) -> PinnedArena:
         if self._arena is None:
@@ -439,13 +464,19 @@ class OptimizerSwap:
             slot.zeros = []
         for extent in zeros:  # a state never written yet: its zeros are made here, not read
             block.data[extent.offset : extent.offset + extent.nbytes].zero_()
-        group.master = block.view(torch.float32, 0, slot.segments[0].numel)
-        group.optim_state = {s.name: block.view(s.dtype, s.offset, s.numel).view(s.shape) for s in slot.segments[1:]}
+        states = slot.segments[2:] if slot.split else slot.segments[1:]
+        if slot.split:
+            self.split.lend(group, self._halves(slot, block.data))
+        else:
+            group.master = block.view(torch.float32, 0, slot.segments[0].numel)
+        group.optim_state = {s.name: block.view(s.dtype, s.offset, s.numel).view(s.shape) for s in states}
 
     def release(self, group):
         """Start writing ``group``'s block back (before the tier takes back the update's buffer)."""
+        slot = self._swap[group.index]
+        if slot.split:
+            self.split.take_back(group, self._halves(slot, slot.block.data))
         with self._cv:
-            slot = self._swap[group.index]
             slot.state = _State.WRITING
             # Without a low-precision copy the params tier's commit reads the master from the block.
             slot.fenced = group.copy_out is not None
@@ -508,6 +539,8 @@ class OptimizerSwap:
             slot.block = None
         group = slot.group()
         if group is not None:
+            if slot.split:
+                self.split.forget(group)  # a lent master of a step not taken
             group.master = None
             group.optim_state = {}
 
@@ -554,6 +587,9 @@ class OptimizerSwap:
 
     def read_master(self, group):
         slot = self._swap[group.index]
+        if slot.split:
+            ties = slot.segments[1]
+            return self.split.read(group, self._halves(slot, self._current_image(slot, ties.offset + ties.nbytes)))
         master = slot.segments[0]
         return self._current_image(slot, master.nbytes)[: master.nbytes].view(torch.float32)
 
@@ -561,17 +597,21 @@ class OptimizerSwap:
         slot = self._swap[group.index]
         image = self._current_image(slot, slot.footprint)
         views = {s.name: image[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slot.segments}
+        if slot.split:
+            del views["master_low"], views["master_ties"]
+            return ShardState(master=self.split.read(group, self._halves(slot, image)), state=views)
         master = views.pop("master")
         return ShardState(master=master, state=views)
 
     def write_state(self, group, state):
         slot = self._swap[group.index]
-        missing = sorted({s.name for s in slot.segments[1:]} - set(state.state))
-        unknown = sorted(set(state.state) - {s.name for s in slot.segments})
+        declared = [s.name for s in (slot.segments[2:] if slot.split else slot.segments[1:])]
+        missing = sorted(set(declared) - set(state.state))
+        unknown = sorted(set(state.state) - set(declared))
         if missing or unknown:
             raise ValueError(
                 f"optimizer state of group {slot.name!r}: the nvme tier keeps exactly the declared state "
-                f"{[s.name for s in slot.segments[1:]]}; missing {missing}, undeclared {unknown}"
+                f"{declared}; missing {missing}, undeclared {unknown}"
             )
         with self._cv:
             if slot in self._queue:  # (a read-ahead, or prepared for a step that was not taken)
@@ -584,7 +624,11 @@ class OptimizerSwap:
             self._pump()
         image = aligned_empty(slot.footprint, torch.uint8, pin=False)
         image.zero_()
+        if slot.split:
+            self.split.write(group, state.master, self._halves(slot, image))  # (and rounds it into the shard)
         for segment in slot.segments:
+            if segment.name in ("master_low", "master_ties"):
+                continue
             source = state.master if segment.name == "master" else state.state[segment.name]
             image[segment.offset : segment.offset + segment.nbytes].view(segment.dtype).copy_(source.reshape(-1))
         try:
@@ -648,7 +692,9 @@ class OptimizerSwap:
         slot = self._swap[group.index]
         path = str(slot.file.path)
         stored = {s.name: StoredBytes("nvme", (path, s.name), s.nbytes) for s in slot.segments}
+        masters = ("master_low", "master_ties") if slot.split else ("master",)
+        working = self.split.working() if slot.split else []  # the host buffers it is rebuilt in
         return {
-            "master_weights": [stored["master"]],
-            "optimizer_state": [stored[s.name] for s in slot.segments[1:]],
+            "master_weights": [*(stored[name] for name in masters), *working],
+            "optimizer_state": [stored[s.name] for s in slot.segments if s.name not in masters],
         }

@@ -5,7 +5,9 @@ fp32 master as its bf16 rounding (the parameter) plus 2.125 bytes an element
 ([Note: the master's low half]). The host tiers use it where a group's
 parameter shard is a bf16 tensor in memory (the GPU, or host memory under the
 ``cpu`` params tier; not a swap file): between steps the group holds only its
-low half and tie bits (``group.master`` is None, as an ``nvme`` group's is);
+low half and tie bits (``group.master`` is None, as an ``nvme`` group's is; the
+``nvme`` tier's swap files hold the same two parts in place of the master, 10.1
+bytes an element with Adam's moments instead of 12, rebuilt from the block);
 `lend` rebuilds the fp32 master into a buffer lent for the step, from the
 shard as it is then, and `take_back` stores the stepped master's low half and
 gives the buffer back. The step pipeline rounds every update into the shard
@@ -84,9 +86,11 @@ def master_bytes(numel: int, split: bool | None, compute_dtype, shard_in_memory:
 
 
 @attrs.define(eq=False)
-class _Halves:
-    low: torch.Tensor  # int16, the master's low half
-    ties: torch.Tensor  # uint8 bitmask
+class Halves:
+    """A split master's stored parts: its low half (int16) and tie bits (uint8, `tie_bytes` of them)."""
+
+    low: torch.Tensor
+    ties: torch.Tensor
     numel: int
 
 
@@ -104,7 +108,7 @@ class SplitMasters:
         self.device = device
         self.pin = pin
         self.streams = streams
-        self._halves: dict[int, _Halves] = {}
+        self._halves: dict[int, Halves] = {}
         self._lent: dict[int, torch.Tensor] = {}  # group index -> the whole buffer its master is rebuilt in
         self._free: list[torch.Tensor] = []  # fp32 buffers of `_largest` elements, given back
         self._downloads: list[torch.Tensor] = []  # page-locked bf16 buffers a GPU shard is downloaded into
@@ -128,21 +132,26 @@ class SplitMasters:
         rounding (what it holds already, unless a caller changed one of them)."""
         master = group.master.detach().reshape(-1)
         numel = master.numel()
-        halves = _Halves(self._empty(numel, torch.int16), self._empty(tie_bytes(numel), torch.uint8), numel)
+        halves = Halves(self._empty(numel, torch.int16), self._empty(tie_bytes(numel), torch.uint8), numel)
         split_master(master.to(self.device), halves.low, halves.ties)
         self._round_into_shard(group, master)
         self._halves[group.index] = halves
         self._largest = max(self._largest, numel)
         group.master = None
 
-    def settle(self, group, wish: bool | None, compute_dtype: torch.dtype, tier: str) -> None:
-        """Keep ``group``'s master split if ``wish`` asks (True: or raise `ConfigError` where it cannot
-        be; None: where it can be)."""
+    @staticmethod
+    def decide(group, wish: bool | None, compute_dtype: torch.dtype, tier: str) -> bool:
+        """Whether ``group``'s master is kept split: where ``wish`` asks (True: or raise `ConfigError`
+        where it cannot be; None: where it can be)."""
         if wish:
             check_split_possible(group, compute_dtype, tier)
-        elif why_not_split(group, compute_dtype) is not None:
-            return
-        self.keep(group)
+            return True
+        return wish is None and why_not_split(group, compute_dtype) is None
+
+    def settle(self, group, wish: bool | None, compute_dtype: torch.dtype, tier: str) -> None:
+        """Keep ``group``'s master split where `decide` says so."""
+        if self.decide(group, wish, compute_dtype, tier):
+            self.keep(group)
 
     def drop(self, group) -> torch.Tensor:
         """Stop keeping ``group`` split (it moves elsewhere): its fp32 master, rebuilt (main thread)."""
@@ -152,46 +161,60 @@ class SplitMasters:
 
     # -- a step (the stepping thread) --------------------------------------------------------------
 
-    def lend(self, group) -> None:
-        """Set ``group.master`` to its fp32 master rebuilt into a lent buffer (idempotent while lent)."""
+    def lend(self, group, halves: Halves | None = None) -> None:
+        """Set ``group.master`` to its fp32 master rebuilt into a lent buffer (idempotent while lent), from
+        its own halves, or from ``halves`` given (views of a swap file's block)."""
         if group.master is not None:
             return
-        halves = self._halves[group.index]
+        halves = halves or self._halves[group.index]
         with self._lock:
             buffer = self._free.pop() if self._free else None
         if buffer is None or buffer.numel() < halves.numel:  # (the GPU share's largest grows as groups move in)
-            buffer = torch.empty(self._largest, dtype=torch.float32, device=self.device)
+            buffer = torch.empty(max(self._largest, halves.numel), dtype=torch.float32, device=self.device)
             self.buffers += 1
         out = buffer[: halves.numel]
         self._join(group, halves, out)
         self._lent[group.index] = buffer
         group.master = out
 
-    def take_back(self, group) -> None:
-        """Store the stepped ``group.master``'s low half and take its buffer back."""
+    def take_back(self, group, halves: Halves | None = None) -> None:
+        """Store the stepped ``group.master``'s low half (into its own halves, or ``halves`` given) and take
+        its buffer back."""
         if group.master is None:
             return
-        halves = self._halves[group.index]
+        halves = halves or self._halves[group.index]
         split_master(group.master, halves.low, halves.ties)
+        self.forget(group)
+
+    def forget(self, group) -> None:
+        """Take back ``group``'s lent buffer without storing its master (a step not taken)."""
         group.master = None
-        buffer = self._lent.pop(group.index)
+        buffer = self._lent.pop(group.index, None)
+        if buffer is None:
+            return
         if buffer.device.type == "cuda":  # kernels queued on the stream may still read it
             buffer.record_stream(torch.cuda.current_stream(buffer.device))
         with self._lock:
             self._free.append(buffer)
 
+    def expect(self, numel: int) -> None:
+        """A group of ``numel`` elements will be rebuilt here (from halves kept elsewhere)."""
+        self._largest = max(self._largest, numel)
+
     # -- outside a step (main thread) --------------------------------------------------------------
 
-    def read(self, group) -> torch.Tensor:
-        """A copy of ``group``'s fp32 master, rebuilt from its shard as it is now."""
+    def read(self, group, halves: Halves | None = None) -> torch.Tensor:
+        """A copy of ``group``'s fp32 master, rebuilt from its shard as it is now (and its own halves, or
+        ``halves`` given)."""
         if group.master is not None:  # lent
             return group.master.clone()
-        halves = self._halves[group.index]
+        halves = halves or self._halves[group.index]
         return self._join(group, halves, torch.empty(halves.numel, dtype=torch.float32, device=self.device))
 
-    def write(self, group, master: torch.Tensor) -> None:
-        """Replace ``group``'s master with ``master`` (any device): its low half, and its rounding in the shard."""
-        halves = self._halves[group.index]
+    def write(self, group, master: torch.Tensor, halves: Halves | None = None) -> None:
+        """Replace ``group``'s master with ``master`` (any device): its low half (into its own halves, or
+        ``halves`` given), and its rounding in the shard."""
+        halves = halves or self._halves[group.index]
         values = master.detach().reshape(-1).to(self.device, torch.float32)
         split_master(values, halves.low, halves.ties)
         self._round_into_shard(group, values)
@@ -223,7 +246,7 @@ class SplitMasters:
             return host_empty(numel, dtype, pin=self.pin)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def _join(self, group, halves: _Halves, out: torch.Tensor) -> torch.Tensor:
+    def _join(self, group, halves: Halves, out: torch.Tensor) -> torch.Tensor:
         """Rebuild ``group``'s master into ``out`` from its shard (downloaded first when it is on the GPU
         and the halves on the host)."""
         shard = group.param_shard.reshape(-1)
@@ -344,7 +367,11 @@ class SplitMasterStats:
     def split_master_numel(self) -> int:
         """Master elements kept as low halves beside their parameter shard now ([Note: split masters in the
         tiers]), host-stepped and on the GPU."""
-        return self._home.split_numel() + self._share.tier.split_numel()
+        return self._home.split_numel() + self._share.tier.split_numel() + self._stored_split_numel()
+
+    def _stored_split_numel(self) -> int:
+        """Split master elements kept elsewhere (the nvme tier's swap files)."""
+        return 0
 
     @property
     def split_master_buffers(self) -> int:

@@ -84,11 +84,12 @@ class NvmeTier(SplitMasterStats, SwapStats, ShareRouting, OptimizerTier):
             block_size=options.aio_block_size, timeline=context.timeline, name="nvme-optimizer",
         )
         self.run_dir = self._traffic.run_dir
-        self._disk = OptimizerSwap(options, self._traffic, context.streams, self.cuda)
         self._split = resolve_split(options.split_master, tier_default=True)
         self._home = HostPlacement(
             options.pin_memory, split=self._split, compute_dtype=context.compute_dtype, streams=context.streams, tier="nvme"
         )
+        # Swap files keep split masters too, rebuilt through the host home's buffers.
+        self._disk = OptimizerSwap(options, self._traffic, context.streams, self.cuda, split=self._home.split)
         self._landing = HostLanding(
             context,
             pin=options.pin_memory,
@@ -108,9 +109,8 @@ class NvmeTier(SplitMasterStats, SwapStats, ShareRouting, OptimizerTier):
         self._share.planned_numel = numel
         gpu, host = self._share.adopt_time_fraction(), self.options.host_share
         states = sum(s.nbytes for s in state)
-        image = 4 * numel + states  # master and state of every group, as a file holds them
-        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)  # in memory
-        kept = master * numel + states
+        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)  # in memory and in files
+        image = kept = master * numel + states  # master and state of every group
         disk = int(image * max(0.0, 1.0 - gpu - host))
         pool = (self.options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)) if disk else 0
         self._disk.plan(disk)
@@ -137,7 +137,8 @@ class NvmeTier(SplitMasterStats, SwapStats, ShareRouting, OptimizerTier):
         if on_host:
             self._home.settle(group)  # (a split master empties ``group.master`` between steps)
         else:
-            self._disk.adopt(group, master, state)  # (empties ``group.master`` until the group steps)
+            # (empties ``group.master`` until the group steps)
+            self._disk.adopt(group, master, state, split=self._home.splits_on_disk(group))
 
     def after_first_step(self, order):
         if self.cuda:
@@ -225,6 +226,9 @@ class NvmeTier(SplitMasterStats, SwapStats, ShareRouting, OptimizerTier):
         self._landing.end_window(group)
         if self._disk.holds(group):
             self._disk.end_window(group)
+
+    def _stored_split_numel(self) -> int:
+        return self._disk.split_numel()
 
     @property
     def nbytes_on_disk(self) -> int:

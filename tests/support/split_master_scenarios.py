@@ -85,7 +85,7 @@ def run(cfg: dict, *, save: str | None = None, load: str | None = None, slow_che
         "rollbacks": pipeline.rollbacks,
         "split_numel": engine.optimizer_tier.split_master_numel,
         "split_buffers": engine.optimizer_tier.split_master_buffers,
-        "disk_numel": getattr(engine.optimizer_tier, "nbytes_on_disk", 0),
+        "master_on_disk": report["master_weights"].get("nvme", 0),  # bytes of masters in swap files
     }
     engine.close()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}

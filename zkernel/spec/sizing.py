@@ -91,8 +91,8 @@ OWNED_ROLES = {owner: tuple(r for r in Role if r.owner == owner) for owner in ("
 # split ([Note: the master's low half] in `zkernel.platform.split_master`: a
 # 16-bit low half and a tie bit beside the bf16 parameter, 2.125 bytes an
 # element instead of 4) names the places where it does (`TierSizing.split_master`:
-# the builtin tiers split masters in memory, on the device and in host memory,
-# not in swap files). It can only where the parameter is the master rounded to
+# the builtin tiers split masters on the device and in host memory, and the nvme
+# tier in its swap files too, rebuilt in host memory). It can only where the parameter is the master rounded to
 # bf16 and in memory when the master is rebuilt: a bf16 run whose parameter
 # shards are on the device or in host memory, not in swap files.
 # `master_kept_split` is that rule, for the estimator's `Placement` and for a
