@@ -116,7 +116,8 @@ def convert_checkpoint(
     the optimizer's moments are not kept ([Note: what the converted file keeps of the optimizer]). ``tag``:
     the engine checkpoint to read (default: the latest). ``progress``: a progress bar while the shards are
     read (None: on a terminal). The file is written beside its final name and renamed into place, so an
-    interrupted conversion leaves no partial file under that name.
+    interrupted conversion leaves no partial file under that name. Peak memory: the full fp32 state dict
+    (as DeepSpeed's converter), plus Lightning's state.
     """
     source = Path(checkpoint_dir)
     out = Path(output_file)
@@ -165,4 +166,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, CheckpointError) as error:  # what was wrong with the paths given, without a traceback
+        raise SystemExit(f"python -m zkernel.integrations.lightning.convert: error: {error}") from None

@@ -360,17 +360,17 @@ class _Strategy:
     # directory, which only trainer.save_checkpoint under this strategy writes (the
     # engine's shards with Lightning's state), or a file, which is an ordinary
     # Lightning checkpoint (plain DDP's, convert_checkpoint's): the kind of the
-    # path says which without doubt, so no flag chooses (DeepSpeedStrategy asks for
-    # load_full_weights=True, as its own checkpoints are directories too and it
-    # loads a file's weights by another route). What a file lacks is said instead:
-    # it holds no engine moments (a DDP file's torch moments are numbered by
-    # position, not by the engine's shards), so a fit resumed from it starts the
-    # optimizer's moments and the engine's counters fresh, with a warning; its
-    # weights, loops, schedulers and the optimizer's hyperparameters resume. Rank 0
-    # alone reads the file (through the strategy's checkpoint_io) and broadcasts
-    # Lightning's state without the weights and moments; the weights reach the
-    # engine in load_model_state_dict, from rank 0's dict (after Lightning's
-    # on_load_checkpoint hooks have seen it) with broadcast_from_rank0.
+    # path says which without doubt, so no flag chooses (DeepSpeedStrategy is told
+    # by load_full_weights=True that a path is a file of whole weights). What a
+    # file lacks is said instead, in a warning when fitting: the engine takes
+    # optimizer moments from its own checkpoints only, so a fit resumed from a file
+    # starts the moments and the engine's counters fresh; the weights, loops,
+    # schedulers and the optimizer's hyperparameters resume. Rank 0 alone reads the
+    # file (through the strategy's checkpoint_io) and broadcasts Lightning's state
+    # without the weights and moments; the weights reach the engine in
+    # load_model_state_dict, from rank 0's dict (after Lightning's
+    # on_load_checkpoint hooks have seen it; the other ranks' ``state_dict`` is
+    # empty) with broadcast_from_rank0, so one copy of the file is in memory.
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's state from ``checkpoint_path``, called by the Trainer for ``ckpt_path`` after ``setup``;
