@@ -105,3 +105,20 @@ def test_the_command_line_writes_the_same_file(runs, out, tmp_path):
     assert again.keys() == first.keys()
     assert all(torch.equal(again["state_dict"][k], v) for k, v in first["state_dict"].items())
     assert again["loops"] == first["loops"] and again["hyper_parameters"] == first["hyper_parameters"]
+
+
+@pytest.mark.cuda
+def test_on_two_gpus_files_load_and_convert(tmp_path):
+    # Trainer(accelerator="gpu", devices=2): NCCL ranks; the file's weights reach the engine from rank 0.
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tests.integrations.lightning.scenario import TinyGPT
+
+    out = tmp_path / "run"  # Lightning's launcher starts rank 1 (no fork of a process that may have touched CUDA)
+    for rank in _scenario(out, "--launch", str(out), "convert", "file", accelerator="gpu"):
+        convert, file = rank["convert"], rank["file"]
+        assert _close(convert["zkernel_resumed"]["losses"], convert["ddp_resumed"]["losses"]) < TOLERANCE
+        assert _close(file["zkernel_resumed"]["losses"], file["ddp_fresh"]["losses"]) < TOLERANCE
+    module = TinyGPT.load_from_checkpoint(f"{out}.converted.ckpt", map_location="cpu")
+    engine = torch.load(f"{out}.engine.pt", weights_only=True)
+    assert all(torch.equal(module.state_dict()[key], value) for key, value in engine.items())
