@@ -22,6 +22,16 @@ MODE:
   short    7 micro-batches per rank, so Lightning steps a window of one at the epoch's end: "ddp"
            and then "zkernel_stage_2" for two epochs each (losses under "ddp" and "zero2").
   bf16     ``strategy="zkernel_stage_3_offload"``, ``precision="bf16-mixed"``, two epochs.
+  convert  ``ZKernelStrategy`` (zero3, optimizer and parameters on the CPU) for one epoch with
+           ``tag="converted"``, ``trainer.save_checkpoint``; rank 0 writes ``engine.state_dict()`` to
+           ``OUT.engine.pt`` and converts the directory to ``OUT.converted.ckpt``
+           (`zkernel.integrations.lightning.convert_checkpoint`); the engine also saves ``OUT.bare``
+           (no Lightning state). Then ``strategy="ddp"`` and ZKernelStrategy each resume the second
+           epoch from the converted file (losses under "ddp_resumed" and "zkernel_resumed").
+  file     ``strategy="ddp"`` for one epoch and ``trainer.save_checkpoint`` (one file); rank 0 writes a
+           copy without the optimizer's moments. ZKernelStrategy resumes the second epoch from the file,
+           DDP from the copy ("ddp_fresh"); a fresh Trainer tests the file under ZKernelStrategy; then
+           ``fit(ckpt_path=...)`` of a missing path and of a file that is no checkpoint: the errors.
   sgd      ``strategy="zkernel"`` with SGD(momentum=0.9): the error is written (last: it ends the run).
 """
 
@@ -65,8 +75,9 @@ class Block(nn.Module):
 
 
 class TinyGPT(pl.LightningModule):
-    def __init__(self, optimizer: str = "adamw", late: bool = False) -> None:
+    def __init__(self, optimizer: str = "adamw", late: bool = False, tag: str = "plain") -> None:
         super().__init__()
+        self.save_hyperparameters()
         self.optimizer_name, self.late = optimizer, late
         self.losses: list[float] = []
         self.val_losses: list[float] = []
@@ -178,6 +189,13 @@ def run_mode(mode: str, out: str) -> dict:
         tested = TinyGPT()
         trainer(zero3_offload(), 1).test(tested, val, ckpt_path=checkpoint, verbose=False)
         extra["test_losses"] = tested.test_losses
+    elif mode == "convert":
+        module = TinyGPT(tag="converted")
+        run_convert(module, train, val, out, extra)
+        losses, val_losses, run = module.losses, module.val_losses, extra.pop("run")
+    elif mode == "file":
+        run_file(module, train, val, out, extra)
+        losses, val_losses, run = module.losses, module.val_losses, extra.pop("run")
     elif mode == "short":
         short = data(28)
         reference, run = TinyGPT(), trainer("ddp", 2)
@@ -208,6 +226,62 @@ def run_mode(mode: str, out: str) -> dict:
         "lr": [g["lr"] for g in run.optimizers[0].param_groups],
         **extra,
     }
+
+
+def run_convert(module: TinyGPT, train: DataLoader, val: DataLoader, out: str, extra: dict) -> None:
+    """The "convert" mode (module docstring): ``module`` trains epoch 1 under zero3; ``extra`` gets the rest
+    (and the Trainer, as "run")."""
+    from zkernel.integrations.lightning import convert_checkpoint
+
+    run = trainer(zero3_offload(), 1)
+    run.fit(module, train, val)
+    directory, converted = f"{out}.ckpt", f"{out}.converted.ckpt"
+    run.save_checkpoint(directory)
+    engine = run.strategy.engine
+    weights = engine.state_dict()
+    engine.save_checkpoint(f"{out}.bare")  # a zkernel checkpoint without Lightning's state
+    if run.strategy.is_global_zero:
+        torch.save(weights, f"{out}.engine.pt")
+        convert_checkpoint(directory, converted)
+    run.strategy.barrier()
+    extra["losses_epoch1"] = module.losses
+    for name, strategy in (("ddp_resumed", "ddp"), ("zkernel_resumed", zero3_offload())):
+        resumed, again = TinyGPT(), trainer(strategy, 2)
+        again.fit(resumed, train, val, ckpt_path=converted)
+        extra[name] = {"losses": resumed.losses, "val_losses": resumed.val_losses, "global_step": again.global_step,
+                       "lr": [g["lr"] for g in again.optimizers[0].param_groups]}
+    extra["run"] = run
+
+
+def run_file(module: TinyGPT, train: DataLoader, val: DataLoader, out: str, extra: dict) -> None:
+    """The "file" mode (module docstring): ``module`` trains epoch 1 under DDP; ``extra`` gets the rest
+    (and the Trainer, as "run")."""
+    run = trainer("ddp", 1)
+    run.fit(module, train, val)
+    saved, fresh = f"{out}.ddp.ckpt", f"{out}.fresh.ckpt"
+    run.save_checkpoint(saved)
+    if run.strategy.is_global_zero:
+        checkpoint = torch.load(saved, weights_only=True)
+        for state in checkpoint["optimizer_states"]:
+            state["state"] = {}  # DDP resumed with fresh moments: the reference
+        torch.save(checkpoint, fresh)
+        Path(f"{out}.garbage.ckpt").write_bytes(b"not a checkpoint")
+    run.strategy.barrier()
+    for name, strategy, path in (("ddp_fresh", "ddp", fresh), ("zkernel_resumed", zero3_offload(), saved)):
+        resumed, again = TinyGPT(), trainer(strategy, 2)
+        again.fit(resumed, train, val, ckpt_path=path)
+        extra[name] = {"losses": resumed.losses, "val_losses": resumed.val_losses, "global_step": again.global_step,
+                       "lr": [g["lr"] for g in again.optimizers[0].param_groups]}
+    tested = TinyGPT()
+    trainer(zero3_offload(), 1).test(tested, val, ckpt_path=saved, verbose=False)
+    extra["test_losses"] = tested.test_losses
+    for name, path in (("missing", f"{out}.missing.ckpt"), ("garbage", f"{out}.garbage.ckpt")):
+        try:
+            trainer(zero3_offload(), 2).fit(TinyGPT(), train, ckpt_path=path)
+            extra[name] = None
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            extra[name] = f"{type(error).__name__}: {error}"
+    extra["run"] = run
 
 
 def main(out: str, modes: list[str]) -> None:

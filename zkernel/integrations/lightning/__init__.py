@@ -14,7 +14,9 @@ known: the names exist once this module is imported (``import
 zkernel.integrations.lightning``), as with other third-party strategies.
 
 `ZKernelStrategy` is the class for ``pytorch_lightning`` where it is installed, else for
-``lightning.pytorch``; `strategy_class` gives the one for a given package.
+``lightning.pytorch``; `strategy_class` gives the one for a given package. `convert_checkpoint`
+(`zkernel.integrations.lightning.convert`) writes a checkpoint directory the strategy saved as one
+ordinary Lightning checkpoint file.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ def precision_class(package: str = _framework.PACKAGES[0]) -> type:
     return _BUILT[package][1]
 
 
+def __getattr__(name: str):
+    # convert_checkpoint is imported when asked for, so that ``python -m zkernel.integrations.lightning.convert``
+    # does not find its module already imported by this package.
+    if name == "convert_checkpoint":
+        from zkernel.integrations.lightning.convert import convert_checkpoint
+
+        return convert_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 ZKernelStrategy, ZKernelPrecision = next(iter(_BUILT.values()))
 
-__all__ = ["ZKernelStrategy", "ZKernelPrecision", "strategy_class", "precision_class"]
+__all__ = ["ZKernelStrategy", "ZKernelPrecision", "convert_checkpoint", "strategy_class", "precision_class"]

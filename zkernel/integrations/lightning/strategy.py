@@ -22,7 +22,10 @@ DeepSpeed's:
   and ``validate``/``test(ckpt_path=path)`` load it after ``setup``
   (``restore_checkpoint_after_setup``). The model's weights are in the
   directory, not in a ``state_dict`` entry: `zkernel.consolidate` gives the full
-  state dict.
+  state dict, `zkernel.integrations.lightning.convert_checkpoint` one ordinary
+  Lightning checkpoint file. ``ckpt_path`` may also name such a file (plain
+  DDP's, the converter's): its weights load into the engine, the optimizer's
+  moments start fresh ([Note: a checkpoint file or a directory]).
 * ``model_sharded_context``: under zero3 modules built in ``configure_model`` are
   built on the meta device and materialised shard by shard by the engine
   (each module's ``reset_parameters()``, then ``init_fn`` where given).
@@ -46,6 +49,7 @@ import attrs
 import torch
 from torch import nn
 
+from zkernel.checkpoint.format import CheckpointError
 from zkernel.errors import ConfigError
 from zkernel.integrations.lightning import settings
 from zkernel.integrations.lightning.optimizer import OptimizerMap
@@ -151,6 +155,7 @@ class _Strategy:
         self._accumulation = 1
         self._stepping = False  # inside optimizer_step: the backward in its closure ends a window
         self._backward_pending = False
+        self._weights_from_file = False  # load_checkpoint read a file: load_model_state_dict loads its weights
 
     # -- what the user reads --------------------------------------------------------
 
@@ -330,9 +335,12 @@ class _Strategy:
         return {}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The torch optimizer's hyperparameters per group: its moments are the engine's, in the checkpoint."""
+        """The torch optimizer's state dict without per-parameter state (torch's layout: each group's
+        hyperparameters and parameter numbers, ``state`` empty); called by Lightning when it saves. Its
+        moments are the engine's, in the checkpoint directory; a torch optimizer loads this as a fresh one
+        ([Note: what the converted file keeps of the optimizer] in `zkernel.integrations.lightning.convert`)."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write the engine's checkpoint to the directory ``filepath`` (tag ``checkpoint``) with Lightning's
@@ -348,24 +356,84 @@ class _Strategy:
         client = plain({k: v for k, v in checkpoint.items() if k != "state_dict"})
         self._engine.save_checkpoint(filepath, "checkpoint", client_state=client)
 
+    # [Note: a checkpoint file or a directory] ``ckpt_path`` names either a
+    # directory, which only trainer.save_checkpoint under this strategy writes (the
+    # engine's shards with Lightning's state), or a file, which is an ordinary
+    # Lightning checkpoint (plain DDP's, convert_checkpoint's): the kind of the
+    # path says which without doubt, so no flag chooses (DeepSpeedStrategy is told
+    # by load_full_weights=True that a path is a file of whole weights). What a
+    # file lacks is said instead, in a warning when fitting: the engine takes
+    # optimizer moments from its own checkpoints only, so a fit resumed from a file
+    # starts the moments and the engine's counters fresh; the weights, loops,
+    # schedulers and the optimizer's hyperparameters resume. Rank 0 alone reads the
+    # file (through the strategy's checkpoint_io) and broadcasts Lightning's state
+    # without the weights and moments; the weights reach the engine in
+    # load_model_state_dict, from rank 0's dict (after Lightning's
+    # on_load_checkpoint hooks have seen it; the other ranks' ``state_dict`` is
+    # empty) with broadcast_from_rank0, so one copy of the file is in memory.
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the engine's checkpoint from the directory ``checkpoint_path`` (the optimizer's state only when
-        fitting) and return Lightning's state saved with it; collective."""
+        """Lightning's state from ``checkpoint_path``, called by the Trainer for ``ckpt_path`` after ``setup``;
+        collective. A directory (`save_checkpoint`'s) loads into the engine here (the optimizer's state only
+        when fitting); a single Lightning checkpoint file loads its ``state_dict`` in `load_model_state_dict`
+        ([Note: a checkpoint file or a directory])."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
+        kind = self.broadcast("directory" if path.is_dir() else "file" if path.is_file() else "missing")
+        if kind == "missing":
             raise FileNotFoundError(
-                f"{str(path)!r} is not a checkpoint directory written by trainer.save_checkpoint under "
-                "ZKernelStrategy; a single-file Lightning checkpoint's weights load with "
-                "strategy.engine.load_state_dict(torch.load(path)['state_dict']) after setup"
+                f"{str(path)!r} does not exist: ckpt_path must be a checkpoint directory written by "
+                "trainer.save_checkpoint under ZKernelStrategy, or a Lightning checkpoint file"
             )
         fitting = self.lightning_module.trainer.state.fn == "fit"
+        if kind == "file":
+            return self._load_checkpoint_file(path, weights_only, fitting)
         loaded = self._engine.load_checkpoint(path, load_optimizer_states=fitting)
         if loaded is None:
             raise FileNotFoundError(f"{str(path)!r} holds no committed zkernel checkpoint (no 'latest')")
         return dict(loaded[1])
 
+    def _load_checkpoint_file(self, path: Path, weights_only: bool | None, fitting: bool) -> dict[str, Any]:
+        """Lightning's state from the checkpoint file ``path``, read on rank 0; rank 0's keeps its ``state_dict``."""
+        loaded: Any = None
+        error = None
+        if self.is_global_zero:
+            try:
+                loaded = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                error = f"it could not be read: {type(exc).__name__}: {exc}"
+            else:
+                if not isinstance(loaded, Mapping) or not isinstance(loaded.get("state_dict"), Mapping):
+                    error = "it has no 'state_dict' entry (a Lightning checkpoint file has the module's weights there)"
+        shared = None
+        if error is None and self.is_global_zero:
+            shared = {k: v for k, v in loaded.items() if k != "state_dict"}
+            if "optimizer_states" in shared:  # the moments are not loaded: not sent to the other ranks
+                shared["optimizer_states"] = [
+                    {k: v for k, v in state.items() if k != "state"} if isinstance(state, Mapping) else state
+                    for state in shared["optimizer_states"]
+                ]
+        error, shared = self.broadcast((error, shared))
+        if error is not None:
+            raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint file ZKernelStrategy can load: {error}")
+        if fitting and self.is_global_zero:
+            log.warning(
+                "zkernel.lightning.fresh_optimizer_state",
+                path=str(path),
+                note="a single checkpoint file holds no engine optimizer state: its weights, loops, schedulers and "
+                "the optimizer's hyperparameters resume, the optimizer's moments start fresh; resume from the "
+                "checkpoint directory trainer.save_checkpoint wrote to keep them",
+            )
+        self._weights_from_file = True
+        return {**shared, "state_dict": loaded["state_dict"] if self.is_global_zero else {}}
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing to do: `load_checkpoint` loaded the weights into the engine."""
+        """Called by the Trainer after `load_checkpoint`: a checkpoint file's ``state_dict`` (rank 0's) becomes the
+        engine's weights on every rank; after a directory, nothing (`load_checkpoint` loaded the weights)."""
+        if not self._weights_from_file:
+            return
+        self._weights_from_file = False
+        weights = checkpoint["state_dict"] if self.is_global_zero else {}
+        self._engine.load_state_dict(weights, strict=strict, broadcast_from_rank0=True)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Give the torch optimizer back its groups' hyperparameters (the schedulers continue from them);
