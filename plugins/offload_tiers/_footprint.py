@@ -29,7 +29,7 @@ holds the answers to ``memory_report()``):
   it lends the optimizer a buffer for each update, so no staging copy is kept.
 
 Both optimizer tiers answer their ``split_master`` option
-(`TierSizing.split_master`: the masters on the GPU, in host memory and, for ``nvme``, in swap files kept as
+(`TierSizing.split_master`: the masters on the GPU, in host memory and, for ``nvme`` with ``true``, in swap files kept as
 a low half and a tie bit, 2.125 bytes an element, where the run allows it;
 [Note: sizing a split master] in
 `zkernel.spec.sizing` and [Note: split masters in the tiers] in
@@ -115,6 +115,7 @@ def nvme_footprint(role: str, options) -> TierSizing:
         staging_pool=options.staging_buffers,
         steps_on="cpu",
         pool_bytes=optimizer_pool,
-        split_master=split_master(options, auto=True, places=(*_IN_MEMORY, "nvme")),  # its swap files too
+        # true: its swap files too; "auto": the GPU and host memory only
+        split_master=split_master(options, auto=True, places=(*_IN_MEMORY, "nvme") if options.split_master is True else _IN_MEMORY),
         split_option="split_master",
     )

@@ -48,8 +48,9 @@ class HostPlacement:
             self.split.settle(group, self.split_wish, self.compute_dtype, self.tier)
 
     def splits_on_disk(self, group) -> bool:
-        """Whether a group whose master lives in a swap file keeps it split there (as `settle` decides)."""
-        return self.split is not None and self.split.decide(group, self.split_wish, self.compute_dtype, self.tier)
+        """Whether a group whose master lives in a swap file keeps it split there: only where the option
+        says true (as `settle` decides then); ``"auto"`` keeps swap files whole."""
+        return self.split_wish is True and self.split.decide(group, True, self.compute_dtype, self.tier)
 
     def splits(self, group) -> bool:
         return self.split is not None and self.split.holds(group)

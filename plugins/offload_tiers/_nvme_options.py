@@ -45,7 +45,9 @@ class NvmeTierOptions:
     host_share: float = attrs.field(default=0.0, validator=_SHARE)
     # Keep the masters of the GPU and host shares as their low half beside the bf16 parameter shard,
     # 2.125 bytes an element instead of 4, rebuilt for each step ([Note: split masters in the tiers]):
-    # true, false, or "auto" (true where the run is bf16 and the params tier keeps shards in memory).
+    # "auto" (where the run is bf16 and the params tier keeps shards in memory), true (the same, and in
+    # the swap files too: 10.1 bytes an element with Adam's moments instead of 12; an error where it
+    # cannot apply), or false.
     split_master: bool | str = attrs.field(default="auto", validator=choice("auto", True, False))
     # Page-locked compute-dtype buffers host steps round updated parameters into before their
     # upload (the cpu tier's option: shared by all groups, each as large as the largest; as many

@@ -5,9 +5,10 @@ fp32 master as its bf16 rounding (the parameter) plus 2.125 bytes an element
 ([Note: the master's low half]). The host tiers use it where a group's
 parameter shard is a bf16 tensor in memory (the GPU, or host memory under the
 ``cpu`` params tier; not a swap file): between steps the group holds only its
-low half and tie bits (``group.master`` is None, as an ``nvme`` group's is; the
-``nvme`` tier's swap files hold the same two parts in place of the master, 10.1
-bytes an element with Adam's moments instead of 12, rebuilt from the block);
+low half and tie bits (``group.master`` is None, as an ``nvme`` group's is; with
+``split_master = true`` the ``nvme`` tier's swap files hold the same two parts in
+place of the master, 10.1 bytes an element with Adam's moments instead of 12,
+rebuilt from the block; ``"auto"`` keeps them whole, as the 15.4 B runs measured);
 `lend` rebuilds the fp32 master into a buffer lent for the step, from the
 shard as it is then, and `take_back` stores the stepped master's low half and
 gives the buffer back. The step pipeline rounds every update into the shard

@@ -109,8 +109,9 @@ class NvmeTier(SplitMasterStats, SwapStats, ShareRouting, OptimizerTier):
         self._share.planned_numel = numel
         gpu, host = self._share.adopt_time_fraction(), self.options.host_share
         states = sum(s.nbytes for s in state)
-        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)  # in memory and in files
-        image = kept = master * numel + states  # master and state of every group
+        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)  # in memory
+        kept = master * numel + states  # master and state of every group in memory
+        image = (master if self._split is True else 4) * numel + states  # ... and as a file holds them
         disk = int(image * max(0.0, 1.0 - gpu - host))
         pool = (self.options.buffer_bytes or min(disk, DEFAULT_BUFFER_BYTES)) if disk else 0
         self._disk.plan(disk)

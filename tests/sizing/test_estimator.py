@@ -299,8 +299,7 @@ STEP = 4  # bytes of Adam's step counter, one per trainable group
 
 def split(numel: int) -> int:
     """Bytes of a master of ``numel`` elements kept split: a 16-bit low half and a tie bit each (the
-    nvme tier's default on the GPU, in host memory and in its swap files, in a bf16 run whose
-    parameters are in memory)."""
+    nvme tier's default on the GPU and in host memory in a bf16 run whose parameters are in memory)."""
     return 2 * numel + (numel + 7) // 8
 
 
@@ -325,9 +324,8 @@ def spill_config(partitioner: str, tier: str, precision: str = "bf16", **shares)
 def test_nvme_spill_bytes_follow_the_split(world):
     """Ten groups of n elements per rank: gpu_share 0.3 keeps the first 3 on the GPU (master, two
     moments, gradient), host_share 0.4 the next 4 in host memory, the last 3 are in swap files.
-    The masters are split everywhere (bf16, the parameters on the device), the GPU with a buffer to
-    rebuild one in, host memory with one for its own and the swap files' (and one to download a
-    parameter into)."""
+    The masters on the GPU and in host memory are split (bf16, the parameters on the device), each
+    place with a buffer to rebuild one in (and host memory one to download its parameter into)."""
     model = linears(*[(64, 64)] * 10)
     n = 64 * 64 // world
     cfg = spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4)
@@ -339,11 +337,24 @@ def test_nvme_spill_bytes_follow_the_split(world):
     # buffer in host memory; the bf16 updates of all seven go through the tier's staging pool
     # (staging_buffers = 4 buffers as large as the largest group).
     cpu = host * (split(n) + 8 * n + STEP + 4 * n) + disk * (4 * n) + 4 * 2 * n + (4 + 2) * n
-    nvme = disk * (split(n) + 8 * n + STEP)
+    nvme = disk * (4 * n + 8 * n + STEP)
     assert got == {"cuda": device, "cpu": cpu, "nvme": nvme}
-    # Without any fraction: every group's master and moments are on disk, the masters rebuilt in host memory.
+    # Without any fraction: every group's master and moments are on disk (the tier as it was).
     plain = totals(zkernel.estimate(model, spill_config("zero3", "nvme"), world, device="cuda"))
-    assert plain == {"cuda": 10 * 2 * n, "cpu": 10 * 4 * n + 4 * 2 * n + (4 + 2) * n, "nvme": 10 * (split(n) + 8 * n + STEP)}
+    assert plain == {"cuda": 10 * 2 * n, "cpu": 10 * 4 * n + 4 * 2 * n, "nvme": 10 * (12 * n + STEP)}
+
+
+def test_split_master_true_splits_the_nvme_tiers_swap_files_too():
+    """``split_master = true``: the swap files hold the three disk groups' masters split as well (2.125
+    bytes an element beside the moments), rebuilt in host memory's buffer (as large as the largest
+    group there already: nothing more); host memory and the GPU as under "auto"."""
+    model = linears(*[(64, 64)] * 10)
+    n = 64 * 64
+    auto = totals(zkernel.estimate(model, spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4), 1, device="cuda"))
+    cfg = spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4, split_master=True)
+    got = totals(zkernel.estimate(model, cfg, 1, device="cuda"))
+    assert got == {"cuda": auto["cuda"], "cpu": auto["cpu"], "nvme": 3 * (split(n) + 8 * n + STEP)}
+    assert auto["nvme"] == 3 * (4 * n + 8 * n + STEP)
 
 
 def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():
@@ -353,7 +364,7 @@ def test_gpu_share_needs_a_gpu_and_a_host_share_does_not():
     n = 64 * 64
     got = totals(zkernel.estimate(model, spill_config("zero3", "nvme", gpu_share=0.3, host_share=0.4), 1, device="cpu"))
     # Host-share masters split, rebuilt in one buffer (the parameters are in host memory: no download).
-    assert got == {"cpu": 10 * 2 * n + 4 * (split(n) + 12 * n + STEP) + 6 * 4 * n + 4 * n, "nvme": 6 * (split(n) + 8 * n + STEP)}
+    assert got == {"cpu": 10 * 2 * n + 4 * (split(n) + 12 * n + STEP) + 6 * 4 * n + 4 * n, "nvme": 6 * (12 * n + STEP)}
 
 
 def test_the_nvme_gpu_share_takes_only_zero3_modules():

@@ -101,7 +101,8 @@ def whole_and_split(root: str) -> dict:
         "zero3-cpu": ("cpu", "zero3", {}),
         "zero3-cpu-unclipped": ("cpu", "zero3", {"clip": 0.0}),
         "zero3-nvme-host": ("nvme", "zero3", {"host_share": 1.0}),
-        "zero3-nvme-half": ("nvme", "zero3", {"host_share": 0.5}),
+        "zero3-nvme-half": ("nvme", "zero3", {"host_share": 0.5}),  # "auto": the swap files keep whole masters
+        "zero3-nvme-half-disk": ("nvme", "zero3", {"host_share": 0.5, "split": True}),  # true: split there too
         # Clipping 2.0: groups' own norms stay below it, so they step during backward, and three of the
         # four windows' norms pass it, so those steps are rolled back and taken again.
         "zero3-cpu-speculative": ("cpu", "zero3", {"speculate": "always", "clip": 2.0}),
@@ -110,11 +111,12 @@ def whole_and_split(root: str) -> dict:
     }
     out = {}
     for name, (tier, stage, options) in cases.items():
+        wish = options.pop("split", True if tier == "cpu" else "auto")
         nvme = f"{root}/{name}-nvme-{rank}"
         os.makedirs(nvme, exist_ok=True)
         slow = name.endswith("stopped")
         whole = run(config(tier, stage, False, nvme, **options), slow_check=slow)
-        split = run(config(tier, stage, True if tier == "cpu" else "auto", nvme, **options),
+        split = run(config(tier, stage, wish, nvme, **options),
                     save=f"{root}/{name}-ckpt", slow_check=slow)
         out[name] = {"whole": whole, "split": split}
     # A checkpoint written with split masters resumes an engine keeping them whole, and the other way.

@@ -17,10 +17,9 @@ from tests.support.models import TrickyNet, batches
 from tests.support.nvme_scenarios import RUN_GLOB, write_failure
 from tests.support.scenarios import train, train_many
 
-# Each small group's file image is four 4 KiB-aligned segments in fp32 (master, two moments, step) and
-# five in bf16 (the split master's low half and tie bits instead of the master): a pool of this many
-# bytes holds two groups at once either way, fewer than the models have.
-TWO_GROUPS = 4096 * 10
+# Each small group's file image is four 4 KiB-aligned segments (master, two moments, step): a pool of
+# this many bytes holds two groups at once, fewer than the models have.
+TWO_GROUPS = 4096 * 8
 
 
 def _refused_write_with_a_small_pool(nvme_path: str) -> dict:
