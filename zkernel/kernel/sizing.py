@@ -229,8 +229,9 @@ class Estimator(SizingService):
                 buffers.append(placement.buffer(Role.OPTIMIZER_STATE, self._state_bytes(config, group.shard, group.params)))
                 if c != 4 and placement.kept(Role.STAGING):
                     buffers.append(placement.buffer(Role.STAGING, group.shard * c))
-                if placement.splits_master:  # rebuilt where it is, or in host memory from a swap file
-                    where = "cpu" if placement.where(Role.MASTER) == "nvme" else placement.where(Role.MASTER)
+                if placement.splits_master:  # rebuilt where it is in memory, else (a swap file) in host memory
+                    where = placement.where(Role.MASTER)
+                    where = where if where in (DEVICE, "cpu") else "cpu"
                     split[where] = max(split.get(where, 0), group.shard)
             out.append(buffers)
         params_home = params_tier.where.get(Role.PARAM_SHARD) if layout.shards_params else DEVICE
