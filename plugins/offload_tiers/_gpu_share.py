@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import torch
 
+from zkernel.spec import master_bytes
 from zkernel.telemetry.log import get_logger
 
-from ._split_master import SplitDeviceOptimizerTier, split_bytes, why_not_split
+from ._split_master import SplitDeviceOptimizerTier, why_not_split
 from .device import shares_storage
 
 log = get_logger()
@@ -74,9 +75,10 @@ def auto_share_bytes(group, device: torch.device, compute_dtype: torch.dtype, *,
     low half, [Note: split masters in the tiers]), and a compute-dtype buffer for its updated
     parameters when their home is not on ``device`` (`update_target` allocates one)."""
     shard = group.param_shard
+    numel = group.master.numel() if numel is None else numel
     per_element = float(SHARE_BYTES)
-    if split and why_not_split(group, compute_dtype, numel) is None:
-        per_element -= 4 - split_bytes(1 << 20) / (1 << 20)
+    if split and numel and why_not_split(group, compute_dtype, numel) is None:
+        per_element -= 4 - master_bytes(numel, True) / numel
     if shard is None or compute_dtype == torch.float32 or shard.device == device or shares_storage(shard, group.master):
         return per_element
     return per_element + torch.empty((), dtype=compute_dtype).element_size()

@@ -42,7 +42,7 @@ import torch
 from zkernel.platform.host_memory import host_empty
 from zkernel.platform.split_master import join_master, split_master, tie_bytes
 from zkernel.platform.streams import record_event
-from zkernel.spec import ConfigError, hookimpl
+from zkernel.spec import ConfigError, hookimpl, master_bytes
 from zkernel.spec.tiers import ShardState
 
 from ._state import write_optimizer_state
@@ -73,17 +73,11 @@ def why_not_split(group, compute_dtype: torch.dtype, numel: int | None = None) -
     return None
 
 
-def split_bytes(numel: int) -> int:
-    """Bytes a split master of ``numel`` elements keeps: its low half and tie bits."""
-    return 2 * numel + tie_bytes(numel)
-
-
-def master_bytes(numel: int, split: bool | None, compute_dtype, shard_in_memory: bool) -> float:
-    """Bytes per element of a host tier's master: 4, or a split master's where it applies ([Note: split
-    masters in the tiers]; ``split`` as `resolve_split` gives it)."""
-    if split is False or compute_dtype != torch.bfloat16 or not shard_in_memory or numel <= 0:
-        return 4.0
-    return split_bytes(numel) / numel
+def master_bytes_per_element(numel: int, split: bool | None, compute_dtype, shard_in_memory: bool) -> float:
+    """Bytes per element of a host tier's ``numel`` master elements: 4, or a split master's where it
+    applies (`zkernel.spec.master_bytes`; ``split`` as `resolve_split` gives it)."""
+    applies = split is not False and compute_dtype == torch.bfloat16 and shard_in_memory and numel > 0
+    return master_bytes(numel, applies) / numel if numel > 0 else 4.0
 
 
 @attrs.define(eq=False)

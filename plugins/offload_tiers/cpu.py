@@ -45,7 +45,7 @@ from ._cpu_params import CpuParamsOptions, CpuParamsTier
 from ._gpu_share import SHARE_BYTES, SIZED_FRACTION, GpuShare, ShareRouting, unused_device_bytes
 from ._host_home import HostPlacement
 from ._host_landing import HostLanding
-from ._split_master import SPLIT_MASTER_CHOICES, SplitMasterStats, master_bytes, resolve_split
+from ._split_master import SPLIT_MASTER_CHOICES, SplitMasterStats, master_bytes_per_element, resolve_split
 from ._staging import HostUpdates
 
 
@@ -123,7 +123,7 @@ class CpuTier(SplitMasterStats, ShareRouting, OptimizerTier):
     def demand(self, numel, state, compute_dtype):
         self._share.planned_numel = numel
         share = self._share.adopt_time_fraction()
-        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)
+        master = master_bytes_per_element(numel, self._split, compute_dtype, self._shard_in_memory)
         host = int(int(numel * (1 - share)) * (master + self._landing.element_size)) + int(sum(s.nbytes for s in state) * (1 - share))
         device = int(int(numel * share) * (SHARE_BYTES - 4 + master))
         return {Resource.HOST: host, Resource.DEVICE: device} if device else {Resource.HOST: host}

@@ -56,7 +56,7 @@ from ._host_landing import HostLanding
 from ._nvme_optimizer import DEFAULT_BUFFER_BYTES, OptimizerSwap
 from ._nvme_options import NvmeParamsOptions, NvmeTierOptions
 from ._nvme_params import NvmeParamsTier
-from ._split_master import SplitMasterStats, master_bytes, resolve_split
+from ._split_master import SplitMasterStats, master_bytes_per_element, resolve_split
 from ._staging import HostUpdates
 from ._swap_traffic import SwapStats, SwapTraffic
 
@@ -109,7 +109,7 @@ class NvmeTier(SplitMasterStats, SwapStats, ShareRouting, OptimizerTier):
         self._share.planned_numel = numel
         gpu, host = self._share.adopt_time_fraction(), self.options.host_share
         states = sum(s.nbytes for s in state)
-        master = master_bytes(numel, self._split, compute_dtype, self._shard_in_memory)  # in memory
+        master = master_bytes_per_element(numel, self._split, compute_dtype, self._shard_in_memory)  # in memory
         kept = master * numel + states  # master and state of every group in memory
         image = (master if self._split is True else 4) * numel + states  # ... and as a file holds them
         disk = int(image * max(0.0, 1.0 - gpu - host))
