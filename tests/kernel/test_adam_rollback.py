@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.simd import simd_path, simd_paths  # noqa: F401 (simd_path: a fixture)
 from zkernel.platform import native
 
 N = 50_017  # odd: exercises the vector tails
@@ -27,16 +28,6 @@ ULPS = 4.0
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _paths() -> list[str]:
-    order = ["scalar", "avx2", "avx512"]
-    return order[: order.index(native.best_simd_path()) + 1]
-
-
-@pytest.fixture
-def simd_path(request):
-    native.set_simd_path(request.param)
-    yield request.param
-    native.set_simd_path("auto")
 
 
 def _assert_within_ulps(name: str, got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> None:
@@ -73,7 +64,7 @@ def _assert_restored(before, after, restored, g: torch.Tensor, grad_scale: float
     assert bool((v >= 0).all())
 
 
-@pytest.mark.parametrize("simd_path", _paths(), indirect=True)
+@pytest.mark.parametrize("simd_path", simd_paths(), indirect=True)
 @pytest.mark.parametrize("history", [0, 100], ids=["fresh", "history100"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["f32_grad", "bf16_grad"])
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
@@ -148,7 +139,7 @@ def test_simd_paths_and_thread_counts_are_bitwise_identical(adamw, grad_dtype):
     g = torch.randn(n, generator=gen).to(grad_dtype)
     results = {}
     try:
-        for path in _paths():
+        for path in simd_paths():
             native.set_simd_path(path)
             for threads in (1, None):
                 p, m, v = (t.clone() for t in start)

@@ -10,24 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import zkernel
+from tests.support.slow_backward import SlowBackward
 
 pytestmark = pytest.mark.cuda
 
 STEPS, SEED, LR = 4, 7, 1e-2
 SLEEP_CYCLES = 300_000_000  # ~0.2 s of GPU time per backward: the host runs far ahead meanwhile
 
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward keeps the compute stream busy before the gradient flows on."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        return grad
 
 
 class LaggingNet(nn.Module):
@@ -41,7 +30,7 @@ class LaggingNet(nn.Module):
         self.head = nn.Linear(64, 5)
 
     def forward(self, x, y):
-        h = _SlowBackward.apply(torch.tanh(self.first(x)))
+        h = SlowBackward.apply(torch.tanh(self.first(x)), SLEEP_CYCLES)
         return F.cross_entropy(self.head(torch.tanh(self.second(h))), y)
 
 

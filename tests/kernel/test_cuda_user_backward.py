@@ -10,23 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import zkernel
+from tests.support.slow_backward import SlowBackward
 
 pytestmark = pytest.mark.cuda
 
 SLEEP_CYCLES = 100_000_000  # GPU time per backward: the host runs far ahead meanwhile
 
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward keeps the compute stream busy before the gradient flows on."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        return grad
 
 
 class _Net(nn.Module):
@@ -36,7 +25,7 @@ class _Net(nn.Module):
         self.fc2 = nn.Linear(128, 64)
 
     def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(_SlowBackward.apply(x))))
+        return self.fc2(torch.tanh(self.fc1(SlowBackward.apply(x, SLEEP_CYCLES))))
 
 
 def _train(config: dict, way: str, side_stream: bool) -> dict:

@@ -11,21 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.simd import simd_path, simd_paths  # noqa: F401 (simd_path: a fixture)
 from zkernel.platform import native
 
 N = 50_017  # odd: exercises the SIMD tails
 
 
-def _paths() -> list[str]:
-    order = ["scalar", "avx2", "avx512"]
-    return order[: order.index(native.best_simd_path()) + 1]
-
-
-@pytest.fixture
-def simd_path(request):
-    native.set_simd_path(request.param)
-    yield request.param
-    native.set_simd_path("auto")
 
 
 def _assert_close_1e6(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -34,7 +25,7 @@ def _assert_close_1e6(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("simd_path", _paths(), indirect=True)
+@pytest.mark.parametrize("simd_path", simd_paths(), indirect=True)
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
 def test_100_steps_match_torch(simd_path, adamw):
     gen = torch.Generator().manual_seed(1)
@@ -85,7 +76,7 @@ def test_simd_paths_are_bitwise_identical(beta1, grad_dtype):
     g = torch.randn(n, generator=gen).to(grad_dtype)
     results = {}
     try:
-        for path in _paths():
+        for path in simd_paths():
             native.set_simd_path(path)
             p, m, v = (t.clone() for t in start)
             out = torch.empty(n + 1, dtype=torch.bfloat16)[1:]  # misaligned: no streaming stores
@@ -115,7 +106,7 @@ def test_lerp_large_weight_matches_torch():
     _assert_close_1e6(p, ref.detach())
 
 
-@pytest.mark.parametrize("simd_path", _paths(), indirect=True)
+@pytest.mark.parametrize("simd_path", simd_paths(), indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rounding_edge_cases_match_torch(simd_path, dtype):
     special = torch.tensor(

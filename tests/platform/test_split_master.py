@@ -13,6 +13,7 @@ import ctypes
 import pytest
 import torch
 
+from tests.support.simd import simd_path, simd_paths  # noqa: F401 (simd_path: a fixture)
 from zkernel.platform import native
 from zkernel.platform import split_master as codec
 
@@ -23,16 +24,6 @@ _memcmp = ctypes.CDLL(None).memcmp
 _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 
-def _paths() -> list[str]:
-    order = ["scalar", "avx2", "avx512"]
-    return order[: order.index(native.best_simd_path()) + 1]
-
-
-@pytest.fixture
-def simd_path(request):
-    native.set_simd_path(request.param)
-    yield request.param
-    native.set_simd_path("auto")
 
 
 @pytest.fixture
@@ -107,7 +98,7 @@ def test_every_fp32_bit_pattern_round_trips():
     assert int(bits[-1]) == -1  # the last chunk ended at 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("simd_path", _paths(), indirect=True)
+@pytest.mark.parametrize("simd_path", simd_paths(), indirect=True)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_split_writes_the_torch_paths_bytes(simd_path, n, torch_path):
     master = _masters(n, seed=n)
@@ -121,7 +112,7 @@ def test_split_writes_the_torch_paths_bytes(simd_path, n, torch_path):
         assert int(ties[-1]) >> (n % 8) == 0  # padding bits are 0
 
 
-@pytest.mark.parametrize("simd_path", _paths(), indirect=True)
+@pytest.mark.parametrize("simd_path", simd_paths(), indirect=True)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_join_writes_the_torch_paths_bits_on_any_input(simd_path, n, torch_path):
     """Any high/low/ties, consistent with a master or not: the same uint32 arithmetic."""
@@ -135,7 +126,7 @@ def test_join_writes_the_torch_paths_bits_on_any_input(simd_path, n, torch_path)
     assert _same_bytes(_join(high, low, ties), want)
 
 
-@pytest.mark.parametrize("simd_path", _paths(), indirect=True)
+@pytest.mark.parametrize("simd_path", simd_paths(), indirect=True)
 def test_round_trip_through_misaligned_views(simd_path):
     """Tensors that start mid-way into their storage (no SIMD store is aligned) and lengths that end
     mid-block."""
