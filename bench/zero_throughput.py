@@ -200,7 +200,7 @@ def _worker(args) -> None:
 
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator(device=device).manual_seed(1 + local)
-    times, norms = [], []
+    times, norms, every_step = [], [], []
     disk = _disk_counters(engine) if mode.startswith("zero") else None
 
     def next_batches():
@@ -217,6 +217,7 @@ def _worker(args) -> None:
         loss, norm = train_step(batches)
         loss.item()
         torch.cuda.synchronize()
+        every_step.append(time.perf_counter() - t0)
         if norm is not None:
             norms.append(float(norm))
         if i >= args.warmup:
@@ -252,6 +253,7 @@ def _worker(args) -> None:
         "world": world,
         "micro_batch": micro_batch,
         "step_s": step,
+        "every_step_s": [round(t, 3) for t in every_step],
         "tokens_per_s": tokens,
         "accum": args.accum,
         "tflops_per_gpu": fpt * micro_batch * args.accum * SEQ / step / 1e12,
