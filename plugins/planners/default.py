@@ -43,21 +43,17 @@ split turned off (the tier's `TierSizing.split_option` set false, unless the
 config gives it): the buffers a split master is rebuilt in, as large as the
 largest group, may cost more than small shares save.
 
-[Note: one rank] Partitioners that divide less are tried first because, over
-several ranks, they keep more and communicate less. On one rank nothing is
-communicated and nothing is divided, so they differ only in what they keep:
-zero3 keeps no compute-dtype copy beside its fp32 master (its gathers cast
-the master), zero1 keeps one, and both step on the device alike. There the
-order is reversed: the one keeping the least is tried first, which leaves the
-most memory for activations and for no checkpointing. It is also the fastest
-measured on one H200 (GPT-1.3B, micro-batch 16: zero3 at 1.026-1.033x FSDP2
-in 2026-11-29's calls; zero1 at 1.008-1.012x in 2026-11-21's, when zero3 was
-at 1.003-1.005x; BENCHMARKS.md), and GPT-6.7B at micro-batch 8 then trains
-with every block checkpointed without offload (zero3's 99 GiB of model states
-where zero1 needs 112 GiB of the 127 usable). That placement is not the fastest
-measured there: the optimizer on the cpu tier with 84% of it on the GPU ran
-1.6-1.9% faster in the same call, zero1 about 1% (another call); the planner's
-model has no term for it yet (BENCHMARKS.md, issue 46, goal 3).
+[Note: one rank] On one rank nothing is communicated and nothing is divided,
+so the partitioners differ only in what they keep and what they copy: zero3
+keeps no compute-dtype copy beside its fp32 master, so each gather casts the
+master (6 bytes an element read and written, every forward and every
+recompute of every micro-batch) and each reduction copies the gradient into
+its flat buffer; zero1 keeps the parameters whole in the compute dtype, 2
+bytes an element more, and the step rounds into them once. The order is then
+the same as over ranks, zero1 first: with the memory to spare it is the
+faster, on GPT-6.7B ahead of zero3 and of the optimizer on the cpu tier alike
+(BENCHMARKS.md, issue 46, goal 3, measured in one call), and zero3 is still
+tried, before any checkpointing, where zero1 does not fit.
 
 Keys the config sets are kept; offload tiers that do not answer for their
 bytes, or that keep state in swap files without an ``offload.nvme_path``,
@@ -193,9 +189,8 @@ class _Planning(SpillSizing):
             for name in self.request.components.names(Family.PARTITIONER)
             if (layout := self._layout(name)) is not None and layout.divides
         ]
-        # [Note: one rank]: with nothing to communicate, those that divide more (keep less) come first.
-        one_rank = self.request.world_size == 1
-        partitioners.sort(key=lambda name: -len(self._layout(name).divides) if one_rank else len(self._layout(name).divides))
+        # Those that divide less come first, on one rank too ([Note: one rank]).
+        partitioners.sort(key=lambda name: len(self._layout(name).divides))
         answers = {role: {t: a for t in sorted(self.usable) if (a := self.sizing.tier(t, role)) is not None} for role in ("optimizer", "params")}
         params = sorted(answers["params"], key=lambda t: answers["params"][t].level)
         stages = []

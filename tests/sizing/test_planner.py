@@ -339,8 +339,8 @@ def test_estimate_plan_cli_shows_the_decision_and_the_measurements(capsys, resto
     assert main(["estimate", *shape, *machine, "--gpu-memory", "80GiB", "--plan"]) == 0
     out = capsys.readouterr().out
     plan_text = out[out.index("placement plan"):]
-    # [Note: one rank]: on one rank the partitioner keeping the least comes first
-    assert "placement plan (planner 'default', 1 rank(s)): zero3, optimizer on the compute device" in plan_text
+    # [Note: one rank]: on one rank too the partitioner dividing least comes first
+    assert "placement plan (planner 'default', 1 rank(s)): zero1, optimizer on the compute device" in plan_text
     assert "device: " in plan_text and "activations" in plan_text
     assert "measured: host to device not measured (no CUDA device)" in plan_text or torch.cuda.is_available()
     assert "cpu adam" in plan_text and "G elements/s" in plan_text
@@ -380,7 +380,7 @@ def test_cuda_measures_copies_and_the_gpu_share_lands_on_the_gpu():
     # Room for the offloaded placement plus half the optimizer at 16 bytes per element: gpu_share 0.5.
     offloaded = device_states(model, "zero1", "cpu", "none", world=1)
     cfg = settings(gpu_memory=gpu_memory_for(offloaded + 8 * numel))
-    # The share placed after the first step (on one rank zero3 comes first: [Note: one rank]); zero1's own options.
+    # The share placed after the first step, under zero1 with zero1's own options.
     cfg["partitioner"] = "zero1"
     cfg["partitioner_options"] = {"bucket_size": 1024 * 1024 + 1024}
     cfg["planner"]["options"]["measure"] = True
