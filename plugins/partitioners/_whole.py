@@ -8,6 +8,16 @@ the group's ``param_shard``, which the optimizer's result reaches and which the
 partitioner all-gathers after a step. The initial fp32 master is that slice
 itself in fp32 runs and an fp32 copy of it otherwise; the optimizer tier
 decides where the master then lives.
+
+[Note: a meta-device model kept whole] A model built on the meta device is
+materialised as zero3 materialises it (`_materialize`: zero3's ``"modules"``
+units, unit *i* under ``init_seed + i``, the model's initialiser, then its
+buffers), so one meta-built model starts from the same values under every
+builtin partitioner and a checkpoint or a comparison across them holds. These
+partitioners keep the parameters whole, so every unit is built before the
+buckets are cut; each bucket's flat buffers then take its parameters' values
+and the unit's own storage is freed, so the model never takes more than it
+holds once built (its materialised dtype, then the buckets').
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from zkernel.spec.options import integer
 from zkernel.spec.groups import ParamGroup
 from zkernel.params.param_writes import unbind, watch
 
-from ._flat import FlatLayout, all_gather_flat, flatten_into, split_buckets, split_trainable, unique_named_params
+from ._flat import FlatLayout, all_gather_flat, flatten_into, module_units, split_buckets, split_trainable, unique_named_params
+from ._materialize import materialized_units
 
 
 @attrs.frozen(kw_only=True)
@@ -32,6 +43,9 @@ class BucketOptions:
 
     # Elements per bucket: the unit of gradient reduction and of the optimizer step.
     bucket_size: int = attrs.field(default=25_000_000, validator=integer(minimum=1))
+    # Seed from which each unit of a meta-device model is initialised, as zero3's
+    # ([Note: a meta-device model kept whole]).
+    init_seed: int = attrs.field(default=0, validator=integer())
 
 
 @attrs.define(eq=False)
@@ -55,16 +69,19 @@ def _move_frozen(frozen: list[tuple[str, nn.Parameter]], device, dtype) -> None:
         p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype)
 
 
-def build_whole_groups(module: nn.Module, context, shards: int, bucket_numel: int) -> Iterator[ParamGroup]:
+def build_whole_groups(module: nn.Module, context, shards: int, options: BucketOptions) -> Iterator[ParamGroup]:
     """Flatten the trainable parameters into bucket groups sharded ``shards`` ways, one at a time.
 
-    Rank 0's values are broadcast, so every rank starts from the same model.
+    Rank 0's values are broadcast, so every rank starts from the same model; a
+    meta-device model is built first ([Note: a meta-device model kept whole]).
     """
     device, dtype = context.device, context.compute_dtype
+    for _ in materialized_units(module, module_units(module), device, options.init_seed, context.init_fn, context.left_unset):
+        pass
     trainable, frozen = split_trainable(unique_named_params(module))
     _move_frozen(frozen, device, dtype)
     rank = context.rank if shards > 1 else 0
-    for index, bucket in enumerate(split_buckets(trainable, bucket_numel)):
+    for index, bucket in enumerate(split_buckets(trainable, options.bucket_size)):
         params = tuple(p for _, p in bucket)
         flat = FlatLayout.of(params, shards, rank)
         full = torch.empty(flat.padded, dtype=dtype, device=device)

@@ -13,7 +13,7 @@ is no collective at all. Off the boundary, gradients only accumulate locally
 
 from __future__ import annotations
 
-from zkernel.spec import hookimpl
+from zkernel.spec import MATERIALIZES_META, hookimpl
 
 from ._reduce import reduce_at_boundary
 from ._footprint import WholeFootprint
@@ -29,7 +29,7 @@ class DataParallel:
 
     @hookimpl
     def zkernel_partition_params(self, module, context):
-        return build_whole_groups(module, context, shards=1, bucket_numel=self.options.bucket_size)
+        return build_whole_groups(module, context, shards=1, options=self.options)
 
     @hookimpl
     def zkernel_reduce_gradients(self, group, boundary):
@@ -57,6 +57,7 @@ def zkernel_register_partitioners(registry) -> None:
         DataParallel,
         description="plain data parallel: bucketed all-reduce of gradients, overlapping backward",
         options_cls=BucketOptions,
+        capabilities=(MATERIALIZES_META,),
     )
 
 

@@ -13,7 +13,7 @@ slice is the whole bucket and no collective runs.
 
 from __future__ import annotations
 
-from zkernel.spec import hookimpl
+from zkernel.spec import MATERIALIZES_META, hookimpl
 
 from ._reduce import reduce_at_boundary
 from ._footprint import WholeFootprint
@@ -29,7 +29,7 @@ class Zero1:
 
     @hookimpl
     def zkernel_partition_params(self, module, context):
-        return build_whole_groups(module, context, shards=context.world_size, bucket_numel=self.options.bucket_size)
+        return build_whole_groups(module, context, shards=context.world_size, options=self.options)
 
     @hookimpl
     def zkernel_reduce_gradients(self, group, boundary):
@@ -63,6 +63,7 @@ def zkernel_register_partitioners(registry) -> None:
         Zero1,
         description="ZeRO-1: optimizer state and fp32 masters partitioned across ranks",
         options_cls=BucketOptions,
+        capabilities=(MATERIALIZES_META,),
     )
 
 

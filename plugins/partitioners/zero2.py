@@ -14,7 +14,7 @@ communicated.
 
 from __future__ import annotations
 
-from zkernel.spec import hookimpl
+from zkernel.spec import MATERIALIZES_META, hookimpl
 
 from ._reduce import reduce_every_micro_batch
 from ._footprint import WholeFootprint
@@ -30,7 +30,7 @@ class Zero2:
 
     @hookimpl
     def zkernel_partition_params(self, module, context):
-        return build_whole_groups(module, context, shards=context.world_size, bucket_numel=self.options.bucket_size)
+        return build_whole_groups(module, context, shards=context.world_size, options=self.options)
 
     @hookimpl
     def zkernel_reduce_gradients(self, group, boundary):
@@ -64,6 +64,7 @@ def zkernel_register_partitioners(registry) -> None:
         Zero2,
         description="ZeRO-2: optimizer state, masters and gradients partitioned; bucketed reduce-scatter during backward",
         options_cls=BucketOptions,
+        capabilities=(MATERIALIZES_META,),
     )
 
 

@@ -521,14 +521,6 @@ def test_meta_buffers_are_built_by_their_modules_init(with_reset):
     assert model[2].num_batches_tracked.item() == 0
 
 
-def test_meta_buffer_under_another_partitioner_is_an_error_naming_it():
-    model = nn.Sequential(nn.Linear(DIM, DIM))
-    with torch.device("meta"):
-        model.append(Rotary(with_reset=True))
-    with pytest.raises(ValueError, match=r"buffer '1\.inv_freq' of Rotary is on the meta device: only the zero3"):
-        zkernel.initialize(model, {"partitioner": "zero2"})
-
-
 def test_a_weak_reference_to_a_tied_parameter_does_not_break_the_tie(zkernel_debug_logs):
     model = _on_meta(TiedLM)
     watcher = weakref.ref(model.embed.weight)  # swap_tensors refuses tensors with weak references

@@ -54,6 +54,19 @@ def _move_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype, m
             mod._buffers[name] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype)
 
 
+def _check_meta_params(module: nn.Module, partitioner: str, materializers: Sequence[str]) -> None:
+    """A model with parameters on the meta device needs a partitioner that builds them: say which do."""
+    if partitioner in materializers:
+        return
+    meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        which = ", ".join(materializers) or "none installed"
+        raise ValueError(
+            f"parameter {meta!r} is on the meta device and partitioner {partitioner!r} does not materialise a "
+            f"meta-device model; use a partitioner that does ({which}) or build the model on a real device"
+        )
+
+
 def _check_groups(module: nn.Module, groups: list[ParamGroup], partitioner: str) -> None:
     owner: dict[int, str] = {}
     for group in groups:
@@ -226,6 +239,7 @@ def _build(model: nn.Module, cfg: Config, selection, init_fn, registry, installe
 
         cfg, plan = resolve_auto(model, cfg, registry, dist_info, installed)
         selection = resolve_components(registry, cfg)
+    _check_meta_params(model, cfg.partitioner, registry.with_capability(Family.PARTITIONER, MATERIALIZES_META))
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     compute_dtype = COMPUTE_DTYPES[cfg.precision]
