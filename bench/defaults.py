@@ -12,8 +12,8 @@ Each ``--run NAME=JSON`` is a zkernel config merged over the common recipe
 AdamW(lr 1e-4, betas 0.9/0.95, wd 0.1), clipping ``--clip``,
 ``--accum`` micro-batches a step; ``--checkpoint`` adds every ``Block`` to
 ``activation_checkpointing`` unless the run sets that section or plans it);
-the model is initialised as GPT-2 is (built on the meta device for zero3
-and planned runs, on the GPU otherwise), on learnable data (bench/zero_throughput.py's ``--data learnable --init gpt2``).
+the model is initialised as GPT-2 is (built on the meta device, materialised
+by the partitioner), on learnable data (bench/zero_throughput.py's ``--data learnable --init gpt2``).
 Every run is its own process, one after another on the same GPU; steps are
 timed from one synchronized end to the next, as bench/zero_throughput.py
 does (host steps running into the next forward count where they delay it),
@@ -79,14 +79,11 @@ def _worker(args) -> None:
     config = recipe(args, json.loads(args.config))
     with torch.device("meta"):
         fpt = flops_per_token(GPT(**PRESETS[args.model], seq=SEQ), SEQ)
-    # zero3 (and a planned partitioner, which is zero3 where the GPU holds the model on one rank)
-    # materialises a meta-device model shard by shard; the others take it built on the device.
-    on_meta = config.get("partitioner", "none") in ("zero3", "auto")
-    with torch.device("meta" if on_meta else device):
+    # Every builtin partitioner materialises a meta-device model, unit by unit under the same seeds,
+    # so every run starts from the same values.
+    with torch.device("meta"):
         model = GPT(**PRESETS[args.model], seq=SEQ)
-    if not on_meta:
-        model.apply(gpt2_init)
-    engine = zkernel.initialize(model, config, init_fn=gpt2_init if on_meta else None)
+    engine = zkernel.initialize(model, config, init_fn=gpt2_init)
     g = torch.Generator(device=device).manual_seed(1)
     times = []
     for i in range(args.warmup + args.steps):
