@@ -203,3 +203,28 @@ def test_cuda_tensors_go_through_the_triton_kernels(monkeypatch):
     codec.split_master(master, torch_low, torch_ties)
     assert calls == ["split_master", "join_master"]
     assert _same(low, torch_low) and _same(ties, torch_ties)
+
+
+@pytest.mark.cuda
+def test_the_kernels_run_on_the_current_stream():
+    """Queued on a side stream behind a long sleep and the master's write: split reads the master as
+    written there and join reads split's output (a kernel on another stream would read zeros)."""
+    n = 1 << 20
+    source = interpreted.masters(n, seed=9)
+    want_low, want_ties = interpreted.split_by("native", source)
+    master = torch.zeros(n, device="cuda")
+    low = torch.zeros(n, dtype=torch.int16, device="cuda")
+    ties = torch.zeros(codec.tie_bytes(n), dtype=torch.uint8, device="cuda")
+    out = torch.zeros(n, device="cuda")
+    high = source.to(torch.bfloat16).cuda()
+    on_gpu = source.cuda()  # (a copy from the host could hold the host back until the sleep ends)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time before the master is written
+        master.copy_(on_gpu)
+        triton_codec.split_master(master, low, ties)
+        triton_codec.join_master(high, low, ties, out)
+    side.synchronize()
+    assert _same(low.cpu(), want_low) and _same(ties.cpu(), want_ties)
+    assert _same(out.cpu(), interpreted.join_by("native", high.cpu(), want_low, want_ties))
