@@ -31,11 +31,10 @@ anything rebuilds it).
 ``ties`` is a packed bitmask: element ``i`` is bit ``i % 8`` (least
 significant first) of byte ``i // 8``. CPU tensors go through the native
 extension (one multi-threaded pass); CUDA tensors, where Triton is
-importable, through one Triton kernel each way, one pass over memory at the
-device's bandwidth ([Note: the codec in Triton] in
-`zkernel.platform.split_master_triton`); others, or CUDA without Triton,
-through torch operations in chunks, so the temporaries stay small beside the
-tensors.
+importable, through one Triton kernel each way, again one pass over memory
+([Note: the codec in Triton] in `zkernel.platform.split_master_triton`);
+others, or CUDA without Triton, through torch operations in chunks, so the
+temporaries stay small beside the tensors.
 """
 
 from __future__ import annotations
