@@ -30,13 +30,18 @@ anything rebuilds it).
 
 ``ties`` is a packed bitmask: element ``i`` is bit ``i % 8`` (least
 significant first) of byte ``i // 8``. CPU tensors go through the native
-extension (one multi-threaded pass); others through torch operations in
-chunks, so the temporaries stay small beside the tensors.
+extension (one multi-threaded pass); CUDA tensors, where Triton is
+importable, through one Triton kernel each way, again one pass over memory
+([Note: the codec in Triton] in `zkernel.platform.split_master_triton`);
+others, or CUDA without Triton, through torch operations in chunks, so the
+temporaries stay small beside the tensors.
 """
 
 from __future__ import annotations
 
 import torch
+
+from zkernel.platform import split_master_triton
 
 __all__ = ["join_master", "split_master", "tie_bytes"]
 
@@ -76,6 +81,9 @@ def split_master(master: torch.Tensor, low: torch.Tensor, ties: torch.Tensor) ->
         if native.has_split_master():
             native.split_master(master, low, ties)
             return
+    elif split_master_triton.available(device):
+        split_master_triton.split_master(master, low, ties)
+        return
     weights = _bit_weights(device)
     for start in range(0, n, _CHUNK):
         stop = min(n, start + _CHUNK)
@@ -102,6 +110,9 @@ def join_master(high: torch.Tensor, low: torch.Tensor, ties: torch.Tensor, out: 
         if native.has_split_master():
             native.join_master(high, low, ties, out)
             return out
+    elif split_master_triton.available(device):
+        split_master_triton.join_master(high, low, ties, out)
+        return out
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
     for start in range(0, n, _CHUNK):
         stop = min(n, start + _CHUNK)
