@@ -33,7 +33,9 @@ def config(tier: str, stage: str, split, nvme_path: str, clip: float = 0.05, **t
     return cfg
 
 
-def _train(engine, start: int, count: int) -> list[float]:
+def _train(engine, start: int, count: int, settle_early: bool = False) -> list[float]:
+    """``settle_early``: before each step, wait for the steps taken during backward, so that which groups
+    step early (and are rolled back) does not depend on how far the host worker lags the GPU."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     losses = []
     for step in batches(11, start + count, ACCUM, world, MICRO)[start:]:
@@ -42,6 +44,9 @@ def _train(engine, start: int, count: int) -> list[float]:
             tokens, targets = micro[rank]
             loss = engine(tokens, targets)
             engine.backward(loss)
+            if settle_early:
+                for job, _ in list(engine.pipeline._early.values()):
+                    job.result()
             engine.step()
             total += loss.item() / ACCUM
         losses.append(total)
@@ -60,8 +65,10 @@ def _slow_clip_check(pipeline) -> None:
     pipeline._will_clip_or_skip = slow
 
 
-def run(cfg: dict, *, save: str | None = None, load: str | None = None, slow_check: bool = False) -> dict:
-    """STEPS steps (the last two after a reload when ``load``); losses, closed parameters, master bytes."""
+def run(cfg: dict, *, save: str | None = None, load: str | None = None, slow_check: bool = False,
+        settle_early: bool = False) -> dict:
+    """STEPS steps (the last two after a reload when ``load``); losses, closed parameters, master bytes
+    (``settle_early``: see `_train`)."""
     torch.manual_seed(0)
     model = TrickyNet()
     engine = zkernel.initialize(model, cfg)
@@ -69,12 +76,12 @@ def run(cfg: dict, *, save: str | None = None, load: str | None = None, slow_che
         _slow_clip_check(engine.pipeline)
     if load is not None:
         engine.load_checkpoint(load)
-        losses = _train(engine, STEPS // 2, STEPS - STEPS // 2)
+        losses = _train(engine, STEPS // 2, STEPS - STEPS // 2, settle_early)
     else:
-        losses = _train(engine, 0, STEPS // 2)
+        losses = _train(engine, 0, STEPS // 2, settle_early)
         if save is not None:
             engine.save_checkpoint(save)
-        losses += _train(engine, STEPS // 2, STEPS - STEPS // 2)
+        losses += _train(engine, STEPS // 2, STEPS - STEPS // 2, settle_early)
     report = engine.memory_report()
     trainable = sum(g.shard_layout.numel for g in engine.pipeline.trainable)  # shard elements, padding included
     pipeline = engine.pipeline
@@ -83,6 +90,7 @@ def run(cfg: dict, *, save: str | None = None, load: str | None = None, slow_che
         "master_bytes": sum(report["master_weights"].values()),
         "trainable": trainable,
         "rollbacks": pipeline.rollbacks,
+        "early_steps": pipeline.early_steps,
         "split_numel": engine.optimizer_tier.split_master_numel,
         "split_buffers": engine.optimizer_tier.split_master_buffers,
         "master_on_disk": report["master_weights"].get("nvme", 0),  # bytes of masters in swap files
@@ -138,9 +146,13 @@ def on_gpu(root: str) -> dict:
     }.items():
         nvme = f"{root}/{name}-nvme"
         os.makedirs(nvme, exist_ok=True)
+        # Speculative: every early step settled before its window's step, as on the CPU (see `_train`).
+        settle = "speculate" in options
         out[name] = {
-            "whole": run(config(tier, "zero3", False, nvme, **options)),
-            "split": run(config(tier, "zero3", True, nvme, **options), save=f"{root}/{name}-ckpt"),
+            "whole": run(config(tier, "zero3", False, nvme, **options), settle_early=settle),
+            "split": run(config(tier, "zero3", True, nvme, **options), save=f"{root}/{name}-ckpt", settle_early=settle),
         }
     out["resumed"] = run(config("cpu", "zero3", False, ""), load=f"{root}/cpu-share-ckpt")
+    # The speculative case's oracle: the same run with no step taken during backward.
+    out["cpu-host-unspeculated"] = run(config("cpu", "zero3", False, f"{root}/never", gpu_share=0.0, speculate="never", clip=2.0))
     return out

@@ -88,16 +88,38 @@ def test_asking_for_split_masters_where_they_cannot_apply_is_an_error(tmp_path):
     engine.close()
 
 
-@pytest.mark.cuda
-def test_on_a_gpu_split_masters_train_bit_for_bit_as_whole_ones(tmp_path):
-    """The GPU share keeps its masters split on the GPU; host groups rebuild theirs from the shard
-    downloaded from it (a rollback after the update's upload); "auto" moves split groups to the GPU."""
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    runs = run_ranks(1, scenario.on_gpu, str(tmp_path))[0]
-    for case in ("cpu-share", "cpu-host", "cpu-host-speculative", "nvme-auto-share"):
-        whole, split = runs[case]["whole"], runs[case]["split"]
+    return run_ranks(1, scenario.on_gpu, str(tmp_path_factory.mktemp("split-gpu")))[0]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_split_masters_train_bit_for_bit_as_whole_ones(gpu_runs):
+    """The GPU share keeps its masters split on the GPU; host groups rebuild theirs from the shard
+    downloaded from it; "auto" moves split groups to the GPU."""
+    for case in ("cpu-share", "cpu-host", "nvme-auto-share"):
+        whole, split = gpu_runs[case]["whole"], gpu_runs[case]["split"]
         _same_training(whole, split, case)
         assert split["split_numel"] > 0 and whole["split_numel"] == 0, case
-    assert runs["cpu-share"]["split"]["split_numel"] == runs["cpu-share"]["split"]["trainable"]
-    assert runs["resumed"]["losses"] == runs["cpu-share"]["split"]["losses"][scenario.STEPS // 2 :]
+    assert gpu_runs["cpu-share"]["split"]["split_numel"] == gpu_runs["cpu-share"]["split"]["trainable"]
+    assert gpu_runs["resumed"]["losses"] == gpu_runs["cpu-share"]["split"]["losses"][scenario.STEPS // 2 :]
+
+
+@pytest.mark.cuda
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect, found 2026-11-29 on one H200: with speculate='always' and a clip that applies, host-stepped "
+    "groups on CUDA took no step during backward (0 early steps, 0 rollbacks; on the CPU 15 and 9) and still "
+    "trained differently from speculate='never' from the second window on (losses 1e-3 apart), whole and split "
+    "masters alike; not yet isolated (closing note of stop 53)",
+)
+def test_on_a_gpu_speculative_steps_train_as_unspeculated_ones(gpu_runs):
+    """Steps taken during backward and rolled back, with masters whole or split, train as the same run
+    with no step taken during backward, as they do on the CPU."""
+    never = gpu_runs["cpu-host-unspeculated"]
+    for masters in ("whole", "split"):
+        run = gpu_runs["cpu-host-speculative"][masters]
+        assert run["losses"] == pytest.approx(never["losses"], rel=1e-5), masters
+        assert run["early_steps"] > 0, masters
