@@ -268,14 +268,22 @@ def memory_after_step(model_name: str, configs: list[dict]) -> list[dict]:
 
 
 def train_with_pipeline_stats(config: dict, steps: int, accum: int, micro: int, seed: int) -> dict:
-    """`train`, plus how many host steps started during backward and how many were rolled back."""
+    """`train`, plus how many host steps started during backward and how many were rolled back, and
+    how many host groups still held a window's gradient once a step's jobs were done (its window not
+    ended: the next window's first landing would add to it where it adds up on the GPU)."""
     torch.manual_seed(seed)
     engine = zkernel.initialize(TrickyNet(), config)
-    losses = _train_steps(engine, steps, accum, micro, seed)
     pipeline = engine.pipeline
-    pipeline.wait_all()  # the last step's host jobs may still run (ZeRO-3 publishes lazily)
+    left_open = []
+
+    def windows_left_open():
+        pipeline.wait_all()
+        left_open.append(sum(g.grad is not None for g in pipeline.trainable if pipeline.tier.steps_on_host(g)))
+
+    losses = _train_steps(engine, steps, accum, micro, seed, after_step=windows_left_open)
     return {
         "losses": losses,
+        "windows_left_open": left_open,
         "early_steps": pipeline.early_steps,
         "rollbacks": pipeline.rollbacks,
         "aborted": pipeline.aborted_speculations,

@@ -433,7 +433,8 @@ class StepPipeline:
         if event is _NOT_STEPPED:
             if final is None:
                 return self._host_skip(group)
-            return self._host_step(group, final)  # (acquires again: a tier's acquire is idempotent)
+            # Acquires again (a tier's acquire is idempotent) and ends the window, as the step proper does.
+            return self._host_step(group, final, end_window=True)
         if final is not None and final.grad_scale == used.grad_scale:
             self.tier.end_window(group)
             return event
