@@ -371,7 +371,7 @@ class StepPipeline:
         if early is None:
             if final is None:
                 return self.worker.submit(self._host_skip, group)
-            return self.worker.submit(self._host_step, group, final, True)
+            return self.worker.submit(self._host_step, group, final, end_window=True)
         job, used = early
         return self.worker.submit(self._after_early, job, group, self._step_options(used, group), final)
 
@@ -380,7 +380,7 @@ class StepPipeline:
 
     # Host jobs (worker thread). Each returns the event of the parameter-shard upload, or None.
 
-    def _host_step(self, group: ParamGroup, options: StepOptions, end_window: bool = False, acquired: bool = False):
+    def _host_step(self, group: ParamGroup, options: StepOptions, *, end_window: bool, acquired: bool = False):
         if not acquired:
             self.tier.acquire(group)
         self.params_tier.before_update(group)
@@ -418,7 +418,7 @@ class StepPipeline:
         if self.hook.zkernel_can_rollback_step(group=group, options=options) is False:
             return _NOT_STEPPED  # stepped once the coefficient is known, like a group that lands late
         self.early_steps += 1
-        return self._host_step(group, options, acquired=True)
+        return self._host_step(group, options, end_window=False, acquired=True)  # its window ends at the step
 
     def _will_clip_or_skip(self, group: ParamGroup, unscale: float) -> bool:
         (sq,) = self.tier.grad_sq_norm([group]) or (0.0,)
