@@ -119,16 +119,7 @@ def main() -> None:
     }
     for _, fn in variants.values():
         fn()  # fault the pages in
-    names = list(variants)
-    times: dict[str, list[float]] = {k: [] for k in names + list(slow)}
-    for r in range(max(args.rounds, args.torch_rounds)):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        if r < args.torch_rounds:
-            order += list(slow)
-        if r >= args.rounds:
-            order = [k for k in order if k in slow]
-        for k in order:
-            times[k].append(_timed((variants | slow)[k][1]))
+    times = _time_rounds(variants, slow, args.rounds, args.torch_rounds, _timed)
     # The last call joined the split of the master: check it round-tripped.
     native.split_master(master, low, ties)
     native.join_master(high, low, ties, out)
@@ -137,13 +128,7 @@ def main() -> None:
 
     copy_gbs = COPY_BYTES * n / statistics.median(times["native copy (probe_copy)"]) / 1e9
     print(f"\n## n = {n:,} ({args.rounds} rounds, torch path {args.torch_rounds})")
-    print(f"{'variant':<28}{'ms':>10}{'ns/element':>12}{'GB/s':>8}{'x copy GB/s':>13}")
-    for k, (nbytes, _) in (variants | slow).items():
-        if not times[k]:
-            continue
-        t = statistics.median(times[k])
-        gbs = nbytes * n / t / 1e9
-        print(f"{k:<28}{t * 1e3:>10.1f}{t / n * 1e9:>12.3f}{gbs:>8.2f}{gbs / copy_gbs:>13.2f}")
+    _print_table(variants | slow, times, n, copy_gbs, "{:>10.1f}{:>12.3f}{:>8.2f}")
 
 
 def _cuda_timed(fn: Callable[[], None]) -> float:
@@ -198,16 +183,7 @@ def cuda_main(args: argparse.Namespace, n: int) -> None:
     }
     for _, fn in variants.values():
         fn()  # compile the kernels, warm the allocator
-    names = list(variants)
-    times: dict[str, list[float]] = {k: [] for k in names + list(slow)}
-    for r in range(max(args.rounds, args.torch_rounds)):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        if r < args.torch_rounds:
-            order += list(slow)
-        if r >= args.rounds:
-            order = [k for k in order if k in slow]
-        for k in order:
-            times[k].append(_cuda_timed((variants | slow)[k][1]))
+    times = _time_rounds(variants, slow, args.rounds, args.torch_rounds, _cuda_timed)
     # The last calls joined the split of the master: check it round-tripped.
     codec.split_master(master, low, ties)
     codec.join_master(high, low, ties, out)
@@ -217,13 +193,34 @@ def cuda_main(args: argparse.Namespace, n: int) -> None:
 
     copy_gbs = COPY_BYTES * n / statistics.median(times["torch copy (Tensor.copy_)"]) / 1e9
     print(f"\n## n = {n:,} ({args.rounds} rounds, torch path {args.torch_rounds})")
+    _print_table(variants | slow, times, n, copy_gbs, "{:>10.2f}{:>12.4f}{:>8.0f}")
+
+
+def _time_rounds(variants: dict, slow: dict, rounds: int, torch_rounds: int, timer: Callable) -> dict[str, list[float]]:
+    """Each of ``variants`` timed ``rounds`` times and each of ``slow`` ``torch_rounds`` times, in
+    rotating order (so no variant always runs first after another), by ``timer``."""
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names + list(slow)}
+    for r in range(max(rounds, torch_rounds)):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        if r < torch_rounds:
+            order += list(slow)
+        if r >= rounds:
+            order = [k for k in order if k in slow]
+        for k in order:
+            times[k].append(timer((variants | slow)[k][1]))
+    return times
+
+
+def _print_table(variants: dict, times: dict[str, list[float]], n: int, copy_gbs: float, fmt: str) -> None:
+    """One row per timed variant: median ms, ns per element, GB/s and the ratio to the copy's GB/s."""
     print(f"{'variant':<28}{'ms':>10}{'ns/element':>12}{'GB/s':>8}{'x copy GB/s':>13}")
-    for k, (nbytes, _) in (variants | slow).items():
+    for k, (nbytes, _) in variants.items():
         if not times[k]:
             continue
         t = statistics.median(times[k])
         gbs = nbytes * n / t / 1e9
-        print(f"{k:<28}{t * 1e3:>10.2f}{t / n * 1e9:>12.4f}{gbs:>8.0f}{gbs / copy_gbs:>13.2f}")
+        print(f"{k:<28}" + fmt.format(t * 1e3, t / n * 1e9, gbs) + f"{gbs / copy_gbs:>13.2f}")
 
 
 if __name__ == "__main__":
