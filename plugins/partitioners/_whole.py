@@ -76,8 +76,9 @@ def build_whole_groups(module: nn.Module, context, shards: int, options: BucketO
     meta-device model is built first ([Note: a meta-device model kept whole]).
     """
     device, dtype = context.device, context.compute_dtype
-    for _ in materialized_units(module, module_units(module), device, options.init_seed, context.init_fn, context.left_unset):
-        pass
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        for _ in materialized_units(module, module_units(module), device, options.init_seed, context.init_fn, context.left_unset):
+            pass
     trainable, frozen = split_trainable(unique_named_params(module))
     _move_frozen(frozen, device, dtype)
     rank = context.rank if shards > 1 else 0
