@@ -61,9 +61,9 @@ def _check_meta_params(module: nn.Module, partitioner: str, materializers: Seque
     meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
     if meta is not None:
         which = ", ".join(materializers) or "none installed"
-        raise ValueError(
+        raise ConfigError(
             f"parameter {meta!r} is on the meta device and partitioner {partitioner!r} does not materialise a "
-            f"meta-device model; use a partitioner that does ({which}) or build the model on a real device"
+            f"meta-device model; valid: a partitioner that does ({which}), or the model built on a real device"
         )
 
 
