@@ -130,3 +130,26 @@ def test_a_meta_buffer_left_by_a_partitioner_is_an_error_naming_those_that_build
         model.append(Rotary(with_reset=True))
     with pytest.raises(ValueError, match=r"buffer '1\.inv_freq' of Rotary is on the meta device: only the zero1 or zero3 partitioner"):
         _move_buffers(model, torch.device("cpu"), torch.float32, ["zero1", "zero3"])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_hugging_face_model_built_on_meta_under_zero2_starts_as_under_zero3(arch):
+    """Its own initialiser (``model._init_weights``), its tie and Llama's rotary buffer, as zero3 builds them."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from tests.support import hf_scenarios as hf
+
+    values = {}
+    for partitioner in ("zero3", "zero2"):
+        model = hf.build_on_meta(arch, 32, 2)
+        config = {"partitioner": partitioner, "partitioner_options": {"init_seed": 3}}
+        engine = zkernel.initialize(model, config, init_fn=model._init_weights)
+        try:
+            values[partitioner] = {k: v.clone() for k, v in engine.state_dict().items()}
+            head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+            assert head is embedding
+            assert not any(b.is_meta for b in model.buffers())
+        finally:
+            engine.close()
+    assert values["zero2"].keys() == values["zero3"].keys()
+    for key, value in values["zero2"].items():
+        assert torch.equal(value, values["zero3"][key]), key
