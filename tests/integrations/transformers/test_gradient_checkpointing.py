@@ -107,6 +107,11 @@ def test_lora_with_reentrant_checkpointing_trains_its_adapter(checkpointed_lora,
             assert zk[name].abs().max() > 0, name
 
 
+def _llama_trainer(args, config: dict) -> ZKernelTrainer:
+    """A ZKernelTrainer over a tiny Llama and the scenarios' dataset."""
+    return ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(), zkernel_config=config)
+
+
 @pytest.mark.parametrize("argument", ["gradient_checkpointing", "activation_checkpointing"])
 def test_trainer_and_config_checkpointing_together_is_an_error(tmp_path, argument):
     if argument == "activation_checkpointing" and not scenarios.TRANSFORMERS_5:
@@ -114,13 +119,10 @@ def test_trainer_and_config_checkpointing_together_is_an_error(tmp_path, argumen
     args = scenarios.arguments(str(tmp_path), **{argument: True})
     config = {"partitioner": "zero3", "activation_checkpointing": {"modules": ["LlamaDecoderLayer"]}}
     with pytest.raises(ConfigError, match=r"both checkpoint.*valid: one of them"):
-        ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
-                       zkernel_config=config)
+        _llama_trainer(args, config)
     # Either one alone is accepted.
-    ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path)),
-                   train_dataset=scenarios.dataset(), zkernel_config=config)
-    ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
-                   zkernel_config={"partitioner": "zero3"})
+    _llama_trainer(scenarios.arguments(str(tmp_path)), config)
+    _llama_trainer(args, {"partitioner": "zero3"})
 
 
 def test_trainer_checkpointing_with_a_planned_micro_batch_is_an_error(tmp_path):
@@ -128,12 +130,9 @@ def test_trainer_checkpointing_with_a_planned_micro_batch_is_an_error(tmp_path):
     config = {"partitioner": "auto", "planner": {"micro_batch": 2}}
     args = scenarios.arguments(str(tmp_path), gradient_checkpointing=True)
     with pytest.raises(ConfigError, match=r"\[planner\] micro_batch=2.*valid: gradient_checkpointing=False"):
-        ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
-                       zkernel_config=config)
-    ZKernelTrainer(model=scenarios.tiny_llama(), args=scenarios.arguments(str(tmp_path)),
-                   train_dataset=scenarios.dataset(), zkernel_config=config)
-    ZKernelTrainer(model=scenarios.tiny_llama(), args=args, train_dataset=scenarios.dataset(),
-                   zkernel_config={"partitioner": "auto"})
+        _llama_trainer(args, config)
+    _llama_trainer(scenarios.arguments(str(tmp_path)), config)
+    _llama_trainer(args, {"partitioner": "auto"})
 
 
 def test_a_checkpointed_layers_own_parameter_under_zero3(spawned):
